@@ -1,0 +1,93 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("name", "kind", "model_id", "tokenizer_fingerprint", "param_bytes", "dtype", "device")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    model_id: str
+    tokenizer_fingerprint: str
+    param_bytes: int
+    dtype: str
+    device: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., param_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("drafters", "default_drafter", "active_sessions", "max_sessions")
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    drafters: _containers.RepeatedCompositeFieldContainer[DrafterInfo]
+    default_drafter: str
+    active_sessions: int
+    max_sessions: int
+    def __init__(self, drafters: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., default_drafter: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+
+class StartSessionRequest(_message.Message):
+    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    drafter: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    target_tokenizer_fingerprint: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class StartSessionResponse(_message.Message):
+    __slots__ = ("drafter", "prefill_ns")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    prefill_ns: int
+    def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "base_length", "new_token_ids", "gamma")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_length: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    gamma: int
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("draft_token_ids", "draft_ns")
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_ns: int
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class EndSessionResponse(_message.Message):
+    __slots__ = ("ended",)
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    ended: bool
+    def __init__(self, ended: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,168 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPECULATION_UNSPECIFIED: _ClassVar[Speculation]
+    SPECULATION_AUTO: _ClassVar[Speculation]
+    SPECULATION_ON: _ClassVar[Speculation]
+    SPECULATION_OFF: _ClassVar[Speculation]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+SPECULATION_UNSPECIFIED: Speculation
+SPECULATION_AUTO: Speculation
+SPECULATION_ON: Speculation
+SPECULATION_OFF: Speculation
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
+FINISH_REASON_CONTEXT: FinishReason
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class StopConditions(_message.Message):
+    __slots__ = ("ignore_eos", "stop_strings")
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    ignore_eos: bool
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ignore_eos: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "chat", "max_new_tokens", "stop", "sampling", "speculation", "gamma", "drafter", "task_type")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    chat: ChatMessages
+    max_new_tokens: int
+    stop: StopConditions
+    sampling: SamplingParams
+    speculation: Speculation
+    gamma: int
+    drafter: str
+    task_type: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., gamma: _Optional[int] = ..., drafter: _Optional[str] = ..., task_type: _Optional[str] = ...) -> None: ...
+
+class RoundRecord(_message.Message):
+    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms")
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_MS_FIELD_NUMBER: _ClassVar[int]
+    drafted: int
+    accepted: int
+    draft_ms: float
+    verify_ms: float
+    network_ms: float
+    round_ms: float
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_USED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_MS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    total_ms: float
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float
+    speculation_used: bool
+    drafter: str
+    gamma: int
+    draft_ms: float
+    verify_ms: float
+    network_ms: float
+    exact: bool
+    task_type: str
+    round_records: _containers.RepeatedCompositeFieldContainer[RoundRecord]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,202 @@
+"""Load a local HF causal LM and run it with a per-sequence KV cache that rolls back by position.
+
+Exact mode (the default) makes a token's logits independent of how many tokens share its forward,
+so verifying k drafted tokens in one call gives bit-identical logits to decoding them one by one.
+What it takes was measured on this project's CPUs (docs/architecture.md, "Exactness"):
+- attention: torch's SDPA gives a query row a result that depends on the number of query rows and
+  on masked keys after it. Eager attention is row-invariant in bf16; fp32 needs each query row to
+  attend exactly as a 1-token decode would (rowwise_attention).
+- linears: CPU GEMM kernels change with the number of rows (RowInvariantLinear).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+class RowInvariantLinear(nn.Linear):
+    """nn.Linear whose result for a row does not depend on the other rows in the call.
+
+    bf16 (measured): every row count >= 2 takes the same kernel, one row a different one, so a lone
+    row is padded with a zero row. fp32 (measured): MKL's sgemm result changes with the row count,
+    so rows are multiplied in independent pairs (a batched [pairs, 2, in] @ [in, out]).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1])  # [rows, in]
+        if self.weight.dtype == torch.float32:
+            out = self._paired(flat)
+        elif rows == 1:
+            out = F.linear(torch.cat([flat, flat.new_zeros(1, flat.shape[1])]), self.weight, self.bias)[:1]
+        else:
+            out = F.linear(flat, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], -1)
+
+    def _paired(self, flat: torch.Tensor) -> torch.Tensor:
+        rows, width = flat.shape
+        if rows % 2:
+            flat = torch.cat([flat, flat.new_zeros(1, width)])
+        pairs = flat.shape[0] // 2
+        weight_t = self.weight.t().unsqueeze(0).expand(pairs, width, self.out_features)  # [pairs, in, out]
+        out = torch.bmm(flat.view(pairs, 2, width), weight_t).reshape(-1, self.out_features)[:rows]
+        return out if self.bias is None else out + self.bias
+
+
+ROWWISE_ATTENTION = "specsplit_rowwise"
+# Prefill (many rows) is shared by speculation on and off, so it need not be row-invariant.
+_ROWWISE_MAX_ROWS = 32
+
+
+def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Each query row r attends to the first past+r+1 keys with the same [1 x d] @ [d x n] products a
+    1-token decode would run, so its output does not depend on the other rows in the call."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
+
+    q_len = query.shape[2]  # query: [batch, heads, q_len, head_dim]
+    if q_len > _ROWWISE_MAX_ROWS:
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    keys = repeat_kv(key, module.num_key_value_groups)  # [batch, heads, kv_len, head_dim]
+    values = repeat_kv(value, module.num_key_value_groups)
+    past = keys.shape[2] - q_len
+    rows = []
+    for r in range(q_len):
+        visible = past + r + 1
+        scores = torch.matmul(query[:, :, r:r + 1], keys[:, :, :visible].transpose(2, 3)) * scaling
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [batch, heads, 1, visible]
+        rows.append(torch.matmul(probs, values[:, :, :visible]))
+    return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None  # [batch, q_len, heads, head_dim]
+
+
+def _register_rowwise_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
+
+
+def attention_for(dtype: torch.dtype, exact: bool) -> str:
+    if not exact:
+        return "sdpa"
+    # Rowwise attention costs ~+50 % on a 9-row verify; bf16 is exact with plain eager (measured).
+    return ROWWISE_ATTENTION if dtype == torch.float32 else "eager"
+
+
+def make_row_invariant(model: nn.Module) -> int:
+    """Swap every nn.Linear for RowInvariantLinear in place (same parameters); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RowInvariantLinear
+            count += 1
+    return count
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the token→id map and the special tokens: equal fingerprints mean equal ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    model_id: str
+    fingerprint: str
+    max_context: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    exact: bool
+    param_bytes: int
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        ids = ids if ids is not None else self.tokenizer.eos_token_id
+        if ids is None:
+            return []
+        return sorted(set(ids if isinstance(ids, list) else [ids]))
+
+
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", exact: bool = True) -> LoadedModel:
+    """Load a local HF causal-LM directory (config, weights, tokenizer). Never touches a model hub."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a HF model directory (no config.json)")
+    torch_dtype = parse_dtype(dtype)
+    _register_rowwise_attention()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype, attn_implementation=attention_for(torch_dtype, exact), local_files_only=True)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    if exact:
+        make_row_invariant(model)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config = model.config
+    max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=path.name,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        max_context=max_context,
+        vocab_size=int(config.vocab_size),
+        dtype=torch_dtype,
+        device=torch.device(device),
+        exact=exact,
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+    )
+
+
+class KVSequence:
+    """One sequence's KV cache. The cache holds keys/values for the first `length` tokens fed to it;
+    rolling back is truncation by position."""
+
+    def __init__(self, model: nn.Module):
+        from transformers import DynamicCache
+
+        self._model = model
+        self._cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def truncate(self, length: int) -> None:
+        drop = self.length - length
+        if drop < 0:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        if drop:
+            self._cache.crop(-drop)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Append `token_ids` at positions [length, length+n) and return float32 logits
+        [n, vocab] (or [1, vocab] with last_only)."""
+        device = self._model.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
+        out = self._model(input_ids=ids, cache=self._cache, use_cache=True,
+                          logits_to_keep=1 if last_only else 0)
+        return out.logits[0].float()  # [n or 1, vocab]

@@ -1,0 +1,89 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "exact", "eos_token_ids", "active_sessions", "max_sessions", "param_bytes")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context: int
+    dtype: str
+    device: str
+    exact: bool
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    active_sessions: int
+    max_sessions: int
+    param_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("next_token_id", "length", "forward_ns")
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    next_token_id: int
+    length: int
+    forward_ns: int
+    def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "length", "draft_token_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    length: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token_id: int
+    length: int
+    forward_ns: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
