@@ -1,0 +1,1 @@
+"""The draft service: drafters and their per-session state."""

@@ -1,0 +1,1 @@
+"""One module per drafter kind; `base` holds the protocol they share."""

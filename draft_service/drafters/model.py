@@ -1,0 +1,55 @@
+"""A causal LM drafting greedily, with its own KV cache that follows the committed tokens."""
+
+from __future__ import annotations
+
+from specsplit.modeling import KVSequence, LoadedModel
+from draft_service.drafters.base import DrafterDescription, DraftSession
+
+
+class ModelSession(DraftSession):
+    def __init__(self, prompt: list[int], kv: KVSequence):
+        super().__init__(prompt)
+        self.kv = kv
+        self.fed: list[int] = []  # the tokens whose keys/values kv holds, in order
+
+
+class ModelDrafter:
+    def __init__(self, lm: LoadedModel, name: str = "model"):
+        self.lm = lm
+        self.description = DrafterDescription(
+            name=name, kind="model", model_id=lm.model_id, tokenizer_fingerprint=lm.fingerprint,
+            param_bytes=lm.param_bytes, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device))
+
+    def start(self, prompt: list[int]) -> ModelSession:
+        session = ModelSession(prompt, KVSequence(self.lm.model))
+        if len(prompt) > 1:
+            session.kv.forward(prompt[:-1], last_only=True)
+            session.fed = prompt[:-1]
+        return session
+
+    def propose(self, session: ModelSession, gamma: int) -> list[int]:
+        tokens = session.tokens
+        if len(tokens) + gamma > self.lm.max_context:
+            gamma = self.lm.max_context - len(tokens)
+        if gamma <= 0:
+            return []
+        # Roll the cache back to the longest prefix it shares with the committed tokens (it also
+        # holds our own earlier guesses, some of which the target accepted), keeping >= 1 token to feed.
+        keep = _common_prefix(session.fed, tokens[:-1])
+        session.kv.truncate(keep)
+        pending = tokens[keep:]
+        drafts: list[int] = []
+        while len(drafts) < gamma:
+            logits = session.kv.forward(pending, last_only=True)  # [1, vocab]
+            drafts.append(int(logits[0].argmax()))
+            pending = drafts[-1:]
+        session.fed = tokens + drafts[:-1]
+        return drafts
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

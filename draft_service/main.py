@@ -1,0 +1,36 @@
+"""Entry point of the draft service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from draft_service.drafters.base import Drafter
+from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.server import SERVICE_NAME, DrafterServicer, register
+from specsplit import runtime
+from specsplit.serving import ModelWorker, serve
+from specsplit.sessions import SessionTable
+from specsplit.settings import DraftSettings
+
+
+def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
+    drafters: dict[str, Drafter] = {"ngram": NgramDrafter("ngram", settings.ngram_min, settings.ngram_max)}
+    if settings.model is not None:
+        drafters["model"] = ModelDrafter(runtime.load(settings.model), "model")
+    return drafters
+
+
+async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+    runtime.configure_process(settings.server.threads)
+    worker = ModelWorker("draft")
+    drafters = await worker.run(build_drafters, settings)
+    servicer = DrafterServicer(drafters, settings.default_drafter,
+                               SessionTable(settings.max_sessions, settings.idle_timeout_s), worker)
+    try:
+        await serve(listen=settings.server.listen, service_names=[SERVICE_NAME],
+                    register=lambda server: register(server, servicer), warmup=servicer.warmup,
+                    address_file=settings.server.address_file, grace_s=settings.server.grace_s,
+                    stop_event=stop_event, handle_signals=handle_signals)
+    finally:
+        worker.shutdown()

@@ -1,0 +1,26 @@
+"""Entry point of the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
+from specsplit import default_model, runtime
+from specsplit.serving import serve
+from specsplit.settings import GatewaySettings
+
+
+async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+    from transformers import AutoTokenizer
+
+    runtime.configure_process(settings.server.threads)
+    tokenizer_dir = default_model.resolve(settings.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    backends = Backends(settings, tokenizer)
+    try:
+        await serve(listen=settings.server.listen, service_names=[SERVICE_NAME],
+                    register=lambda server: register(server, GatewayServicer(backends)), warmup=backends.connect,
+                    address_file=settings.server.address_file, grace_s=settings.server.grace_s,
+                    stop_event=stop_event, handle_signals=handle_signals)
+    finally:
+        await backends.close()

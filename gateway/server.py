@@ -1,0 +1,188 @@
+"""gRPC front of the gateway: validates requests into a Plan and streams the orchestrator's chunks."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import grpc
+
+from gateway.orchestrator import Orchestrator, Plan, UpstreamError
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.modeling import tokenizer_fingerprint
+from specsplit.serving import CHANNEL_OPTIONS
+from specsplit.settings import GatewaySettings
+from specsplit.verify.v1 import verify_pb2 as vpb
+from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+MAX_GAMMA = 32
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+ROLES = {"system", "user", "assistant"}
+
+log = logging.getLogger("specsplit.gateway")
+
+
+class InvalidRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Backends:
+    """Channels to the draft and verify services and what the gateway learnt from them at start."""
+
+    def __init__(self, settings: GatewaySettings, tokenizer):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self._verify_channel = grpc.aio.insecure_channel(settings.verify_address, options=CHANNEL_OPTIONS)
+        self._draft_channel = grpc.aio.insecure_channel(settings.draft_address, options=CHANNEL_OPTIONS)
+        self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
+        self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
+        self.target: vpb.InfoResponse | None = None
+        self.drafters: dict[str, dpb.DrafterInfo] = {}
+        self.default_drafter = ""
+
+    async def connect(self) -> None:
+        """Waits for both services and checks that they fit together; raises with a clear message
+        when they do not."""
+        timeout = self.settings.connect_timeout_s
+        self.target = await self.verifier.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        ours = tokenizer_fingerprint(self.tokenizer)
+        if ours != self.target.tokenizer_fingerprint:
+            raise RuntimeError(f"the gateway's tokenizer ({ours}) is not the target's "
+                               f"({self.target.tokenizer_fingerprint}); pass the target's --tokenizer")
+        info = await self.drafter.Info(dpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        self.drafters = {d.name: d for d in info.drafters}
+        self.default_drafter = self.settings.default_drafter or info.default_drafter
+        problem = self.incompatibility(self.default_drafter)
+        if problem:
+            raise RuntimeError(f"default drafter: {problem}")
+
+    def incompatibility(self, name: str) -> str:
+        drafter = self.drafters.get(name)
+        if drafter is None:
+            return f"unknown drafter {name!r}; the draft service has {sorted(self.drafters)}"
+        theirs, target = drafter.tokenizer_fingerprint, self.target.tokenizer_fingerprint
+        if theirs and theirs != target:
+            return (f"drafter {name!r} ({drafter.model_id}) uses tokenizer {theirs}, the target "
+                    f"{self.target.model_id} uses {target}: their token ids do not match")
+        return ""
+
+    async def close(self) -> None:
+        await self._verify_channel.close()
+        await self._draft_channel.close()
+
+
+class GatewayServicer(pb_grpc.GatewayServicer):
+    def __init__(self, backends: Backends):
+        self._backends = backends
+
+    def _orchestrator(self) -> Orchestrator:
+        b = self._backends
+        return Orchestrator(b.verifier, b.drafter, b.tokenizer, b.target, b.settings.rpc_timeout_s)
+
+    async def Generate(self, request, context):
+        plan = await self._plan_or_abort(request, context)
+        text, ids, last = [], [], None
+        try:
+            async with contextlib.aclosing(self._orchestrator().generate(plan, context.time_remaining)) as chunks:
+                async for chunk in chunks:
+                    text.append(chunk.text)
+                    ids += chunk.token_ids
+                    last = chunk
+        except UpstreamError as e:
+            await context.abort(e.code, str(e))
+        return pb.GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
+                                   stats=last.stats)
+
+    async def GenerateStream(self, request, context):
+        plan = await self._plan_or_abort(request, context)
+        try:
+            async with contextlib.aclosing(self._orchestrator().generate(plan, context.time_remaining)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except UpstreamError as e:
+            await context.abort(e.code, str(e))
+
+    async def _plan_or_abort(self, request, context) -> Plan:
+        try:
+            return self.plan(request)
+        except InvalidRequest as e:
+            await context.abort(e.code, str(e))
+
+    def plan(self, request: pb.GenerateRequest) -> Plan:
+        b = self._backends
+        settings = b.settings
+        prompt_ids = self._prompt_ids(request)
+        max_context = b.target.max_context
+        if len(prompt_ids) + 1 > max_context:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"prompt is {len(prompt_ids)} tokens; the target's context is {max_context}, "
+                                 "which must also hold at least one generated token")
+        if request.max_new_tokens < 1:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1")
+        if request.max_new_tokens > settings.max_new_tokens_limit:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"max_new_tokens {request.max_new_tokens} exceeds this gateway's limit of "
+                                 f"{settings.max_new_tokens_limit}")
+        self._check_sampling(request.sampling)
+        stops = tuple(request.stop.stop_strings)
+        if len(stops) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
+        gamma = request.gamma or settings.default_gamma
+        if not 1 <= gamma <= MAX_GAMMA:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {gamma} is not in 1..{MAX_GAMMA}")
+        drafter = request.drafter or b.default_drafter
+        if drafter not in b.drafters:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
+        mode = request.speculation or pb.SPECULATION_AUTO
+        speculate = mode != pb.SPECULATION_OFF
+        problem = b.incompatibility(drafter)
+        if speculate and problem:
+            raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
+        return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
+                    eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
+                    drafter=drafter, task_type=request.task_type)
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        tokenizer = self._backends.tokenizer
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            ids = tokenizer.encode(request.text) if request.text.strip() else []
+            if not ids:
+                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+            return ids
+        if kind != "chat" or not request.chat.messages:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set text or chat.messages")
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        bad = [m["role"] for m in messages if m["role"] not in ROLES]
+        if bad:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"unknown chat role {bad[0]!r}; use {sorted(ROLES)}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, "the target's tokenizer has no chat template")
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+
+    @staticmethod
+    def _check_sampling(sampling: pb.SamplingParams) -> None:
+        if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"temperature {sampling.temperature} must be a finite number >= 0")
+        if not (math.isfinite(sampling.top_p) and 0 <= sampling.top_p <= 1):
+            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {sampling.top_p} is not in [0, 1]")
+        if sampling.temperature > 0:
+            raise InvalidRequest(grpc.StatusCode.UNIMPLEMENTED,
+                                 "sampling at temperature > 0 is not implemented yet; use temperature 0 (greedy)")
+
+
+def register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:
+    pb_grpc.add_GatewayServicer_to_server(servicer, server)

@@ -1,0 +1,258 @@
+"""The `specsplit` command: fetch-model, up, serve, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from specsplit.settings import (DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings)
+
+ENV = os.environ.get
+
+
+def _server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
+    p.add_argument("--listen", default=default_listen, help="unix:///path.sock or host:port (port 0: any free port)")
+    p.add_argument("--address-file", help="write the bound address here once SERVING")
+    p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")),
+                   help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+
+
+def _server_settings(a: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("fetch-model", help="convert the embedded default model into the cache (once)")
+
+    serve = sub.add_parser("serve", help="run one service (what a split deploy runs)")
+    roles = serve.add_subparsers(dest="role", required=True)
+    v = roles.add_parser("verify", help="the target model")
+    _server_flags(v, "127.0.0.1:50051")
+    v.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"),
+                   help="local HF model dir, or 'default' (embedded SmolLM2-135M-Instruct)")
+    v.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="bfloat16 | float32 | float16")
+    v.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
+    v.add_argument("--no-exact", dest="exact", action="store_false",
+                   help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
+    v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument("--idle-timeout", type=float, default=600.0, help="evict sessions idle this long (s)")
+
+    d = roles.add_parser("draft", help="the drafters")
+    _server_flags(d, "127.0.0.1:50052")
+    d.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"),
+                   help="local HF causal LM dir for the 'model' drafter ('default': the embedded model)")
+    d.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
+    d.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
+    d.add_argument("--default-drafter", default="ngram")
+    d.add_argument("--ngram-min", type=int, default=1)
+    d.add_argument("--ngram-max", type=int, default=3)
+    d.add_argument("--max-sessions", type=int, default=64)
+    d.add_argument("--idle-timeout", type=float, default=600.0)
+
+    g = roles.add_parser("gateway", help="the public Generate API")
+    _server_flags(g, "127.0.0.1:50050")
+    g.add_argument("--verify", required=True, help="address of the verify service")
+    g.add_argument("--draft", required=True, help="address of the draft service")
+    g.add_argument("--tokenizer", default=ENV("SPECSPLIT_TARGET_MODEL", "default"),
+                   help="model dir holding the target's tokenizer ('default': the embedded model)")
+    g.add_argument("--gamma", type=int, default=4, help="default tokens drafted per round")
+    g.add_argument("--drafter", default="", help="default drafter (empty: the draft service's default)")
+    g.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    g.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of each internal call (s)")
+
+    up = sub.add_parser("up", help="start verify, draft and gateway co-located; Ctrl-C stops all three")
+    _stack_flags(up)
+
+    gen = sub.add_parser("generate", help="call Generate on a gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--gateway", default=ENV("SPECSPLIT_GATEWAY"), help="gateway address (default: the last `up`)")
+    gen.add_argument("--no-spec", action="store_true", help="speculation off")
+    gen.add_argument("--spec", action="store_true", help="speculation on (refuse to fall back)")
+    gen.add_argument("--drafter", default="")
+    gen.add_argument("--gamma", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--task-type", default="")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    gen.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    gen.add_argument("--json", action="store_true", help="print the whole response as one JSON object")
+    gen.add_argument("--timeout", type=float, default=600.0)
+
+    bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
+    _stack_flags(bench)
+    bench.add_argument("--gateway", help="use this running gateway instead of starting a stack")
+    bench.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
+    bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
+    bench.add_argument("--json-out", help="also write every record and the summary here")
+    return parser
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", choices=["unix", "tcp"], default="unix")
+    p.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
+    p.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"))
+    p.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"))
+    p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
+    p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
+    p.add_argument("--no-exact", dest="exact", action="store_false")
+    p.add_argument("--drafter", default="ngram", help="default drafter: ngram, or model with --draft-model")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
+    p.add_argument("--run-dir", help="directory for sockets and logs (default: a fresh temp dir)")
+
+
+def _stack_config(a: argparse.Namespace):
+    from specsplit.launcher import StackConfig
+
+    return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
+                       draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, drafter=a.drafter, gamma=a.gamma,
+                       threads=a.threads, run_dir=a.run_dir)
+
+
+def _last_gateway_file() -> Path:
+    from specsplit.default_model import cache_root
+
+    return cache_root() / "last-gateway"
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    server = _server_settings(a)
+    if a.role == "verify":
+        from verify_service.main import run
+
+        settings = VerifySettings(server=server, model=ModelSettings(a.target_model, a.dtype, a.device, a.exact),
+                                  max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout)
+    elif a.role == "draft":
+        from draft_service.main import run
+
+        model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False) if a.draft_model else None
+        settings = DraftSettings(server=server, model=model, default_drafter=a.default_drafter,
+                                 ngram_min=a.ngram_min, ngram_max=a.ngram_max, max_sessions=a.max_sessions,
+                                 idle_timeout_s=a.idle_timeout)
+    else:
+        from gateway.main import run
+
+        settings = GatewaySettings(server=server, verify_address=a.verify, draft_address=a.draft,
+                                   tokenizer=a.tokenizer, default_gamma=a.gamma, default_drafter=a.drafter,
+                                   max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout)
+    try:
+        asyncio.run(run(settings))
+    except Exception as e:  # a start-up failure: say what it was, not a traceback
+        print(f"specsplit serve {a.role}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from specsplit import default_model
+    from specsplit.launcher import Stack
+
+    for path in {a.target_model, a.draft_model} - {None}:
+        default_model.resolve(path)  # convert the default model once, before three processes want it
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(_stack_config(a))
+    try:
+        address = stack.start()
+        _last_gateway_file().write_text(address + "\n")
+        print(f"gateway: {address}", flush=True)
+        while not stop.is_set():
+            for name, proc in stack.procs.items():
+                if proc.poll() is not None:
+                    print(f"{name} service exited with {proc.returncode}:\n{stack.tail(name)}", file=sys.stderr)
+                    return 1
+            stop.wait(0.5)
+        return 0
+    finally:
+        codes = stack.stop()
+        print(f"stopped: {', '.join(f'{n}={c}' for n, c in codes.items())}", flush=True)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from specsplit.gateway.v1 import gateway_pb2 as pb
+    from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+    address = a.gateway
+    if not address and _last_gateway_file().exists():
+        address = _last_gateway_file().read_text().strip()
+    if not address:
+        print("no gateway: start one with `specsplit up` or pass --gateway", file=sys.stderr)
+        return 2
+    request = pb.GenerateRequest(
+        max_new_tokens=a.max_new_tokens, gamma=a.gamma, drafter=a.drafter, task_type=a.task_type,
+        speculation=pb.SPECULATION_OFF if a.no_spec else pb.SPECULATION_ON if a.spec else pb.SPECULATION_AUTO,
+        stop=pb.StopConditions(stop_strings=a.stop))
+    if a.raw:
+        request.text = a.prompt
+    else:
+        request.chat.messages.add(role="user", content=a.prompt)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        try:
+            if a.stream and not a.json:
+                for chunk in stub.GenerateStream(request, timeout=a.timeout):
+                    print(chunk.text, end="", flush=True)
+                    last = chunk
+                print()
+                print(_summary(last.stats, last.finish_reason), file=sys.stderr)
+                return 0
+            response = stub.Generate(request, timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if a.json:
+        print(json.dumps(json_format.MessageToDict(response, always_print_fields_with_no_presence=True)))
+    else:
+        print(response.text)
+        print(_summary(response.stats, response.finish_reason), file=sys.stderr)
+    return 0
+
+
+def _summary(stats, finish_reason) -> str:
+    from specsplit.gateway.v1 import gateway_pb2 as pb
+
+    rate = stats.generated_tokens / (stats.total_ms / 1e3) if stats.total_ms else 0.0
+    spec = f"drafter={stats.drafter} gamma={stats.gamma}" if stats.speculation_used else "speculation off"
+    return (f"[{pb.FinishReason.Name(finish_reason)}] {stats.generated_tokens} tokens in {stats.total_ms:.0f} ms "
+            f"({rate:.1f} tok/s), {stats.rounds} rounds, acceptance length {stats.mean_acceptance_length:.2f}, {spec}")
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from specsplit.bench import main as bench_main
+
+    return bench_main(a, _stack_config(a))
+
+
+def cmd_fetch_model(a: argparse.Namespace) -> int:
+    from specsplit.default_model import ensure_default_model
+    from specsplit.runtime import configure_process
+
+    configure_process(0)
+    print(ensure_default_model())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    return {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
+            "fetch-model": cmd_fetch_model}[a.command](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

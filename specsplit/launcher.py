@@ -1,0 +1,159 @@
+"""Starts the three services as child processes on one host (what `specsplit up` and the bench run)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Child side of fork: get SIGTERM when the launcher dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    transport: str = "unix"  # unix | tcp
+    target_model: str = "default"
+    draft_model: str | None = None
+    dtype: str = "bfloat16"
+    draft_dtype: str = "bfloat16"
+    device: str = "cpu"
+    exact: bool = True
+    drafter: str = "ngram"  # the draft service's default drafter
+    gamma: int = 4
+    threads: int = 0
+    run_dir: str | None = None  # sockets and address files; a fresh temp dir when None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class Stack:
+    """verify + draft (in parallel), then the gateway; each a `specsplit serve` process."""
+
+    def __init__(self, config: StackConfig, log_dir: str | None = None):
+        self.config = config
+        self._own_dir = config.run_dir is None
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="specsplit-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = Path(log_dir) if log_dir else self.run_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addresses: dict[str, str] = {}
+
+    def _listen(self, name: str) -> str:
+        if self.config.transport == "unix":
+            return f"unix://{self.run_dir / f'{name}.sock'}"
+        if self.config.transport == "tcp":
+            return "127.0.0.1:0"
+        raise ValueError(f"unknown transport {self.config.transport!r}; use unix or tcp")
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        address_file = self.run_dir / f"{name}.address"
+        address_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "specsplit.cli", "serve", name, "--listen", self._listen(name),
+               "--address-file", str(address_file), *args]
+        if self.config.threads:
+            cmd += ["--threads", str(self.config.threads)]
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                            env={**os.environ, **self.config.extra_env})
+        log.close()
+
+    def _await(self, names: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(names)
+        while pending:
+            for name in sorted(pending):
+                proc = self.procs[name]
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} service exited with {proc.returncode}; "
+                                       f"last lines of {self.log_dir / f'{name}.log'}:\n{self.tail(name)}")
+                path = self.run_dir / f"{name}.address"
+                if path.exists():
+                    self.addresses[name] = path.read_text().strip()
+                    wait_serving(self.addresses[name], max(1.0, deadline - time.monotonic()))
+                    pending.discard(name)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sorted(pending)} not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def start(self, timeout_s: float = 600.0) -> str:
+        """Returns the gateway address once all three report SERVING."""
+        c = self.config
+        try:
+            model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
+            self._spawn("verify", ["--target-model", c.target_model, *model_flags])
+            draft_flags = ["--default-drafter", c.drafter, "--device", c.device]
+            if c.draft_model:
+                draft_flags += ["--draft-model", c.draft_model, "--draft-dtype", c.draft_dtype]
+            self._spawn("draft", draft_flags)
+            self._await(["verify", "draft"], timeout_s)
+            self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
+                                    "--tokenizer", c.target_model, "--gamma", str(c.gamma)])
+            self._await(["gateway"], timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.addresses["gateway"]
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM all (gateway first), SIGKILL what is left after grace_s; returns exit codes."""
+        for name in ["gateway", "draft", "verify"]:
+            proc = self.procs.get(name)
+            if proc and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        for path in [*self.run_dir.glob("*.sock"), *self.run_dir.glob("*.address")]:
+            path.unlink(missing_ok=True)  # a SIGKILLed server leaves its socket behind
+        if self._own_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return codes
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_serving(address: str, timeout_s: float) -> None:
+    """Blocks until the server at `address` answers SERVING on the standard health service."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2, wait_for_ready=True)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} is not SERVING after {timeout_s:.0f} s")
+            time.sleep(0.1)

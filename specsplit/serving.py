@@ -1,0 +1,114 @@
+"""What every specsplit server shares: binding, health, reflection, warm-up, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("specsplit")
+
+# Token ids and stats only; 64 MiB leaves room for long prompts without allowing abuse.
+MESSAGE_LIMIT = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+]
+
+
+def unix_path(address: str) -> Path | None:
+    """The socket path of a `unix:` address, None for TCP."""
+    if address.startswith("unix://"):
+        return Path(address[len("unix://"):])
+    if address.startswith("unix:"):
+        return Path(address[len("unix:"):])
+    return None
+
+
+def transport_of(address: str) -> str:
+    return "unix" if unix_path(address) else "tcp"
+
+
+class ModelWorker:
+    """Runs blocking model calls on one thread, in arrival order, off the event loop."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+async def serve(
+    *,
+    listen: str,
+    service_names: list[str],
+    register: Callable[[grpc.aio.Server], None],
+    warmup: Callable[[], Awaitable[None]] | None = None,
+    address_file: str | None = None,
+    grace_s: float = 5.0,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    stop_event: asyncio.Event | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Binds `listen` (`unix:///path.sock` or `host:port`, port 0 picks one), reports NOT_SERVING
+    until `warmup` finished, writes the bound address to `address_file`, and on SIGINT/SIGTERM (or
+    `stop_event`) flips health to NOT_SERVING and stops with `grace_s` for in-flight calls."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+    async def set_status(status: int) -> None:
+        for name in ["", *service_names]:
+            await health_servicer.set(name, status)
+
+    await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+    sock = unix_path(listen)
+    if sock is not None:
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        if sock.exists():
+            sock.unlink()  # a socket left by a killed predecessor; bind would fail on it
+    port = server.add_insecure_port(listen)
+    if sock is None and port == 0:
+        raise RuntimeError(f"could not bind {listen}")
+    bound = listen if sock is not None else f"{listen.rsplit(':', 1)[0]}:{port}"
+    await server.start()
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if warmup is not None:
+            await warmup()
+        await set_status(health_pb2.HealthCheckResponse.SERVING)
+        if address_file:
+            tmp = Path(f"{address_file}.tmp")
+            tmp.write_text(bound + "\n")
+            os.replace(tmp, address_file)
+        log.info("%s serving on %s", ",".join(service_names), bound)
+        await stop.wait()
+    finally:
+        await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()
+        if sock is not None and sock.exists():
+            sock.unlink()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        log.info("%s stopped", ",".join(service_names))

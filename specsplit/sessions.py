@@ -1,0 +1,67 @@
+"""The one owner of a service's per-session state: a bounded table with idle eviction."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class SessionExists(KeyError):
+    pass
+
+
+class SessionNotFound(KeyError):
+    pass
+
+
+class TableFull(RuntimeError):
+    pass
+
+
+class SessionTable(Generic[T]):
+    """Sessions by id. A session idle for longer than `idle_timeout_s` is evicted when room is
+    needed or on `evict_idle()`, so a crashed gateway cannot leak caches forever."""
+
+    def __init__(self, max_sessions: int, idle_timeout_s: float, clock=time.monotonic):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
+        self._items: OrderedDict[str, tuple[T, float]] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._items
+
+    def put(self, session_id: str, state: T) -> None:
+        if session_id in self._items:
+            raise SessionExists(session_id)
+        if len(self._items) >= self.max_sessions:
+            self.evict_idle()
+        if len(self._items) >= self.max_sessions:
+            raise TableFull(f"all {self.max_sessions} sessions are in use")
+        self._items[session_id] = (state, self._clock())
+
+    def get(self, session_id: str) -> T:
+        try:
+            state, _ = self._items[session_id]
+        except KeyError:
+            raise SessionNotFound(session_id) from None
+        self._items[session_id] = (state, self._clock())
+        self._items.move_to_end(session_id)
+        return state
+
+    def pop(self, session_id: str) -> T | None:
+        item = self._items.pop(session_id, None)
+        return None if item is None else item[0]
+
+    def evict_idle(self) -> list[str]:
+        deadline = self._clock() - self.idle_timeout_s
+        stale = [sid for sid, (_, used) in self._items.items() if used < deadline]
+        for sid in stale:
+            del self._items[sid]
+        return stale

@@ -1,0 +1,130 @@
+"""Fixtures: tiny randomly initialised HF models (saved and loaded through the real code paths) and
+real gRPC servers on temp UNIX sockets or loopback TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    '{"name": "cat", "legs": 4, "sound": "meow"}',
+    "| col | value |\n|-----|-------|\n| a | 1 |\n",
+    "Once upon a time there was a small dragon who loved to read books.",
+    "Repeat after me: speculation must never change the output.",
+]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tokenizer(vocab_size: int, extra_text: str = ""):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end|>", "<|user|>", "<|assistant|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS + [extra_text], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model_dir(path: Path, tokenizer, seed: int, layers: int = 2, noise_from: Path | None = None,
+                   noise: float = 0.0) -> Path:
+    """A tiny Llama saved as a HF directory. With noise_from, a perturbed copy of that model (a
+    'draft' that mostly agrees with it)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if noise_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(noise_from, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise * p.std())
+    else:
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=None, pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():  # sharper logits than the default init, so greedy text has structure
+            model.lm_head.weight.mul_(8)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    tok = make_tokenizer(300)
+    target = make_model_dir(root / "target", tok, seed=1)
+    return {
+        "target": target,
+        "draft": make_model_dir(root / "draft", tok, seed=2, noise_from=target, noise=0.3),
+        "foreign": make_model_dir(root / "foreign", make_tokenizer(280, "other words entirely"), seed=3),
+    }
+
+
+@dataclass
+class Running:
+    gateway: str
+    verify: str
+    draft: str
+    stop: asyncio.Event
+    tasks: list[asyncio.Task]
+
+
+@contextlib.asynccontextmanager
+async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
+                        default_drafter: str = "ngram", **gateway_kw):
+    """The three real services in this process, on temp UNIX sockets or loopback TCP ports."""
+    from draft_service.main import run as run_draft
+    from gateway.main import run as run_gateway
+    from specsplit.launcher import wait_serving
+    from verify_service.main import run as run_verify
+
+    def server(name: str) -> ServerSettings:
+        listen = f"unix://{tmp_path / f'{name}.sock'}" if transport == "unix" else "127.0.0.1:0"
+        return ServerSettings(listen=listen, address_file=str(tmp_path / f"{name}.address"), grace_s=1.0)
+
+    async def address(name: str, task: asyncio.Task) -> str:
+        path = tmp_path / f"{name}.address"
+        while not path.exists():
+            if task.done():
+                task.result()  # raises the start-up error
+            await asyncio.sleep(0.02)
+        addr = path.read_text().strip()
+        await asyncio.to_thread(wait_serving, addr, 30)
+        return addr
+
+    stop = asyncio.Event()
+    model = ModelSettings(str(target), dtype)
+    draft_model = ModelSettings(str(draft), dtype, exact=False) if draft else None
+    tasks = [
+        asyncio.create_task(run_verify(VerifySettings(server("verify"), model), stop, handle_signals=False)),
+        asyncio.create_task(run_draft(DraftSettings(server("draft"), draft_model, default_drafter=default_drafter),
+                                      stop, handle_signals=False)),
+    ]
+    try:
+        verify_addr = await address("verify", tasks[0])
+        draft_addr = await address("draft", tasks[1])
+        settings = GatewaySettings(server("gateway"), verify_addr, draft_addr, tokenizer=str(target),
+                                   connect_timeout_s=10, **gateway_kw)
+        tasks.append(asyncio.create_task(run_gateway(settings, stop, handle_signals=False)))
+        gateway_addr = await address("gateway", tasks[2])
+        yield Running(gateway_addr, verify_addr, draft_addr, stop, tasks)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)

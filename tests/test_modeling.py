@@ -1,0 +1,94 @@
+"""Numerics and rollback on a tiny random model, through the real loading code."""
+
+import pytest
+import torch
+
+from draft_service.drafters.model import ModelDrafter
+from specsplit.modeling import KVSequence, RowInvariantLinear, load_model, tokenizer_fingerprint
+from verify_service.engine import LengthMismatch, Target
+
+PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models, dtype):
+    lm = load_model(models["target"], dtype)
+    one = KVSequence(lm.model)
+    one.forward(PROMPT)
+    tokens, singles = [11], []
+    for _ in range(12):
+        singles.append(one.forward(tokens[-1:])[0])  # [vocab]
+        tokens.append(int(singles[-1].argmax()))
+    many = KVSequence(lm.model)
+    many.forward(PROMPT)
+    chunked = torch.cat([many.forward(tokens[i:i + 5]) for i in range(0, 12, 5)])[:12]  # [12, vocab]
+    assert torch.equal(torch.stack(singles), chunked)
+
+
+def test_row_invariant_linear_matches_plain_linear_closely():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 48)
+    x = torch.randn(3, 7, 32)
+    expected = plain(x)
+    plain.__class__ = RowInvariantLinear
+    assert torch.allclose(plain(x), expected, atol=1e-5)
+    assert plain(x[:1, :1]).shape == (1, 1, 48)
+
+
+def test_target_rollback_matches_a_from_scratch_forward(models):
+    """After rounds with partial acceptance, the cache and the next logits equal a fresh prefill of
+    the committed tokens."""
+    lm = load_model(models["target"], "float32")
+    target = Target(lm)
+    session, first, _ = target.prefill(PROMPT)
+    # Round 1: an arbitrary draft (usually rejected at once).
+    length = len(session.tokens)
+    result = target.verify(session, length, [1, 2, 3])
+    assert result.length == length + result.num_accepted + 1
+    # Round 2: draft exactly what the target would say next (so it is accepted) plus a wrong token.
+    fresh = KVSequence(lm.model)
+    guess = int(fresh.forward(session.tokens, last_only=True)[0].argmax())
+    wrong = (guess + 1) % lm.vocab_size
+    result = target.verify(session, result.length, [guess, wrong, 4])
+    assert result.num_accepted == 1
+    assert session.kv.length == len(session.tokens) - 1
+
+    scratch = KVSequence(lm.model)
+    scratch.forward(session.tokens[:-1])
+    for ours, theirs in zip(session.kv._cache.layers, scratch._cache.layers):
+        assert torch.allclose(ours.keys, theirs.keys, atol=1e-5)
+        assert torch.allclose(ours.values, theirs.values, atol=1e-5)
+    nxt_ours = session.kv.forward(session.tokens[-1:])[0]
+    nxt_scratch = scratch.forward(session.tokens[-1:])[0]
+    assert torch.allclose(nxt_ours, nxt_scratch, atol=1e-4)
+
+
+def test_verify_refuses_a_stale_length(models):
+    target = Target(load_model(models["target"], "bfloat16"))
+    session, _, _ = target.prefill(PROMPT)
+    with pytest.raises(LengthMismatch):
+        target.verify(session, len(session.tokens) - 1, [1])
+
+
+def test_model_drafter_follows_rollbacks(models):
+    """The drafter's cache after accept/reject cycles equals a fresh forward of the committed tokens."""
+    lm = load_model(models["draft"], "float32", exact=False)
+    drafter = ModelDrafter(lm)
+    session = drafter.start(PROMPT)
+    session.sync(len(PROMPT), [11])
+    drafts = drafter.propose(session, 4)
+    assert len(drafts) == 4
+    # The target accepted two of them and chose 99 instead of the third.
+    session.sync(len(PROMPT) + 1, drafts[:2] + [99])
+    again = drafter.propose(session, 3)
+    fresh = KVSequence(lm.model)
+    logits = fresh.forward(session.tokens, last_only=True)
+    assert again[0] == int(logits[0].argmax())
+    keep = len(session.tokens) + len(again) - 1
+    assert session.kv.length == keep
+
+
+def test_fingerprint_tells_tokenizers_apart(models):
+    target, draft, foreign = (load_model(models[k], "float32").tokenizer for k in ("target", "draft", "foreign"))
+    assert tokenizer_fingerprint(target) == tokenizer_fingerprint(draft)
+    assert tokenizer_fingerprint(target) != tokenizer_fingerprint(foreign)

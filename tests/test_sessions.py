@@ -1,0 +1,48 @@
+import pytest
+
+from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_put_get_pop():
+    table = SessionTable[str](max_sessions=2, idle_timeout_s=10)
+    table.put("a", "A")
+    assert table.get("a") == "A"
+    with pytest.raises(SessionExists):
+        table.put("a", "again")
+    assert table.pop("a") == "A"
+    assert table.pop("a") is None
+    with pytest.raises(SessionNotFound):
+        table.get("a")
+
+
+def test_full_table_evicts_only_idle_sessions():
+    clock = Clock()
+    table = SessionTable[str](max_sessions=2, idle_timeout_s=10, clock=clock)
+    table.put("a", "A")
+    clock.now = 5
+    table.put("b", "B")
+    with pytest.raises(TableFull):
+        table.put("c", "C")  # nobody idle long enough
+    clock.now = 12
+    table.put("c", "C")  # "a" idle for 12 s is evicted
+    assert "a" not in table and "b" in table and "c" in table
+
+
+def test_use_refreshes_idle_time():
+    clock = Clock()
+    table = SessionTable[str](max_sessions=4, idle_timeout_s=10, clock=clock)
+    table.put("a", "A")
+    clock.now = 8
+    table.get("a")
+    clock.now = 15
+    assert table.evict_idle() == []
+    clock.now = 19
+    assert table.evict_idle() == ["a"]

@@ -1,0 +1,1 @@
+"""The verify service: the target model and its per-session KV caches."""

@@ -1,0 +1,25 @@
+"""Entry point of the verify service."""
+
+from __future__ import annotations
+
+import asyncio
+
+from specsplit import runtime
+from specsplit.serving import ModelWorker, serve
+from specsplit.sessions import SessionTable
+from specsplit.settings import VerifySettings
+from verify_service.server import SERVICE_NAME, VerifierServicer, register
+
+
+async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
+    runtime.configure_process(settings.server.threads)
+    worker = ModelWorker("verify")
+    lm = await worker.run(runtime.load, settings.model)
+    servicer = VerifierServicer(lm, SessionTable(settings.max_sessions, settings.idle_timeout_s), worker)
+    try:
+        await serve(listen=settings.server.listen, service_names=[SERVICE_NAME],
+                    register=lambda server: register(server, servicer), warmup=servicer.warmup,
+                    address_file=settings.server.address_file, grace_s=settings.server.grace_s,
+                    stop_event=stop_event, handle_signals=handle_signals)
+    finally:
+        worker.shutdown()

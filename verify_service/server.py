@@ -1,0 +1,89 @@
+"""gRPC front of the verify service: converts messages and maps errors to status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from specsplit.modeling import LoadedModel
+from specsplit.serving import ModelWorker
+from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.verify.v1 import verify_pb2 as pb
+from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
+from verify_service.engine import ContextFull, LengthMismatch, Target, TargetSession
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+MAX_DRAFT = 64
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker):
+        self._lm = lm
+        self._target = Target(lm)
+        self._sessions = sessions
+        self._worker = worker
+
+    async def Info(self, request, context):
+        lm = self._lm
+        return pb.InfoResponse(
+            model_id=lm.model_id, vocab_size=lm.vocab_size, tokenizer_fingerprint=lm.fingerprint,
+            max_context=lm.max_context, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
+            exact=lm.exact, eos_token_ids=lm.eos_token_ids, active_sessions=len(self._sessions),
+            max_sessions=self._sessions.max_sessions, param_bytes=lm.param_bytes)
+
+    async def Prefill(self, request, context):
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty")
+        prompt = list(request.prompt_token_ids)
+        if not prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if max(prompt) >= self._lm.vocab_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt token id {max(prompt)} is out of range for vocab size {self._lm.vocab_size}")
+        if len(prompt) + 1 > self._lm.max_context:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"prompt of {len(prompt)} tokens leaves no room in the context of {self._lm.max_context}")
+        if request.session_id in self._sessions:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
+        try:
+            session, first, forward_ns = await self._worker.run(self._target.prefill, prompt)
+            self._sessions.put(request.session_id, session)
+        except SessionExists:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
+        except TableFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        return pb.PrefillResponse(next_token_id=first, length=len(session.tokens), forward_ns=forward_ns)
+
+    async def Verify(self, request, context):
+        if len(request.draft_token_ids) > MAX_DRAFT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
+        try:
+            session = self._sessions.get(request.session_id)
+            result = await self._worker.run(
+                self._target.verify, session, request.length, list(request.draft_token_ids))
+        except SessionNotFound:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
+        except LengthMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ContextFull as e:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
+                                 length=result.length, forward_ns=result.forward_ns)
+
+    async def Release(self, request, context):
+        return pb.ReleaseResponse(released=self._sessions.pop(request.session_id) is not None)
+
+    async def warmup(self) -> None:
+        """One prefill and one 4-token verify, so the first request does not pay for lazy init."""
+        session, first, _ = await self._worker.run(self._target.prefill, [first_id(self._lm)] * 8)
+        await self._worker.run(self._target.verify, session, len(session.tokens), [first] * 4)
+
+
+def first_id(lm: LoadedModel) -> int:
+    return lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else 0
+
+
+def register(server: grpc.aio.Server, servicer: VerifierServicer) -> None:
+    pb_grpc.add_VerifierServicer_to_server(servicer, server)
