@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,12 @@ class LoadedModel:
         return sorted(set(ids if isinstance(ids, list) else [ids]))
 
 
+# from_pretrained swaps process-wide torch defaults (meta device init) while it runs: two loads on
+# different threads of one process corrupt each other. Services load one model each; tests run
+# several services in one process.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", exact: bool = True) -> LoadedModel:
     """Load a local HF causal-LM directory (config, weights, tokenizer). Never touches a model hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,9 +154,10 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         raise FileNotFoundError(f"{path} is not a HF model directory (no config.json)")
     torch_dtype = parse_dtype(dtype)
     _register_rowwise_attention()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attention_for(torch_dtype, exact), local_files_only=True)
-    model.to(device).eval()
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attention_for(torch_dtype, exact), local_files_only=True)
+        model.to(device).eval()
     model.requires_grad_(False)
     if exact:
         make_row_invariant(model)

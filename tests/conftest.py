@@ -56,7 +56,7 @@ def make_model_dir(path: Path, tokenizer, seed: int, layers: int = 2, noise_from
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=None, pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+                             bos_token_id=None, pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
         model = LlamaForCausalLM(config)
         with torch.no_grad():  # sharper logits than the default init, so greedy text has structure
             model.lm_head.weight.mul_(8)

@@ -1,0 +1,223 @@
+"""The three real services on temp UNIX sockets and loopback TCP, with tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from conftest import running_stack
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.verify.v1 import verify_pb2 as vpb
+from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "cat",', "Once upon a time"]
+
+
+def request(prompt: str, speculation=pb.SPECULATION_ON, **kw) -> pb.GenerateRequest:
+    kw.setdefault("max_new_tokens", 40)
+    kw.setdefault("stop", pb.StopConditions(ignore_eos=True))
+    return pb.GenerateRequest(text=prompt, speculation=speculation, **kw)
+
+
+async def active_sessions(stack) -> tuple[int, int]:
+    async with grpc.aio.insecure_channel(stack.verify) as v, grpc.aio.insecure_channel(stack.draft) as d:
+        vi = await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())
+        di = await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest())
+    return vi.active_sessions, di.active_sessions
+
+
+async def wait_released(stack, timeout_s: float = 5.0) -> tuple[int, int]:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (counts := await active_sessions(stack)) != (0, 0) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return counts
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+async def test_speculation_on_equals_off_token_for_token(models, tmp_path, transport, dtype):
+    async with running_stack(tmp_path, transport, models["target"], models["draft"], dtype) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            accepted = 0
+            for prompt in PROMPTS:
+                off = await gw.Generate(request(prompt, pb.SPECULATION_OFF))
+                for drafter in ("ngram", "model"):
+                    on = await gw.Generate(request(prompt, drafter=drafter, gamma=3))
+                    assert list(on.token_ids) == list(off.token_ids), (prompt, drafter)
+                    assert on.text == off.text
+                    assert on.stats.speculation_used and on.stats.drafter == drafter
+                    accepted += on.stats.accepted_tokens
+                assert off.stats.rounds == off.stats.generated_tokens - 1
+                assert off.stats.mean_acceptance_length == 1.0
+            assert accepted > 0, "the perturbed draft model should get some tokens accepted"
+        assert await wait_released(stack) == (0, 0)
+
+
+async def test_stats_add_up_and_stream_matches_unary(models, tmp_path):
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            req = request(PROMPTS[0], drafter="model", gamma=4, max_new_tokens=30)
+            whole = await gw.Generate(req)
+            chunks = [c async for c in gw.GenerateStream(req)]
+        s = whole.stats
+        assert s.generated_tokens == len(whole.token_ids) == 30
+        assert whole.finish_reason == pb.FINISH_REASON_LENGTH
+        assert s.rounds == len(s.round_records)
+        assert s.drafted_tokens == sum(r.drafted for r in s.round_records)
+        assert s.accepted_tokens == sum(r.accepted for r in s.round_records) <= s.drafted_tokens
+        # Prefill gives one token, every round its accepted drafts plus one.
+        assert 1 + s.accepted_tokens + s.rounds == s.generated_tokens
+        assert s.mean_acceptance_length == pytest.approx((s.accepted_tokens + s.rounds) / s.rounds)
+        assert all(r.network_ms >= 0 and r.verify_ms > 0 for r in s.round_records)
+        assert s.exact
+        assert "".join(c.text for c in chunks) == whole.text
+        assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
+        assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and chunks[-1].stats.rounds == s.rounds
+
+
+async def test_chat_prompt_and_stop_string(models, tmp_path):
+    async with running_stack(tmp_path, "unix", models["target"], None) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hello there")])
+            full = await gw.Generate(pb.GenerateRequest(chat=chat, max_new_tokens=40,
+                                                        stop=pb.StopConditions(ignore_eos=True)))
+            assert full.stats.prompt_tokens > 3
+            stop = full.text[len(full.text) // 2:][:2]
+            assert stop, "need some text to cut"
+            cut = await gw.Generate(pb.GenerateRequest(chat=chat, max_new_tokens=40,
+                                                       stop=pb.StopConditions(ignore_eos=True, stop_strings=[stop])))
+        assert cut.finish_reason == pb.FINISH_REASON_STOP_STRING
+        assert cut.text == full.text[:full.text.index(stop)]
+
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(max_new_tokens=5), grpc.StatusCode.INVALID_ARGUMENT, "no prompt"),
+    (pb.GenerateRequest(text="   ", max_new_tokens=5), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (pb.GenerateRequest(text="hi"), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "limit"),
+    (pb.GenerateRequest(text="hi " * 400, max_new_tokens=5), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, gamma=99), grpc.StatusCode.INVALID_ARGUMENT, "gamma"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, drafter="nope"), grpc.StatusCode.INVALID_ARGUMENT,
+     "unknown drafter"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(temperature=0.7)),
+     grpc.StatusCode.UNIMPLEMENTED, "temperature"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(top_p=1.5)),
+     grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, stop=pb.StopConditions(stop_strings=[""])),
+     grpc.StatusCode.INVALID_ARGUMENT, "stop strings"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")]),
+                        max_new_tokens=5), grpc.StatusCode.INVALID_ARGUMENT, "role"),
+]
+
+
+async def test_bad_requests_get_specific_status_and_leave_nothing(models, tmp_path):
+    async with running_stack(tmp_path, "tcp", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            for req, code, words in BAD_REQUESTS:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await gw.Generate(req)
+                assert err.value.code() == code, req
+                assert words in err.value.details(), err.value.details()
+        assert await wait_released(stack) == (0, 0)
+
+
+async def test_internal_calls_refuse_bad_input(models, tmp_path):
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as v, grpc.aio.insecure_channel(stack.draft) as d:
+            verifier, drafter = vpb_grpc.VerifierStub(v), dpb_grpc.DrafterStub(d)
+
+            async def code_of(call) -> grpc.StatusCode:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                return err.value.code()
+
+            assert await code_of(verifier.Verify(vpb.VerifyRequest(session_id="ghost", length=3))) \
+                == grpc.StatusCode.NOT_FOUND
+            assert await code_of(drafter.Propose(dpb.ProposeRequest(session_id="ghost", gamma=2))) \
+                == grpc.StatusCode.NOT_FOUND
+            assert await code_of(verifier.Prefill(vpb.PrefillRequest(session_id="s"))) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+            assert await code_of(verifier.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=[10**6]))) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+            first = await verifier.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=[5, 6, 7]))
+            assert first.length == 4
+            assert await code_of(verifier.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=[5]))) \
+                == grpc.StatusCode.ALREADY_EXISTS
+            assert await code_of(verifier.Verify(vpb.VerifyRequest(session_id="s", length=9, draft_token_ids=[1]))) \
+                == grpc.StatusCode.FAILED_PRECONDITION
+            assert await code_of(verifier.Verify(vpb.VerifyRequest(session_id="s", length=4, draft_token_ids=[10**6]))) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+            ok = await verifier.Verify(vpb.VerifyRequest(session_id="s", length=4, draft_token_ids=[1, 2]))
+            assert ok.length == 4 + ok.num_accepted + 1
+            assert (await verifier.Release(vpb.ReleaseRequest(session_id="s"))).released
+            assert not (await verifier.Release(vpb.ReleaseRequest(session_id="s"))).released
+            assert await code_of(drafter.StartSession(dpb.StartSessionRequest(
+                session_id="t", drafter="model", prompt_token_ids=[1], target_tokenizer_fingerprint="f00"))) \
+                == grpc.StatusCode.FAILED_PRECONDITION
+            await drafter.StartSession(dpb.StartSessionRequest(session_id="t", prompt_token_ids=[1, 2, 1]))
+            assert await code_of(drafter.Propose(dpb.ProposeRequest(session_id="t", gamma=0))) \
+                == grpc.StatusCode.INVALID_ARGUMENT
+            assert await code_of(drafter.Propose(dpb.ProposeRequest(session_id="t", gamma=2, base_length=7))) \
+                == grpc.StatusCode.FAILED_PRECONDITION
+            assert (await drafter.EndSession(dpb.EndSessionRequest(session_id="t"))).ended
+        assert await wait_released(stack) == (0, 0)
+
+
+async def test_sessions_released_after_cancel_and_deadline(models, tmp_path):
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            req = request(PROMPTS[1], drafter="model", max_new_tokens=200)
+            stream = gw.GenerateStream(req)
+            async for _ in stream:
+                assert await active_sessions(stack) == (1, 1)
+                break
+            stream.cancel()
+            assert await wait_released(stack) == (0, 0)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await gw.Generate(req, timeout=0.3)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await wait_released(stack) == (0, 0)
+
+
+async def test_auto_falls_back_without_drafter_and_on_fails(models, tmp_path):
+    async with running_stack(tmp_path, "unix", models["target"], None, rpc_timeout_s=5) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            baseline = await gw.Generate(request(PROMPTS[2], pb.SPECULATION_OFF))
+            stack.tasks[1].cancel()  # the draft service dies
+            await asyncio.gather(stack.tasks[1], return_exceptions=True)
+            auto = await gw.Generate(request(PROMPTS[2], pb.SPECULATION_AUTO))
+            assert not auto.stats.speculation_used
+            assert list(auto.token_ids) == list(baseline.token_ids)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await gw.Generate(request(PROMPTS[2], pb.SPECULATION_ON))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draft service" in err.value.details()
+        async with grpc.aio.insecure_channel(stack.verify) as v:
+            assert (await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())).active_sessions == 0
+
+
+async def test_drafter_with_another_tokenizer_is_refused(models, tmp_path):
+    # As the default drafter the gateway refuses to start at all.
+    with pytest.raises(RuntimeError, match="token ids do not match"):
+        async with running_stack(tmp_path / "a", "unix", models["target"], models["foreign"], default_drafter="model"):
+            pass
+    # As an optional drafter, requests that name it are refused.
+    async with running_stack(tmp_path / "b", "unix", models["target"], models["foreign"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_grpc.GatewayStub(ch).Generate(request(PROMPTS[0], drafter="model"))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "token ids do not match" in err.value.details()
