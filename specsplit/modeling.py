@@ -67,16 +67,21 @@ _ROWWISE_MAX_ROWS = 32
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Each query row r attends to the first past+r+1 keys with the same [1 x d] @ [d x n] products a
-    1-token decode would run, so its output does not depend on the other rows in the call."""
-    from transformers.models.llama.modeling_llama import eager_attention_forward, repeat_kv
+    """Causal attention for one unpadded sequence (the only kind the services run). Up to
+    _ROWWISE_MAX_ROWS query rows, row r attends to the first past+r+1 keys with the same
+    [1 x d] @ [d x n] products a 1-token decode runs, so its output does not depend on the other
+    rows in the call. The mask is built here: transformers prepares none for custom attention."""
+    from transformers.models.llama.modeling_llama import repeat_kv
 
     q_len = query.shape[2]  # query: [batch, heads, q_len, head_dim]
-    if q_len > _ROWWISE_MAX_ROWS:
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     keys = repeat_kv(key, module.num_key_value_groups)  # [batch, heads, kv_len, head_dim]
     values = repeat_kv(value, module.num_key_value_groups)
     past = keys.shape[2] - q_len
+    if q_len > _ROWWISE_MAX_ROWS:
+        scores = torch.matmul(query, keys.transpose(2, 3)) * scaling  # [batch, heads, q_len, kv_len]
+        future = torch.ones(q_len, keys.shape[2], dtype=torch.bool, device=query.device).triu(past + 1)
+        probs = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
     rows = []
     for r in range(q_len):
         visible = past + r + 1

@@ -92,3 +92,15 @@ def test_fingerprint_tells_tokenizers_apart(models):
     target, draft, foreign = (load_model(models[k], "float32").tokenizer for k in ("target", "draft", "foreign"))
     assert tokenizer_fingerprint(target) == tokenizer_fingerprint(draft)
     assert tokenizer_fingerprint(target) != tokenizer_fingerprint(foreign)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("prompt_len", [8, 40])  # 40: past the rowwise limit, prefill takes the masked path
+def test_exact_numerics_compute_the_same_model(models, dtype, tol, prompt_len):
+    """Exact mode changes kernels, not the function: logits stay close to transformers' SDPA path."""
+    prompt = [(7 * i + 3) % 250 for i in range(prompt_len)]
+    logits = {}
+    for exact in (True, False):
+        seq = KVSequence(load_model(models["target"], dtype, exact=exact).model)
+        logits[exact] = torch.cat([seq.forward(prompt), seq.forward([1, 2, 3])])  # [prompt_len + 3, vocab]
+    assert torch.allclose(logits[True], logits[False], atol=tol, rtol=0)

@@ -34,6 +34,7 @@ class DraftSession:
 
 class Drafter(Protocol):
     description: DrafterDescription
+    runs_model: bool  # False: cheap enough to run on the event loop
 
     def start(self, prompt: list[int]) -> DraftSession:
         """A new session fed with the prompt. Blocking (may run a model)."""

@@ -14,6 +14,8 @@ class ModelSession(DraftSession):
 
 
 class ModelDrafter:
+    runs_model = True
+
     def __init__(self, lm: LoadedModel, name: str = "model"):
         self.lm = lm
         self.description = DrafterDescription(

@@ -20,6 +20,8 @@ def lookup(tokens: list[int], gamma: int, min_n: int, max_n: int) -> list[int]:
 
 
 class NgramDrafter:
+    runs_model = False
+
     def __init__(self, name: str = "ngram", min_n: int = 1, max_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")

@@ -1,0 +1,89 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct), each service its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specsplit.bench import load_prompts
+from specsplit.default_model import ensure_default_model
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.launcher import Stack, StackConfig
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def default_model() -> Path:
+    return ensure_default_model()
+
+
+def one_prompt_per_task() -> list:
+    return load_prompts(None, limit=1)
+
+
+def generate(stub, prompt: str, speculation: int, **kw) -> pb.GenerateResponse:
+    req = pb.GenerateRequest(max_new_tokens=kw.pop("max_new_tokens", 48), speculation=speculation, **kw)
+    req.chat.messages.add(role="user", content=prompt)
+    return stub.Generate(req, timeout=300)
+
+
+@pytest.mark.parametrize("transport,dtype", [("unix", "bfloat16"), ("tcp", "bfloat16"), ("unix", "float32")])
+def test_greedy_speculation_is_token_identical_on_the_default_model(default_model, tmp_path, transport, dtype):
+    config = StackConfig(transport=transport, dtype=dtype, draft_model="default", draft_dtype="bfloat16",
+                         run_dir=str(tmp_path))
+    with Stack(config) as stack:
+        address = stack.start()
+        assert address.startswith("unix://") == (transport == "unix")
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            for p in one_prompt_per_task():
+                off = generate(stub, p.prompt, pb.SPECULATION_OFF)
+                on = generate(stub, p.prompt, pb.SPECULATION_ON, drafter="ngram")
+                assert list(on.token_ids) == list(off.token_ids), p.task_type
+                assert on.stats.exact
+            # The target drafting for itself (bf16, SDPA) agrees almost always.
+            p = one_prompt_per_task()[0]
+            self_drafted = generate(stub, p.prompt, pb.SPECULATION_ON, drafter="model", gamma=4)
+            assert list(self_drafted.token_ids) == list(generate(stub, p.prompt, pb.SPECULATION_OFF).token_ids)
+            assert self_drafted.stats.mean_acceptance_length > 3.0
+
+
+def _spawn_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "SPECSPLIT_CACHE": os.environ.get("SPECSPLIT_CACHE", str(Path.home() / ".cache/specsplit"))}
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(tmp_path), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("gateway: "), (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, line.split(" ", 1)[1].strip()
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_up_generate_and_stop_as_a_process_group(default_model, tmp_path, transport):
+    proc, address = _spawn_up(tmp_path, "--transport", transport)
+    try:
+        out = subprocess.run([sys.executable, "-m", "specsplit.cli", "generate", "--gateway", address, "--json",
+                              "--max-new-tokens", "12", "--task-type", "open", "Say hello."],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        response = json.loads(out.stdout)
+        assert response["text"] and len(response["tokenIds"]) == response["stats"]["generatedTokens"] <= 12
+        assert response["stats"]["taskType"] == "open"
+        bad = subprocess.run([sys.executable, "-m", "specsplit.cli", "generate", "--gateway", address,
+                              "--gamma", "99", "hi"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # what a terminal's Ctrl-C or a supervisor does
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert not list(tmp_path.glob("*.sock")), "sockets left behind"
+    children = subprocess.run(["pgrep", "-f", f"--address-file {tmp_path}"], capture_output=True, text=True)
+    assert children.stdout == "", "service processes left behind"
