@@ -180,4 +180,9 @@ class _Caller:
         try:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise UpstreamError(e.code(), f"{service} service: {e.details()}") from None
+            code = e.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                # The backend lost our session (restarted, or evicted it as idle): the request,
+                # not the client's input, failed, and a retry starts a new session.
+                code = grpc.StatusCode.ABORTED
+            raise UpstreamError(code, f"{service} service: {e.details()}") from None

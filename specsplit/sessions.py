@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("specsplit")
 
 
 class SessionExists(KeyError):
@@ -65,3 +68,10 @@ class SessionTable(Generic[T]):
         for sid in stale:
             del self._items[sid]
         return stale
+
+    async def sweep(self, interval_s: float) -> None:
+        """Evicts idle sessions every interval_s until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            for session_id in self.evict_idle():
+                log.warning("evicted session %s after %.0f s idle", session_id, self.idle_timeout_s)

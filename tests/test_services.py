@@ -209,6 +209,26 @@ async def test_auto_falls_back_without_drafter_and_on_fails(models, tmp_path):
             assert (await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())).active_sessions == 0
 
 
+async def test_every_server_has_health_and_reflection(models, tmp_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    async with running_stack(tmp_path, "unix", models["target"], None) as stack:
+        expected = {stack.gateway: "specsplit.gateway.v1.Gateway", stack.verify: "specsplit.verify.v1.Verifier",
+                    stack.draft: "specsplit.draft.v1.Drafter"}
+
+        def services(address: str) -> set[str]:
+            with grpc.insecure_channel(address) as ch:
+                return set(ProtoReflectionDescriptorDatabase(ch).get_services())
+
+        for address, service in expected.items():
+            listed = await asyncio.to_thread(services, address)
+            assert {service, "grpc.health.v1.Health"} <= listed
+            async with grpc.aio.insecure_channel(address) as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 async def test_drafter_with_another_tokenizer_is_refused(models, tmp_path):
     # As the default drafter the gateway refuses to start at all.
     with pytest.raises(RuntimeError, match="token ids do not match"):

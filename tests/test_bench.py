@@ -1,0 +1,34 @@
+from specsplit.bench import Record, first_divergence, load_prompts, summarise
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == -1
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_starter_prompts_cover_four_task_types():
+    prompts = load_prompts(None)
+    counts = {t: sum(p.task_type == t for p in prompts) for t in {p.task_type for p in prompts}}
+    assert set(counts) == {"code", "structured", "rewrite", "open"}
+    assert min(counts.values()) >= 5
+    assert [p.task_type for p in load_prompts(None, limit=1)] == ["code", "structured", "rewrite", "open"]
+
+
+def record(task, off_s, on_s, tokens, rounds, accepted, identical=True):
+    return Record(task, "p", off_s, on_s, tokens, tokens, rounds, rounds * 4, accepted, 1.0, 2.0, 0.5,
+                  identical, -1 if identical else 3)
+
+
+def test_summary_ratios_and_counts():
+    rows = {r["task_type"]: r for r in summarise([
+        record("code", off_s=2.0, on_s=1.0, tokens=20, rounds=8, accepted=11),
+        record("code", off_s=2.0, on_s=2.0, tokens=20, rounds=19, accepted=0, identical=False),
+        record("open", off_s=1.0, on_s=1.0, tokens=10, rounds=9, accepted=0),
+    ])}
+    code = rows["code"]
+    assert code["tok_s_off"] == 10.0 and code["tok_s_on"] == 40 / 3
+    assert code["speedup"] == (40 / 3) / 10.0
+    assert code["acceptance_length"] == (11 + 27) / 27
+    assert code["identical"] == 1 and code["first_divergence"] == [3]
+    assert rows["ALL"]["prompts"] == 3 and rows["open"]["acceptance_length"] == 1.0
