@@ -34,6 +34,18 @@ class InvalidRequest(Exception):
         self.code = code
 
 
+def incompatibility(target: vpb.InfoResponse, drafters: dict[str, dpb.DrafterInfo], name: str) -> str:
+    """Why drafter `name` cannot draft for `target`, or "" when it can."""
+    drafter = drafters.get(name)
+    if drafter is None:
+        return f"unknown drafter {name!r}; the draft service has {sorted(drafters)}"
+    theirs, ours = drafter.tokenizer_fingerprint, target.tokenizer_fingerprint
+    if theirs and theirs != ours:
+        return (f"drafter {name!r} ({drafter.model_id}) uses tokenizer {theirs}, the target "
+                f"{target.model_id} uses {ours}: their token ids do not match")
+    return ""
+
+
 class Backends:
     """Channels to the draft and verify services and what the gateway learnt from them at start."""
 
@@ -50,29 +62,23 @@ class Backends:
 
     async def connect(self) -> None:
         """Waits for both services and checks that they fit together; raises with a clear message
-        when they do not."""
+        when they do not. Requests are refused as UNAVAILABLE until this has finished."""
         timeout = self.settings.connect_timeout_s
-        self.target = await self.verifier.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        target = await self.verifier.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
         ours = tokenizer_fingerprint(self.tokenizer)
-        if ours != self.target.tokenizer_fingerprint:
+        if ours != target.tokenizer_fingerprint:
             raise RuntimeError(f"the gateway's tokenizer ({ours}) is not the target's "
-                               f"({self.target.tokenizer_fingerprint}); pass the target's --tokenizer")
+                               f"({target.tokenizer_fingerprint}); pass the target's --tokenizer")
         info = await self.drafter.Info(dpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
-        self.drafters = {d.name: d for d in info.drafters}
-        self.default_drafter = self.settings.default_drafter or info.default_drafter
-        problem = self.incompatibility(self.default_drafter)
+        drafters = {d.name: d for d in info.drafters}
+        default = self.settings.default_drafter or info.default_drafter
+        problem = incompatibility(target, drafters, default)
         if problem:
             raise RuntimeError(f"default drafter: {problem}")
+        self.drafters, self.default_drafter, self.target = drafters, default, target
 
     def incompatibility(self, name: str) -> str:
-        drafter = self.drafters.get(name)
-        if drafter is None:
-            return f"unknown drafter {name!r}; the draft service has {sorted(self.drafters)}"
-        theirs, target = drafter.tokenizer_fingerprint, self.target.tokenizer_fingerprint
-        if theirs and theirs != target:
-            return (f"drafter {name!r} ({drafter.model_id}) uses tokenizer {theirs}, the target "
-                    f"{self.target.model_id} uses {target}: their token ids do not match")
-        return ""
+        return incompatibility(self.target, self.drafters, name)
 
     async def close(self) -> None:
         await self._verify_channel.close()
@@ -118,6 +124,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     def plan(self, request: pb.GenerateRequest) -> Plan:
         b = self._backends
+        if b.target is None:  # health says NOT_SERVING until connect() finished; be just as clear here
+            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
+                                                              "verify services")
         settings = b.settings
         prompt_ids = self._prompt_ids(request)
         max_context = b.target.max_context

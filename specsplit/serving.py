@@ -93,8 +93,8 @@ async def serve(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
-        if warmup is not None:
-            await warmup()
+        if warmup is not None and not await _unless_stopped(warmup(), stop):
+            return
         await set_status(health_pb2.HealthCheckResponse.SERVING)
         if address_file:
             tmp = Path(f"{address_file}.tmp")
@@ -112,3 +112,18 @@ async def serve(
         for sig in signals:
             loop.remove_signal_handler(sig)
         log.info("%s stopped", ",".join(service_names))
+
+
+async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Runs `work` unless `stop` is set first (a SIGTERM during a long warm-up or while waiting for
+    backends); returns whether it finished. Its exceptions propagate."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    task.result()
+    return True

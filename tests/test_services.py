@@ -241,3 +241,24 @@ async def test_drafter_with_another_tokenizer_is_refused(models, tmp_path):
                 await pb_grpc.GatewayStub(ch).Generate(request(PROMPTS[0], drafter="model"))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "token ids do not match" in err.value.details()
+
+
+async def test_gateway_refuses_requests_until_its_backends_answer(models, tmp_path):
+    from gateway.main import run as run_gateway
+    from specsplit.settings import GatewaySettings, ServerSettings
+
+    nowhere = f"unix://{tmp_path / 'nobody.sock'}"
+    settings = GatewaySettings(ServerSettings(f"unix://{tmp_path / 'gw.sock'}", grace_s=0.5), nowhere, nowhere,
+                               tokenizer=str(models["target"]), connect_timeout_s=30)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_gateway(settings, stop, handle_signals=False))
+    try:
+        while not (tmp_path / "gw.sock").exists():
+            await asyncio.sleep(0.02)
+        async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'gw.sock'}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await pb_grpc.GatewayStub(ch).Generate(request("hi"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still connecting" in err.value.details()
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
