@@ -30,6 +30,7 @@ setup
 case "$cmd" in
   test)
     python -m specsplit.protogen --check
+    ruff check --quiet .
     exec python -m pytest -q "$@"
     ;;
   *)

@@ -27,12 +27,5 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     drafters = await worker.run(build_drafters, settings)
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     servicer = DrafterServicer(drafters, settings.default_drafter, sessions, worker)
-    sweeper = asyncio.create_task(sessions.sweep(settings.idle_timeout_s / 4))
-    try:
-        await serve(listen=settings.server.listen, service_names=[SERVICE_NAME],
-                    register=lambda server: register(server, servicer), warmup=servicer.warmup,
-                    address_file=settings.server.address_file, grace_s=settings.server.grace_s,
-                    stop_event=stop_event, handle_signals=handle_signals)
-    finally:
-        sweeper.cancel()
-        worker.shutdown()
+    await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
+                sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals)

@@ -18,9 +18,7 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     backends = Backends(settings, tokenizer)
     try:
-        await serve(listen=settings.server.listen, service_names=[SERVICE_NAME],
-                    register=lambda server: register(server, GatewayServicer(backends)), warmup=backends.connect,
-                    address_file=settings.server.address_file, grace_s=settings.server.grace_s,
-                    stop_event=stop_event, handle_signals=handle_signals)
+        await serve(settings.server, SERVICE_NAME, lambda server: register(server, GatewayServicer(backends)),
+                    backends.connect, stop_event=stop_event, handle_signals=handle_signals)
     finally:
         await backends.close()

@@ -28,7 +28,9 @@ ROLES = {"system", "user", "assistant"}
 log = logging.getLogger("specsplit.gateway")
 
 
-class InvalidRequest(Exception):
+class Refused(Exception):
+    """A request the gateway will not run, with the status code that tells the caller why."""
+
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
@@ -119,44 +121,44 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     async def _plan_or_abort(self, request, context) -> Plan:
         try:
             return self.plan(request)
-        except InvalidRequest as e:
+        except Refused as e:
             await context.abort(e.code, str(e))
 
     def plan(self, request: pb.GenerateRequest) -> Plan:
         b = self._backends
         if b.target is None:  # health says NOT_SERVING until connect() finished; be just as clear here
-            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
-                                                              "verify services")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
+                          "verify services")
         settings = b.settings
         prompt_ids = self._prompt_ids(request)
         max_context = b.target.max_context
         if len(prompt_ids) + 1 > max_context:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"prompt is {len(prompt_ids)} tokens; the target's context is {max_context}, "
-                                 "which must also hold at least one generated token")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt is {len(prompt_ids)} tokens; the target's context is {max_context}, "
+                          "which must also hold at least one generated token")
         if request.max_new_tokens < 1:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1")
         if request.max_new_tokens > settings.max_new_tokens_limit:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"max_new_tokens {request.max_new_tokens} exceeds this gateway's limit of "
-                                 f"{settings.max_new_tokens_limit}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_new_tokens {request.max_new_tokens} exceeds this gateway's limit of "
+                          f"{settings.max_new_tokens_limit}")
         self._check_sampling(request.sampling)
         stops = tuple(request.stop.stop_strings)
         if len(stops) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
         gamma = request.gamma or settings.default_gamma
         if not 1 <= gamma <= MAX_GAMMA:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {gamma} is not in 1..{MAX_GAMMA}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {gamma} is not in 1..{MAX_GAMMA}")
         drafter = request.drafter or b.default_drafter
         if drafter not in b.drafters:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         mode = request.speculation or pb.SPECULATION_AUTO
         speculate = mode != pb.SPECULATION_OFF
         problem = b.incompatibility(drafter)
         if speculate and problem:
-            raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, problem)
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
@@ -168,29 +170,29 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if kind == "text":
             ids = tokenizer.encode(request.text) if request.text.strip() else []
             if not ids:
-                raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
             return ids
         if kind != "chat" or not request.chat.messages:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set text or chat.messages")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set text or chat.messages")
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         bad = [m["role"] for m in messages if m["role"] not in ROLES]
         if bad:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"unknown chat role {bad[0]!r}; use {sorted(ROLES)}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown chat role {bad[0]!r}; use {sorted(ROLES)}")
         if not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, "the target's tokenizer has no chat template")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the target's tokenizer has no chat template")
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=True)["input_ids"])
 
     @staticmethod
     def _check_sampling(sampling: pb.SamplingParams) -> None:
         if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"temperature {sampling.temperature} must be a finite number >= 0")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"temperature {sampling.temperature} must be a finite number >= 0")
         if not (math.isfinite(sampling.top_p) and 0 <= sampling.top_p <= 1):
-            raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {sampling.top_p} is not in [0, 1]")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {sampling.top_p} is not in [0, 1]")
         if sampling.temperature > 0:
-            raise InvalidRequest(grpc.StatusCode.UNIMPLEMENTED,
-                                 "sampling at temperature > 0 is not implemented yet; use temperature 0 (greedy)")
+            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                          "sampling at temperature > 0 is not implemented yet; use temperature 0 (greedy)")
 
 
 def register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:

@@ -153,9 +153,9 @@ def main(args, config: StackConfig) -> int:
             stack.stop()
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
+    where = f"transport={config.transport}, target dtype={config.dtype}" if stack else f"gateway={address}"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-              f"repeats={args.repeats}, drafter={info.drafter}, gamma={info.gamma}, transport={config.transport if stack else address}, "
-              f"target dtype={config.dtype}, {exact}")
+              f"repeats={args.repeats}, drafter={info.drafter}, gamma={info.gamma}, {where}, {exact}")
     print_table(rows, header)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,

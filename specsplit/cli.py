@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from specsplit.settings import (DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings)
+from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
 
 ENV = os.environ.get
 
@@ -250,8 +250,13 @@ def cmd_fetch_model(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    return {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-            "fetch-model": cmd_fetch_model}[a.command](a)
+    command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
+               "fetch-model": cmd_fetch_model}[a.command]
+    try:
+        return command(a)
+    except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as e:  # bad flags, a service that died
+        print(f"specsplit {a.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

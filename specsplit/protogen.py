@@ -17,8 +17,8 @@ def generate(out_dir: Path) -> list[Path]:
 
     sources = sorted(PROTOS.rglob("*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *map(str, sources)]
+    args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *map(str, sources)]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     generated = []
@@ -29,7 +29,7 @@ def generate(out_dir: Path) -> list[Path]:
             if parent != Path(".") and not init.exists():
                 init.write_text("")
         stem = source.stem
-        generated += [package_dir / f"{stem}_pb2.py", package_dir / f"{stem}_pb2.pyi", package_dir / f"{stem}_pb2_grpc.py"]
+        generated += [package_dir / f"{stem}{suffix}" for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
     return generated
 
 

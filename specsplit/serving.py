@@ -15,6 +15,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specsplit.sessions import SessionTable
+from specsplit.settings import ServerSettings
+
 log = logging.getLogger("specsplit")
 
 # Token ids and stats only; 64 MiB leaves room for long prompts without allowing abuse.
@@ -52,31 +55,32 @@ class ModelWorker:
 
 
 async def serve(
-    *,
-    listen: str,
-    service_names: list[str],
+    settings: ServerSettings,
+    service_name: str,
     register: Callable[[grpc.aio.Server], None],
     warmup: Callable[[], Awaitable[None]] | None = None,
-    address_file: str | None = None,
-    grace_s: float = 5.0,
-    on_stop: Callable[[], Awaitable[None]] | None = None,
+    *,
+    sessions: SessionTable | None = None,
+    worker: ModelWorker | None = None,
     stop_event: asyncio.Event | None = None,
     handle_signals: bool = True,
 ) -> None:
-    """Binds `listen` (`unix:///path.sock` or `host:port`, port 0 picks one), reports NOT_SERVING
-    until `warmup` finished, writes the bound address to `address_file`, and on SIGINT/SIGTERM (or
-    `stop_event`) flips health to NOT_SERVING and stops with `grace_s` for in-flight calls."""
+    """Binds `settings.listen` (`unix:///path.sock` or `host:port`, port 0 picks one), reports
+    NOT_SERVING until `warmup` finished, writes the bound address to `settings.address_file`, sweeps
+    idle `sessions`, and on SIGINT/SIGTERM (or `stop_event`) flips health to NOT_SERVING, gives
+    in-flight calls `settings.grace_s`, then stops the `worker`."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
     async def set_status(status: int) -> None:
-        for name in ["", *service_names]:
+        for name in ("", service_name):
             await health_servicer.set(name, status)
 
     await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+    listen = settings.listen
     sock = unix_path(listen)
     if sock is not None:
         sock.parent.mkdir(parents=True, exist_ok=True)
@@ -92,26 +96,29 @@ async def serve(
     signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    sweeper = asyncio.create_task(sessions.sweep(sessions.idle_timeout_s / 4)) if sessions is not None else None
     try:
         if warmup is not None and not await _unless_stopped(warmup(), stop):
             return
         await set_status(health_pb2.HealthCheckResponse.SERVING)
-        if address_file:
-            tmp = Path(f"{address_file}.tmp")
+        if settings.address_file:
+            tmp = Path(f"{settings.address_file}.tmp")
             tmp.write_text(bound + "\n")
-            os.replace(tmp, address_file)
-        log.info("%s serving on %s", ",".join(service_names), bound)
+            os.replace(tmp, settings.address_file)
+        log.info("%s serving on %s", service_name, bound)
         await stop.wait()
     finally:
         await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(grace_s)
-        if on_stop is not None:
-            await on_stop()
+        await server.stop(settings.grace_s)
+        if sweeper is not None:
+            sweeper.cancel()
+        if worker is not None:
+            worker.shutdown()
         if sock is not None and sock.exists():
             sock.unlink()
         for sig in signals:
             loop.remove_signal_handler(sig)
-        log.info("%s stopped", ",".join(service_names))
+        log.info("%s stopped", service_name)
 
 
 async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:

@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 import pytest
-
 from conftest import running_stack
+
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
@@ -157,8 +157,8 @@ async def test_internal_calls_refuse_bad_input(models, tmp_path):
                 == grpc.StatusCode.ALREADY_EXISTS
             assert await code_of(verifier.Verify(vpb.VerifyRequest(session_id="s", length=9, draft_token_ids=[1]))) \
                 == grpc.StatusCode.FAILED_PRECONDITION
-            assert await code_of(verifier.Verify(vpb.VerifyRequest(session_id="s", length=4, draft_token_ids=[10**6]))) \
-                == grpc.StatusCode.INVALID_ARGUMENT
+            huge = vpb.VerifyRequest(session_id="s", length=4, draft_token_ids=[10**6])
+            assert await code_of(verifier.Verify(huge)) == grpc.StatusCode.INVALID_ARGUMENT
             ok = await verifier.Verify(vpb.VerifyRequest(session_id="s", length=4, draft_token_ids=[1, 2]))
             assert ok.length == 4 + ok.num_accepted + 1
             assert (await verifier.Release(vpb.ReleaseRequest(session_id="s"))).released

@@ -40,8 +40,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt token id {max(prompt)} is out of range for vocab size {self._lm.vocab_size}")
         if len(prompt) + 1 > self._lm.max_context:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                f"prompt of {len(prompt)} tokens leaves no room in the context of {self._lm.max_context}")
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"prompt of {len(prompt)} tokens leaves no room "
+                                                              f"in the context of {self._lm.max_context}")
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specsplit.modeling import KVSequence, LoadedModel
 from draft_service.drafters.base import DrafterDescription, DraftSession
+from specsplit.modeling import KVSequence, LoadedModel
 
 
 class ModelSession(DraftSession):
