@@ -54,7 +54,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         start = time.perf_counter_ns()
-        session = await self._worker.run(drafter.start, list(request.prompt_token_ids))
+        session = drafter.start(list(request.prompt_token_ids))
         prefill_ns = time.perf_counter_ns() - start
         try:
             self._sessions.put(request.session_id, Entry(drafter, session))
@@ -85,8 +85,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def warmup(self) -> None:
         for drafter in self._drafters.values():
-            session = await self._worker.run(drafter.start, [0] * 8)
-            await self._worker.run(drafter.propose, session, 4)
+            await self._worker.run(drafter.propose, drafter.start([0] * 8), 4)
 
 
 def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], gamma: int) -> tuple[list[int], int]:

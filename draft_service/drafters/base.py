@@ -37,7 +37,7 @@ class Drafter(Protocol):
     runs_model: bool  # False: cheap enough to run on the event loop
 
     def start(self, prompt: list[int]) -> DraftSession:
-        """A new session fed with the prompt. Blocking (may run a model)."""
+        """A new session holding the prompt. Cheap: model work waits for the first propose."""
 
     def propose(self, session: DraftSession, gamma: int) -> list[int]:
         """Up to `gamma` tokens continuing session.tokens; fewer or none when it has no guess."""
