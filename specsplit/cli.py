@@ -240,10 +240,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def cmd_fetch_model(a: argparse.Namespace) -> int:
-    from specsplit.default_model import ensure_default_model
-    from specsplit.runtime import configure_process
+    import logging
 
-    configure_process(0)
+    from specsplit.default_model import ensure_default_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(ensure_default_model())
     return 0
 
