@@ -47,3 +47,38 @@ def test_stop_string_spanning_rounds_after_emitted_text():
     out = [asm.add(ids(part)) for part in ["aaaa", "bS", "TO", "Pzz"]]
     assert "".join(d.text for d in out) == "aaaab"
     assert out[-1].finish == pb.FINISH_REASON_STOP_STRING
+
+
+def test_text_is_the_full_decode_however_tokens_are_grouped():
+    """Byte-level BPE with ids that split multi-byte characters: any grouping into rounds gives the
+    text a one-shot decode gives, so speculation on and off return the same text."""
+    import random
+
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer(300)
+    rng = random.Random(0)
+    specials = set(tok.all_special_ids)
+    for _ in range(30):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        ids = [i for i in ids if i not in specials] or [70]
+        pieces, start = [], 0
+        while start < len(ids):
+            step = rng.randrange(1, 6)
+            pieces.append(ids[start:start + step])
+            start += step
+        asm = TextAssembler(tok, frozenset())
+        deltas = [asm.add(p, pb.FINISH_REASON_LENGTH if i == len(pieces) - 1 else 0) for i, p in enumerate(pieces)]
+        assert "".join(d.text for d in deltas) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_incomplete_character_is_held_until_it_completes():
+    class Bytes:
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    asm = TextAssembler(Bytes(), frozenset())
+    snowman = list("☃".encode())  # three bytes
+    first = asm.add([ord("a"), snowman[0]])
+    second = asm.add(snowman[1:])
+    assert (first.text, second.text) == ("a", "☃")
