@@ -59,6 +59,18 @@ async def test_speculation_on_equals_off_token_for_token(models, tmp_path, trans
         assert await wait_released(stack) == (0, 0)
 
 
+async def test_concurrent_requests_keep_their_sessions_apart(models, tmp_path):
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            alone = [await gw.Generate(request(p, drafter="model")) for p in PROMPTS]
+            together = await asyncio.gather(*(gw.Generate(request(p, drafter=d))
+                                              for p in PROMPTS for d in ("model", "ngram")))
+        for i, response in enumerate(together):
+            assert list(response.token_ids) == list(alone[i // 2].token_ids)
+        assert await wait_released(stack) == (0, 0)
+
+
 async def test_stats_add_up_and_stream_matches_unary(models, tmp_path):
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
