@@ -71,6 +71,27 @@ async def test_concurrent_requests_keep_their_sessions_apart(models, tmp_path):
         assert await wait_released(stack) == (0, 0)
 
 
+async def test_generation_stops_at_the_context_end_with_drafts_clamped(models, tmp_path):
+    async with running_stack(tmp_path, "tcp", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            prompt = "def add(a, b):\n    return a + b\n" * 200
+            tokens = len(stack_tokenizer(models["target"]).encode(prompt))
+            cut = prompt[:len(prompt) * 250 // tokens]  # about 250 of the model's 256 positions
+            for speculation in (pb.SPECULATION_OFF, pb.SPECULATION_ON):
+                response = await gw.Generate(request(cut, speculation, drafter="model", gamma=8, max_new_tokens=50))
+                prompt_tokens = response.stats.prompt_tokens
+                assert 240 < prompt_tokens < 256
+                assert response.finish_reason == pb.FINISH_REASON_CONTEXT
+                assert prompt_tokens + response.stats.generated_tokens == 256
+
+
+def stack_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 async def test_stats_add_up_and_stream_matches_unary(models, tmp_path):
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
