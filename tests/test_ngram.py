@@ -39,3 +39,22 @@ def test_sync_refuses_a_gap():
     session = DraftSession([1, 2])
     with pytest.raises(ValueError, match="past the 2 tokens"):
         session.sync(3, [5])
+
+
+def test_packed_search_equals_a_plain_scan_including_misaligned_byte_matches():
+    import random
+
+    def scan(tokens, gamma, min_n, max_n):
+        length = len(tokens)
+        for n in range(min(max_n, length - 1), min_n - 1, -1):
+            for start in range(length - n - 1, -1, -1):
+                if tokens[start:start + n] == tokens[length - n:]:
+                    return tokens[start + n:start + n + gamma]
+        return []
+
+    rng = random.Random(0)
+    # Ids whose uint32 bytes overlap when shifted (0, 1, 256, 65536...) provoke unaligned hits.
+    alphabet = [0, 1, 2, 256, 257, 65536, 65537, 16777216]
+    for _ in range(2000):
+        tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 30))]
+        assert lookup(tokens, 3, 1, 3) == scan(tokens, 3, 1, 3), tokens
