@@ -32,24 +32,37 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
-class RowInvariantLinear(nn.Linear):
-    """nn.Linear whose result for a row does not depend on the other rows in the call.
+class FlatLinear(nn.Linear):
+    """nn.Linear applied to a 2-D [rows, in] view of its input.
+
+    A one-row input sliced out of a longer sequence (transformers' `logits_to_keep`) keeps the
+    long tensor's leading strides, and CPU GEMM then takes a slow path: 81 ms instead of 2.3 ms for
+    the 49152 x 576 bf16 output head (measured). Reshaping to 2-D gives it ordinary strides.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+        return self._linear(flat).reshape(*x.shape[:-1], -1)
+
+    def _linear(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat, self.weight, self.bias)
+
+
+class RowInvariantLinear(FlatLinear):
+    """A linear whose result for a row does not depend on the other rows in the call.
 
     bf16 (measured): every row count >= 2 takes the same kernel, one row a different one, so a lone
     row is padded with a zero row. fp32 (measured): MKL's sgemm result changes with the row count,
     so rows are multiplied in independent pairs (a batched [pairs, 2, in] @ [in, out]).
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        flat = x.reshape(rows, x.shape[-1])  # [rows, in]
+    def _linear(self, flat: torch.Tensor) -> torch.Tensor:
+        rows, width = flat.shape
         if self.weight.dtype == torch.float32:
-            out = self._paired(flat)
-        elif rows == 1:
-            out = F.linear(torch.cat([flat, flat.new_zeros(1, flat.shape[1])]), self.weight, self.bias)[:1]
-        else:
-            out = F.linear(flat, self.weight, self.bias)
-        return out.reshape(*x.shape[:-1], -1)
+            return self._paired(flat)
+        if rows == 1:
+            return F.linear(torch.cat([flat, flat.new_zeros(1, width)]), self.weight, self.bias)[:1]
+        return F.linear(flat, self.weight, self.bias)
 
     def _paired(self, flat: torch.Tensor) -> torch.Tensor:
         rows, width = flat.shape
@@ -104,12 +117,12 @@ def attention_for(dtype: torch.dtype, exact: bool) -> str:
     return ROWWISE_ATTENTION if dtype == torch.float32 else "eager"
 
 
-def make_row_invariant(model: nn.Module) -> int:
-    """Swap every nn.Linear for RowInvariantLinear in place (same parameters); returns how many."""
+def swap_linears(model: nn.Module, cls: type[FlatLinear]) -> int:
+    """Turn every nn.Linear into `cls` in place (same parameters); returns how many."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
-            module.__class__ = RowInvariantLinear
+            module.__class__ = cls
             count += 1
     return count
 
@@ -164,8 +177,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
             path, dtype=torch_dtype, attn_implementation=attention_for(torch_dtype, exact), local_files_only=True)
         model.to(device).eval()
     model.requires_grad_(False)
-    if exact:
-        make_row_invariant(model)
+    swap_linears(model, RowInvariantLinear if exact else FlatLinear)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     config = model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draft_service.drafters.model import ModelDrafter
-from specsplit.modeling import KVSequence, RowInvariantLinear, load_model, tokenizer_fingerprint
+from specsplit.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model, tokenizer_fingerprint
 from verify_service.engine import LengthMismatch, Target
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
@@ -25,14 +25,16 @@ def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models,
     assert torch.equal(torch.stack(singles), chunked)
 
 
-def test_row_invariant_linear_matches_plain_linear_closely():
+@pytest.mark.parametrize("cls", [FlatLinear, RowInvariantLinear])
+def test_swapped_linears_compute_what_nn_linear_computes(cls):
     torch.manual_seed(0)
     plain = torch.nn.Linear(32, 48)
     x = torch.randn(3, 7, 32)
-    expected = plain(x)
-    plain.__class__ = RowInvariantLinear
+    last = x[:1, -1:, :]  # a one-row view with the long tensor's strides, as logits_to_keep makes
+    expected, expected_last = plain(x), plain(last)
+    plain.__class__ = cls
     assert torch.allclose(plain(x), expected, atol=1e-5)
-    assert plain(x[:1, :1]).shape == (1, 1, 48)
+    assert plain(last).shape == (1, 1, 48) and torch.allclose(plain(last), expected_last, atol=1e-5)
 
 
 def test_target_rollback_matches_a_from_scratch_forward(models):
