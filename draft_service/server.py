@@ -51,8 +51,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"drafter {name!r} uses tokenizer {theirs}, the target uses "
                                 f"{request.target_tokenizer_fingerprint}: token ids would not match")
-        if request.session_id in self._sessions:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         start = time.perf_counter_ns()
         session = drafter.start(list(request.prompt_token_ids))
         prefill_ns = time.perf_counter_ns() - start

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -39,19 +38,17 @@ class StackConfig:
     drafter: str = "ngram"  # the draft service's default drafter
     gamma: int = 4
     threads: int = 0
-    run_dir: str | None = None  # sockets and address files; a fresh temp dir when None
-    extra_env: dict[str, str] = field(default_factory=dict)
+    run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
 
 
 class Stack:
     """verify + draft (in parallel), then the gateway; each a `specsplit serve` process."""
 
-    def __init__(self, config: StackConfig, log_dir: str | None = None):
+    def __init__(self, config: StackConfig):
         self.config = config
         self._own_dir = config.run_dir is None
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="specsplit-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir = Path(log_dir) if log_dir else self.run_dir
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
 
@@ -69,9 +66,8 @@ class Stack:
                "--address-file", str(address_file), *args]
         if self.config.threads:
             cmd += ["--threads", str(self.config.threads)]
-        log = open(self.log_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                                            env={**os.environ, **self.config.extra_env})
+        log = open(self.run_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
 
     def _await(self, names: list[str], timeout_s: float) -> None:
@@ -82,7 +78,7 @@ class Stack:
                 proc = self.procs[name]
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} service exited with {proc.returncode}; "
-                                       f"last lines of {self.log_dir / f'{name}.log'}:\n{self.tail(name)}")
+                                       f"last lines of {self.run_dir / f'{name}.log'}:\n{self.tail(name)}")
                 path = self.run_dir / f"{name}.address"
                 if path.exists():
                     self.addresses[name] = path.read_text().strip()
@@ -93,7 +89,7 @@ class Stack:
             time.sleep(0.1)
 
     def tail(self, name: str, lines: int = 20) -> str:
-        path = self.log_dir / f"{name}.log"
+        path = self.run_dir / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def start(self, timeout_s: float = 600.0) -> str:
