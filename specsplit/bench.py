@@ -4,6 +4,7 @@ services, summarised per task type."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -41,6 +42,8 @@ class Record:
     network_ms: float
     identical: bool
     first_divergence: int  # index of the first differing token, -1 when identical
+    off_runs: list[float]  # every client wall time (s), speculation off
+    on_runs: list[float]
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
@@ -85,7 +88,13 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int) -> Record:
     return Record(p.task_type, p.prompt, statistics.median(times[pb.SPECULATION_OFF]),
                   statistics.median(times[pb.SPECULATION_ON]), len(off.token_ids), len(on.token_ids),
                   s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
-                  div < 0, div)
+                  div < 0, div, times[pb.SPECULATION_OFF], times[pb.SPECULATION_ON])
+
+
+def p95(values: list[float]) -> float:
+    """Nearest-rank 95th percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 def summarise(records: list[Record]) -> list[dict]:
@@ -109,20 +118,23 @@ def summarise(records: list[Record]) -> list[dict]:
             "draft_share": sum(r.draft_ms for r in rs) / on_ms,
             "verify_share": sum(r.verify_ms for r in rs) / on_ms,
             "network_share": sum(r.network_ms for r in rs) / on_ms,
+            "p95_off_s": p95([t for r in rs for t in r.off_runs]),
+            "p95_on_s": p95([t for r in rs for t in r.on_runs]),
         })
     return rows
 
 
 def print_table(rows: list[dict], header: str, out=sys.stdout) -> None:
     print(header, file=out)
-    cols = f"{'task type':<11}{'n':>3}{'tok/s off':>11}{'tok/s on':>10}{'on/off':>8}{'acc.len':>9}" \
-           f"{'drafted':>9}{'identical':>11}{'draft%':>8}{'verify%':>9}{'net%':>6}  first divergence"
+    cols = (f"{'task type':<11}{'n':>3}{'tok/s off':>11}{'tok/s on':>10}{'on/off':>8}{'acc.len':>9}{'drafted':>9}"
+            f"{'identical':>11}{'draft%':>8}{'verify%':>9}{'net%':>6}{'p95 off/on s':>14}  first divergence")
     print(cols, file=out)
     for r in rows:
         print(f"{r['task_type']:<11}{r['prompts']:>3}{r['tok_s_off']:>11.1f}{r['tok_s_on']:>10.1f}"
               f"{r['speedup']:>7.2f}x{r['acceptance_length']:>9.2f}{r['drafted_per_round']:>9.2f}"
               f"{r['identical']:>7}/{r['prompts']:<3}{100 * r['draft_share']:>8.1f}{100 * r['verify_share']:>9.1f}"
-              f"{100 * r['network_share']:>6.1f}  {r['first_divergence'] or '-'}", file=out)
+              f"{100 * r['network_share']:>6.1f}{r['p95_off_s']:>8.2f}/{r['p95_on_s']:<5.2f}"
+              f"  {r['first_divergence'] or '-'}", file=out)
 
 
 def main(args, config: StackConfig) -> int:

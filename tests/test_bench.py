@@ -17,7 +17,7 @@ def test_starter_prompts_cover_four_task_types():
 
 def record(task, off_s, on_s, tokens, rounds, accepted, identical=True):
     return Record(task, "p", off_s, on_s, tokens, tokens, rounds, rounds * 4, accepted, 1.0, 2.0, 0.5,
-                  identical, -1 if identical else 3)
+                  identical, -1 if identical else 3, [off_s, off_s + 1], [on_s])
 
 
 def test_summary_ratios_and_counts():
@@ -32,3 +32,12 @@ def test_summary_ratios_and_counts():
     assert code["acceptance_length"] == (11 + 27) / 27
     assert code["identical"] == 1 and code["first_divergence"] == [3]
     assert rows["ALL"]["prompts"] == 3 and rows["open"]["acceptance_length"] == 1.0
+    assert (code["p95_off_s"], code["p95_on_s"]) == (3.0, 2.0)
+
+
+def test_p95_is_nearest_rank():
+    from specsplit.bench import p95
+
+    assert p95([5.0]) == 5.0
+    assert p95([float(i) for i in range(1, 21)]) == 19.0
+    assert p95([float(i) for i in range(1, 101)]) == 95.0
