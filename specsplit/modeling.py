@@ -117,14 +117,11 @@ def attention_for(dtype: torch.dtype, exact: bool) -> str:
     return ROWWISE_ATTENTION if dtype == torch.float32 else "eager"
 
 
-def swap_linears(model: nn.Module, cls: type[FlatLinear]) -> int:
-    """Turn every nn.Linear into `cls` in place (same parameters); returns how many."""
-    count = 0
+def swap_linears(model: nn.Module, cls: type[FlatLinear]) -> None:
+    """Turn every nn.Linear into `cls` in place (same parameters)."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = cls
-            count += 1
-    return count
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

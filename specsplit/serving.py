@@ -37,10 +37,6 @@ def unix_path(address: str) -> Path | None:
     return None
 
 
-def transport_of(address: str) -> str:
-    return "unix" if unix_path(address) else "tcp"
-
-
 class ModelWorker:
     """Runs blocking model calls on one thread, in arrival order, off the event loop."""
 
