@@ -5,19 +5,28 @@ from __future__ import annotations
 import asyncio
 
 from draft_service.drafters.base import Drafter
+from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.model import ModelDrafter
-from draft_service.drafters.ngram import NgramDrafter
+from draft_service.drafters.ngram import NgramDrafter, OutputStore
+from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
-from specsplit import runtime
+from specsplit import default_model, runtime
 from specsplit.serving import ModelWorker, serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import DraftSettings
 
 
 def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
-    drafters: dict[str, Drafter] = {"ngram": NgramDrafter("ngram", settings.ngram_min, settings.ngram_max)}
+    store = OutputStore(settings.store_tokens) if settings.store_tokens > 0 else None
+    ngram = NgramDrafter("ngram", settings.ngram_min, settings.ngram_max, store=store)
+    drafters: dict[str, Drafter] = {"ngram": ngram}
     if settings.model is not None:
         drafters["model"] = ModelDrafter(runtime.load(settings.model), "model")
+    if settings.self_head is not None:
+        head = SelfDrafter(resolve_head(settings.self_head), default_model.resolve(settings.target_model),
+                           settings.device)
+        drafters["self"] = head
+        drafters["hybrid"] = HybridDrafter(ngram, head, settings.hybrid_min_match)
     return drafters
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
-from draft_service.drafters.base import Drafter, DraftSession
+from draft_service.drafters.base import Drafter, DraftSession, Proposal
+from specsplit import features as wire
 from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.serving import ModelWorker
@@ -32,9 +35,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._default = default
         self._sessions = sessions
         self._worker = worker
+        self._ns_per_token: dict[str, int] = {}  # measured in warmup
 
     async def Info(self, request, context):
-        infos = [pb.DrafterInfo(**vars(d.description)) for d in self._drafters.values()]
+        infos = [pb.DrafterInfo(**vars(d.description), memory_bytes=d.memory_bytes,
+                                draft_ns_per_token=self._ns_per_token.get(name, 0))
+                 for name, d in self._drafters.items()]
         return pb.InfoResponse(drafters=infos, default_drafter=self._default,
                                active_sessions=len(self._sessions), max_sessions=self._sessions.max_sessions)
 
@@ -51,6 +57,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"drafter {name!r} uses tokenizer {theirs}, the target uses "
                                 f"{request.target_tokenizer_fingerprint}: token ids would not match")
+        trained_for = drafter.description.target_model_fingerprint
+        if request.target_model_fingerprint and trained_for and trained_for != request.target_model_fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"drafter {name!r} was trained for target weights {trained_for}, the target has "
+                                f"{request.target_model_fingerprint}: retrain it with `specsplit distill`")
         start = time.perf_counter_ns()
         session = drafter.start(list(request.prompt_token_ids))
         prefill_ns = time.perf_counter_ns() - start
@@ -67,30 +78,59 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
         try:
             entry = self._sessions.get(request.session_id)
-            args = (entry, request.base_length, list(request.new_token_ids), request.gamma)
+            features = None
+            if request.HasField("features"):
+                features = (request.features.start, wire.decode(request.features))
+                width, name = features[1].shape[1], entry.drafter.description.name
+                if width != entry.session.feature_dim:
+                    raise ValueError(f"features of width {width}; drafter {name!r} reads "
+                                     f"{f'width {entry.session.feature_dim}' if entry.session.feature_dim else 'none'}")
+            args = (entry, request.base_length, list(request.new_token_ids), features, request.gamma)
             # A model-free drafter answers in microseconds: the worker-thread hop (~0.2 ms) would
             # cost more than the drafting.
-            drafts, draft_ns = (await self._worker.run(_sync_and_propose, *args) if entry.drafter.runs_model
-                                else _sync_and_propose(*args))
+            proposal, draft_ns = (await self._worker.run(_sync_and_propose, *args) if entry.drafter.runs_model
+                                  else _sync_and_propose(*args))
         except SessionNotFound:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return pb.ProposeResponse(draft_token_ids=drafts, draft_ns=draft_ns)
+        return pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source)
 
     async def EndSession(self, request, context):
-        return pb.EndSessionResponse(ended=self._sessions.pop(request.session_id) is not None)
+        entry = self._sessions.pop(request.session_id)
+        if entry is not None:
+            entry.drafter.end(entry.session)
+        return pb.EndSessionResponse(ended=entry is not None)
 
     async def warmup(self) -> None:
-        for drafter in self._drafters.values():
-            await self._worker.run(drafter.propose, drafter.start([0] * 8), 4)
+        """Runs every drafter once and measures its cost per drafted token."""
+        for name, drafter in self._drafters.items():
+            self._ns_per_token[name] = await self._worker.run(_measure, drafter)
 
 
-def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], gamma: int) -> tuple[list[int], int]:
+def _measure(drafter: Drafter, gamma: int = 4, calls: int = 5) -> int:
+    session = drafter.start([1] * 8)
+    if session.feature_dim:
+        session.add_features(0, torch.zeros(7, session.feature_dim))
+    times = []
+    for i in range(calls + 1):
+        entry = Entry(drafter, session)
+        new = [1] if i else []
+        feats = (len(session.tokens) - 1, torch.zeros(1, session.feature_dim)) if i and session.feature_dim else None
+        proposal, ns = _sync_and_propose(entry, len(session.tokens), new, feats, gamma)
+        if i:  # the first call warms up lazy init
+            times.append(ns / gamma)
+    return int(statistics.median(times))
+
+
+def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], features,
+                      gamma: int) -> tuple[Proposal, int]:
     start = time.perf_counter_ns()
     entry.session.sync(base_length, new_tokens)
-    drafts = entry.drafter.propose(entry.session, gamma)
-    return drafts, time.perf_counter_ns() - start
+    if features is not None:
+        entry.session.add_features(*features)
+    proposal = entry.drafter.propose(entry.session, gamma)
+    return proposal, time.perf_counter_ns() - start
 
 
 def register(server: grpc.aio.Server, servicer: DrafterServicer) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.textstream import TextAssembler
+from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
@@ -37,6 +38,7 @@ class Plan:
     gamma: int
     drafter: str
     task_type: str
+    needs_features: bool = False  # the drafter reads target features: the verifier returns them
 
 
 @dataclass
@@ -52,6 +54,14 @@ class UpstreamError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+def _join(pending: cpb.Features | None, new: cpb.Features) -> cpb.Features:
+    """Features not delivered yet (no Propose ran since) followed by the new rows."""
+    if pending is None or not pending.rows:
+        return new
+    return cpb.Features(start=pending.start, rows=pending.rows + new.rows, dim=new.dim, dtype=new.dtype,
+                        data=pending.data + new.data)
 
 
 def _ms(ns: int | float) -> float:
@@ -75,7 +85,7 @@ class Orchestrator:
         drafting = plan.speculate
         call = _Caller(time_remaining, self._rpc_timeout_s)
         try:
-            first, drafting = await self._prefill(session_id, plan, call, drafting)
+            first, features, drafting = await self._prefill(session_id, plan, call, drafting)
             tally.prefill_ms = (time.perf_counter() - started) * 1e3
             tally.decode_start = time.perf_counter()
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
@@ -92,17 +102,22 @@ class Orchestrator:
                 # Never draft past max_new_tokens or the context: accepted + 1 must fit.
                 gamma = min(plan.gamma, plan.max_new_tokens - generated - 1, self._target.max_context - length - 1)
                 round_start = time.perf_counter()
-                drafts, draft_ns, draft_rpc_ns = [], 0, 0
+                drafts, draft_ns, draft_rpc_ns, source = [], 0, 0, ""
+                feature_bytes = len(features.data) if features is not None else 0
                 if drafting and gamma >= 1:
                     t = time.perf_counter_ns()
                     proposal = await call(self._drafter.Propose, dpb.ProposeRequest(
-                        session_id=session_id, base_length=base, new_token_ids=new_tokens, gamma=gamma), "draft")
+                        session_id=session_id, base_length=base, new_token_ids=new_tokens, gamma=gamma,
+                        features=features), "draft")
                     draft_rpc_ns = time.perf_counter_ns() - t
-                    drafts, draft_ns = list(proposal.draft_token_ids), proposal.draft_ns
+                    drafts, draft_ns, source = list(proposal.draft_token_ids), proposal.draft_ns, proposal.source
+                    features = None  # delivered
                 t = time.perf_counter_ns()
                 verdict = await call(self._verifier.Verify, vpb.VerifyRequest(
                     session_id=session_id, length=length, draft_token_ids=drafts), "verify")
                 verify_rpc_ns = time.perf_counter_ns() - t
+                if plan.needs_features and drafting:
+                    features = _join(features, verdict.features)
                 new_tokens = [*drafts[:verdict.num_accepted], verdict.next_token_id]
                 base, length = length, verdict.length
                 generated += len(new_tokens)
@@ -110,7 +125,8 @@ class Orchestrator:
                     drafted=len(drafts), accepted=verdict.num_accepted, draft_ms=_ms(draft_ns),
                     verify_ms=_ms(verdict.forward_ns),
                     network_ms=_ms(draft_rpc_ns - draft_ns + verify_rpc_ns - verdict.forward_ns),
-                    round_ms=(time.perf_counter() - round_start) * 1e3))
+                    round_ms=(time.perf_counter() - round_start) * 1e3, draft_source=source,
+                    feature_bytes=feature_bytes))
                 delta = text.add(new_tokens, self._limit(generated, length, plan))
         finally:
             await asyncio.shield(self._release(session_id, plan.speculate))
@@ -122,25 +138,28 @@ class Orchestrator:
             return pb.FINISH_REASON_CONTEXT
         return pb.FINISH_REASON_UNSPECIFIED
 
-    async def _prefill(self, session_id: str, plan: Plan, call: _Caller, drafting: bool) -> tuple[int, bool]:
-        """Prefills the verifier and the drafter in parallel; returns the first token and whether
-        drafting goes on."""
+    async def _prefill(self, session_id: str, plan: Plan, call: _Caller,
+                       drafting: bool) -> tuple[int, cpb.Features | None, bool]:
+        """Prefills the verifier and the drafter in parallel; returns the first token, the prompt's
+        features (for drafters that read them) and whether drafting goes on."""
         prefill = call(self._verifier.Prefill, vpb.PrefillRequest(
-            session_id=session_id, prompt_token_ids=plan.prompt_ids), "verify")
+            session_id=session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features),
+            "verify")
         if not drafting:
-            return (await prefill).next_token_id, False
+            return (await prefill).next_token_id, None, False
         start = call(self._drafter.StartSession, dpb.StartSessionRequest(
             session_id=session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
-            target_tokenizer_fingerprint=self._target.tokenizer_fingerprint), "draft")
+            target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
+            target_model_fingerprint=self._target.model_fingerprint), "draft")
         verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
         if isinstance(verified, BaseException):
             raise verified
         if isinstance(started, UpstreamError) and plan.may_fall_back and started.code in _DRAFTER_DOWN:
             log.warning("draft service unavailable, continuing without speculation: %s", started)
-            return verified.next_token_id, False
+            return verified.next_token_id, None, False
         if isinstance(started, BaseException):
             raise started
-        return verified.next_token_id, True
+        return verified.next_token_id, verified.features if plan.needs_features else None, True
 
     def _stats(self, plan: Plan, tally: Tally, started: float, generated: int, drafting: bool) -> pb.GenerationStats:
         rounds = tally.rounds

@@ -45,6 +45,11 @@ def incompatibility(target: vpb.InfoResponse, drafters: dict[str, dpb.DrafterInf
     if theirs and theirs != ours:
         return (f"drafter {name!r} ({drafter.model_id}) uses tokenizer {theirs}, the target "
                 f"{target.model_id} uses {ours}: their token ids do not match")
+    trained_for = drafter.target_model_fingerprint
+    if trained_for and trained_for != target.model_fingerprint:
+        return (f"drafter {name!r} ({drafter.model_id}) was trained for target weights {trained_for}; the target "
+                f"{target.model_id} has weights {target.model_fingerprint or '(unknown)'}: retrain it with "
+                "`specsplit distill`")
     return ""
 
 
@@ -162,7 +167,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
-                    drafter=drafter, task_type=request.task_type)
+                    drafter=drafter, task_type=request.task_type,
+                    needs_features=speculate and b.drafters[drafter].needs_features)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self._backends.tokenizer

@@ -1,4 +1,4 @@
-"""The `specsplit` command: fetch-model, up, serve, generate, bench."""
+"""The `specsplit` command: fetch-model, up, serve, generate, bench, distill."""
 
 from __future__ import annotations
 
@@ -53,9 +53,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="local HF causal LM dir for the 'model' drafter ('default': the embedded model)")
     d.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
     d.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
-    d.add_argument("--default-drafter", default="ngram")
+    d.add_argument("--default-drafter", default="ngram", help="ngram | model | self | hybrid")
     d.add_argument("--ngram-min", type=int, default=1)
     d.add_argument("--ngram-max", type=int, default=3)
+    d.add_argument("--store-tokens", type=int, default=262144,
+                   help="earlier outputs the retrieval drafter remembers across requests (0: none)")
+    d.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
+                   help="feature head from `specsplit distill` for the self and hybrid drafters; 'auto': the "
+                        "shipped head when --target-model is the default; 'none': no head")
+    d.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"),
+                   help="the target the head drafts for (its embeddings are read from here)")
+    d.add_argument("--hybrid-min-match", type=int, default=2,
+                   help="the hybrid copies an n-gram match of at least this length, else uses the head")
     d.add_argument("--max-sessions", type=int, default=64)
     d.add_argument("--idle-timeout", type=float, default=600.0)
 
@@ -88,6 +97,22 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the whole response as one JSON object")
     gen.add_argument("--timeout", type=float, default=600.0)
 
+    dist = sub.add_parser("distill", help="make a self-draft head for a target from its own continuations")
+    dist.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
+    dist.add_argument("--out", required=True, help="work directory: data shards, checkpoint, head/ (resumable)")
+    dist.add_argument("--prompts", help="JSONL of {prompt, task_type} (default: the built-in distillation set)")
+    dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
+    dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
+    dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
+    dist.add_argument("--batch", type=int, default=8, help="prompts generated together")
+    dist.add_argument("--draft-vocab", type=int, default=8192, help="size of the frequency-ranked draft vocabulary")
+    dist.add_argument("--levels", type=int, default=3, help="drafting steps unrolled in training")
+    dist.add_argument("--lr", type=float, default=6e-4)
+    dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
+    dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
+    dist.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
+    dist.add_argument("--stages", default="generate,train,export", help="comma-separated subset to run")
+
     bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
     _stack_flags(bench)
     bench.add_argument("--gateway", help="use this running gateway instead of starting a stack")
@@ -107,7 +132,10 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
-    p.add_argument("--drafter", default="ngram", help="default drafter: ngram, or model with --draft-model")
+    p.add_argument("--drafter", default="ngram",
+                   help="default drafter: ngram | self | hybrid | model (with --draft-model)")
+    p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
+                   help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
     p.add_argument("--run-dir", help="directory for sockets and logs (default: a fresh temp dir)")
@@ -118,6 +146,7 @@ def _stack_config(a: argparse.Namespace):
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, drafter=a.drafter, gamma=a.gamma,
+                       self_head=a.self_head,
                        threads=a.threads, run_dir=a.run_dir)
 
 
@@ -140,7 +169,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False) if a.draft_model else None
         settings = DraftSettings(server=server, model=model, default_drafter=a.default_drafter,
                                  ngram_min=a.ngram_min, ngram_max=a.ngram_max, max_sessions=a.max_sessions,
-                                 idle_timeout_s=a.idle_timeout)
+                                 idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
+                                 self_head=_self_head(a.self_head, a.target_model), target_model=a.target_model,
+                                 device=a.device, hybrid_min_match=a.hybrid_min_match)
     else:
         from gateway.main import run
 
@@ -153,6 +184,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"specsplit serve {a.role}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _self_head(flag: str, target_model: str) -> str | None:
+    """'auto': the shipped head if the target is the embedded default and the head is there."""
+    if flag == "none":
+        return None
+    if flag == "auto":
+        from draft_service.drafters.selfdraft import resolve_head
+
+        return "default" if target_model == "default" and (resolve_head("default") / "head.json").is_file() else None
+    return flag
 
 
 def cmd_up(a: argparse.Namespace) -> int:
@@ -239,6 +281,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a, _stack_config(a))
 
 
+def cmd_distill(a: argparse.Namespace) -> int:
+    from specsplit import runtime
+    from specsplit.distill.pipeline import DistillSettings, distill
+
+    runtime.configure_process(a.threads)
+    stages = tuple(x.strip() for x in a.stages.split(",") if x.strip())
+    unknown = set(stages) - {"generate", "train", "export"}
+    if unknown:
+        raise ValueError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
+    distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
+                            train_minutes=a.train_minutes, max_new_tokens=a.max_new_tokens, batch=a.batch,
+                            draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
+                            stages=stages))
+    return 0
+
+
 def cmd_fetch_model(a: argparse.Namespace) -> int:
     import logging
 
@@ -252,7 +310,7 @@ def cmd_fetch_model(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-               "fetch-model": cmd_fetch_model}[a.command]
+               "distill": cmd_distill, "fetch-model": cmd_fetch_model}[a.command]
     try:
         return command(a)
     except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as e:  # bad flags, a service that died

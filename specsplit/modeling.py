@@ -132,6 +132,33 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """sha256 over every weight tensor's name, shape and 16 evenly spaced rows cast to bfloat16,
+    read lazily from the safetensors files (a few ms, even for large models). Equal digests mean
+    the same weights for any practical purpose: fine-tuning changes every row of a tensor it
+    touches, and the bfloat16 cast makes an fp32 and a bf16 copy of one model agree. "" when the
+    directory has no safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return ""
+    digest = hashlib.sha256()
+    handles = [safe_open(str(f), "pt") for f in files]
+    names = sorted((name, i) for i, h in enumerate(handles) for name in h.keys())
+    for name, i in names:
+        tensor_slice = handles[i].get_slice(name)
+        shape = list(tensor_slice.get_shape())
+        digest.update(json.dumps([name, shape]).encode())
+        if not shape:
+            sample = handles[i].get_tensor(name).reshape(1)
+        else:
+            rows = sorted({round(r * (shape[0] - 1) / 15) for r in range(16)})
+            sample = torch.stack([tensor_slice[r:r + 1][0] for r in rows])
+        digest.update(sample.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -144,6 +171,8 @@ class LoadedModel:
     device: torch.device
     exact: bool
     param_bytes: int
+    model_fingerprint: str
+    hidden_size: int
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -189,6 +218,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         device=torch.device(device),
         exact=exact,
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        model_fingerprint=weights_fingerprint(path),
+        hidden_size=int(config.hidden_size),
     )
 
 
@@ -222,3 +253,17 @@ class KVSequence:
         out = self._model(input_ids=ids, cache=self._cache, use_cache=True,
                           logits_to_keep=1 if last_only else 0)
         return out.logits[0].float()  # [n or 1, vocab]
+
+    @torch.inference_mode()
+    def forward_with_features(self, token_ids: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(), also returning the features (final-norm hidden states) [n, hidden] of every
+        fed token. Logits are lm_head(features), the same arithmetic as the Llama-family
+        *ForCausalLM forward (models that post-process logits, e.g. soft-capping, are not supported
+        for feature drafting)."""
+        device = self._model.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
+        base = getattr(self._model, self._model.base_model_prefix)
+        hidden = base(input_ids=ids, cache=self._cache, use_cache=True).last_hidden_state  # [1, n, hidden]
+        rows = hidden[:, -1:] if last_only else hidden
+        logits = self._model.get_output_embeddings()(rows)
+        return logits[0].float(), hidden[0]

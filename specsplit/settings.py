@@ -32,10 +32,18 @@ class VerifySettings:
 @dataclass(frozen=True)
 class DraftSettings:
     server: ServerSettings
-    model: ModelSettings | None  # None: model-free drafters only
+    model: ModelSettings | None  # None: no standalone draft model
     default_drafter: str = "ngram"
     ngram_min: int = 1
     ngram_max: int = 3
+    store_tokens: int = 262144  # earlier outputs the retrieval drafter remembers (0: none)
+    # A feature head from `specsplit distill` ("default": the one shipped for the embedded target);
+    # None: no self/hybrid drafters. It reads the embedding of target_model, whose weights must
+    # be the ones it was trained on.
+    self_head: str | None = None
+    target_model: str = "default"
+    device: str = "cpu"
+    hybrid_min_match: int = 2  # n-gram length from which the hybrid copies instead of using the head
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
 

@@ -77,6 +77,29 @@ def models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+DISTILL_PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "cat",', "Once upon a time",
+                   "Repeat after me:", "| col | value |", "def sub(a, b):", "There was a small dragon"]
+
+
+def write_prompts(path: Path) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": p, "task_type": "test"}) + "\n" for p in DISTILL_PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="session")
+def self_head(models, tmp_path_factory) -> Path:
+    """A feature head for the tiny target, made by the real `specsplit distill` pipeline."""
+    from specsplit.distill.pipeline import DistillSettings, distill
+
+    work = tmp_path_factory.mktemp("distill")
+    return distill(DistillSettings(target_model=str(models["target"]), out=str(work), dtype="float32",
+                                   prompts=str(write_prompts(work / "prompts.jsonl")), gen_minutes=1.0,
+                                   train_minutes=0.1, max_new_tokens=24, batch=4, draft_vocab=128),
+                   log=lambda *_: None)
+
+
 @dataclass
 class Running:
     gateway: str
@@ -88,7 +111,7 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
-                        default_drafter: str = "ngram", **gateway_kw):
+                        default_drafter: str = "ngram", draft_kw: dict | None = None, **gateway_kw):
     """The three real services in this process, on temp UNIX sockets or loopback TCP ports."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
@@ -114,8 +137,8 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
     draft_model = ModelSettings(str(draft), dtype, exact=False) if draft else None
     tasks = [
         asyncio.create_task(run_verify(VerifySettings(server("verify"), model), stop, handle_signals=False)),
-        asyncio.create_task(run_draft(DraftSettings(server("draft"), draft_model, default_drafter=default_drafter),
-                                      stop, handle_signals=False)),
+        asyncio.create_task(run_draft(DraftSettings(server("draft"), draft_model, default_drafter=default_drafter,
+                                                    **(draft_kw or {})), stop, handle_signals=False)),
     ]
     try:
         verify_addr = await address("verify", tasks[0])

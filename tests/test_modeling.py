@@ -42,7 +42,7 @@ def test_target_rollback_matches_a_from_scratch_forward(models):
     the committed tokens."""
     lm = load_model(models["target"], "float32")
     target = Target(lm)
-    session, first, _ = target.prefill(PROMPT)
+    session, _ = target.prefill(PROMPT)
     # Round 1: an arbitrary draft (usually rejected at once).
     length = len(session.tokens)
     result = target.verify(session, length, [1, 2, 3])
@@ -65,9 +65,32 @@ def test_target_rollback_matches_a_from_scratch_forward(models):
     assert torch.allclose(nxt_ours, nxt_scratch, atol=1e-4)
 
 
+def test_target_features_are_those_of_the_committed_positions(models):
+    """With features on, the session commits the same tokens, and the feature rows returned by
+    prefill and verify are the final-norm hidden states of positions [0, length - 1), in order."""
+    lm = load_model(models["target"], "bfloat16")
+    target = Target(lm)
+    plain, first = target.prefill(PROMPT)
+    session, first_f = target.prefill(PROMPT, with_features=True)
+    assert first_f.next_token == first.next_token and first_f.features.shape == (len(PROMPT), lm.hidden_size)
+    rows = [first_f.features]
+    for draft in ([5, 6, 7], [session.tokens[-1]] * 2, []):
+        length = len(session.tokens)
+        result = target.verify(session, length, draft)
+        assert target.verify(plain, length, draft).next_token == result.next_token
+        assert result.features.shape == (result.num_accepted + 1, lm.hidden_size)
+        rows.append(result.features)
+    got = torch.cat(rows)
+    assert got.shape[0] == len(session.tokens) - 1
+    ids = torch.tensor([session.tokens[:-1]])
+    expected = lm.model.model(input_ids=ids).last_hidden_state[0]
+    assert torch.allclose(got.float(), expected.float(), atol=0.1)
+    assert torch.equal(lm.model.lm_head(expected[-1:]).argmax(-1), torch.tensor([session.tokens[-1]]))
+
+
 def test_verify_refuses_a_stale_length(models):
     target = Target(load_model(models["target"], "bfloat16"))
-    session, _, _ = target.prefill(PROMPT)
+    session, _ = target.prefill(PROMPT)
     with pytest.raises(LengthMismatch):
         target.verify(session, len(session.tokens) - 1, [1])
 
@@ -78,11 +101,11 @@ def test_model_drafter_follows_rollbacks(models):
     drafter = ModelDrafter(lm)
     session = drafter.start(PROMPT)
     session.sync(len(PROMPT), [11])
-    drafts = drafter.propose(session, 4)
+    drafts = drafter.propose(session, 4).tokens
     assert len(drafts) == 4
     # The target accepted two of them and chose 99 instead of the third.
     session.sync(len(PROMPT) + 1, drafts[:2] + [99])
-    again = drafter.propose(session, 3)
+    again = drafter.propose(session, 3).tokens
     fresh = KVSequence(lm.model)
     logits = fresh.forward(session.tokens, last_only=True)
     assert again[0] == int(logits[0].argmax())

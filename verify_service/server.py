@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from specsplit import features as wire
 from specsplit.modeling import LoadedModel
 from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
@@ -28,7 +29,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             model_id=lm.model_id, vocab_size=lm.vocab_size, tokenizer_fingerprint=lm.fingerprint,
             max_context=lm.max_context, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
             exact=lm.exact, eos_token_ids=lm.eos_token_ids, active_sessions=len(self._sessions),
-            max_sessions=self._sessions.max_sessions, param_bytes=lm.param_bytes)
+            max_sessions=self._sessions.max_sessions, param_bytes=lm.param_bytes,
+            model_fingerprint=lm.model_fingerprint, hidden_size=lm.hidden_size)
 
     async def Prefill(self, request, context):
         if not request.session_id:
@@ -45,13 +47,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         try:
-            session, first, forward_ns = await self._worker.run(self._target.prefill, prompt)
+            session, result = await self._worker.run(self._target.prefill, prompt, request.return_features)
             self._sessions.put(request.session_id, session)
         except SessionExists:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        return pb.PrefillResponse(next_token_id=first, length=len(session.tokens), forward_ns=forward_ns)
+        return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
+                                  forward_ns=result.forward_ns, features=_features(result, 0))
 
     async def Verify(self, request, context):
         if len(request.draft_token_ids) > MAX_DRAFT:
@@ -70,15 +73,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
-                                 length=result.length, forward_ns=result.forward_ns)
+                                 length=result.length, forward_ns=result.forward_ns,
+                                 features=_features(result, request.length - 1))
 
     async def Release(self, request, context):
         return pb.ReleaseResponse(released=self._sessions.pop(request.session_id) is not None)
 
     async def warmup(self) -> None:
         """One prefill and one 4-token verify, so the first request does not pay for lazy init."""
-        session, first, _ = await self._worker.run(self._target.prefill, [first_id(self._lm)] * 8)
-        await self._worker.run(self._target.verify, session, len(session.tokens), [first] * 4)
+        session, result = await self._worker.run(self._target.prefill, [first_id(self._lm)] * 8)
+        await self._worker.run(self._target.verify, session, len(session.tokens), [result.next_token] * 4)
+
+
+def _features(result, start: int):
+    return None if result.features is None else wire.encode(result.features, start)
 
 
 def first_id(lm: LoadedModel) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from draft_service.drafters.base import DrafterDescription, DraftSession
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
 from specsplit.modeling import KVSequence, LoadedModel
 
 
@@ -21,6 +21,7 @@ class ModelDrafter:
         self.description = DrafterDescription(
             name=name, kind="model", model_id=lm.model_id, tokenizer_fingerprint=lm.fingerprint,
             param_bytes=lm.param_bytes, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device))
+        self.memory_bytes = lm.param_bytes
 
     def start(self, prompt: list[int]) -> ModelSession:
         # No forward here: the first propose feeds the prompt. StartSession runs while the verifier
@@ -28,12 +29,12 @@ class ModelDrafter:
         # the CPU (measured on 2 cores: 2.6 s for both prefills at once vs 0.33 s one after the other).
         return ModelSession(prompt, KVSequence(self.lm.model))
 
-    def propose(self, session: ModelSession, gamma: int) -> list[int]:
+    def propose(self, session: ModelSession, gamma: int) -> Proposal:
         tokens = session.tokens
         if len(tokens) + gamma > self.lm.max_context:
             gamma = self.lm.max_context - len(tokens)
         if gamma <= 0:
-            return []
+            return Proposal([], "")
         # Roll the cache back to the longest prefix it shares with the committed tokens (it also
         # holds our own earlier guesses, some of which the target accepted), keeping >= 1 token to feed.
         keep = _common_prefix(session.fed, tokens[:-1])
@@ -45,7 +46,10 @@ class ModelDrafter:
             drafts.append(int(logits[0].argmax()))
             pending = drafts[-1:]
         session.fed = tokens + drafts[:-1]
-        return drafts
+        return Proposal(drafts, "model")
+
+    def end(self, session: ModelSession) -> None:
+        pass
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

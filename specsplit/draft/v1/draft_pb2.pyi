@@ -1,3 +1,4 @@
+from specsplit.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("name", "kind", "model_id", "tokenizer_fingerprint", "param_bytes", "dtype", "device")
+    __slots__ = ("name", "kind", "model_id", "tokenizer_fingerprint", "param_bytes", "dtype", "device", "needs_features", "target_model_fingerprint", "memory_bytes", "draft_ns_per_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +20,10 @@ class DrafterInfo(_message.Message):
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     model_id: str
@@ -26,7 +31,11 @@ class DrafterInfo(_message.Message):
     param_bytes: int
     dtype: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., param_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    needs_features: bool
+    target_model_fingerprint: str
+    memory_bytes: int
+    draft_ns_per_token: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., param_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., needs_features: _Optional[bool] = ..., target_model_fingerprint: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., draft_ns_per_token: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("drafters", "default_drafter", "active_sessions", "max_sessions")
@@ -41,16 +50,18 @@ class InfoResponse(_message.Message):
     def __init__(self, drafters: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., default_drafter: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint")
+    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_tokenizer_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    target_model_fingerprint: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("drafter", "prefill_ns")
@@ -61,24 +72,28 @@ class StartSessionResponse(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "base_length", "new_token_ids", "gamma")
+    __slots__ = ("session_id", "base_length", "new_token_ids", "gamma", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_length: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
-    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ...) -> None: ...
+    features: _common_pb2.Features
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_ns")
+    __slots__ = ("draft_token_ids", "draft_ns", "source")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_ns: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,134 @@
+"""Self-drafting: a small head (specsplit.featurehead) on the target's own features, trained by
+`specsplit distill` for one target. Features arrive with every Propose; the head keeps a one-layer
+KV cache over the committed positions and drafts greedily in its reduced vocabulary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
+from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step
+from specsplit.modeling import weights_fingerprint
+
+HEAD_FORMAT = "specsplit-feature-head/1"
+PACKAGED = Path(__file__).resolve().parent.parent.parent / "specsplit" / "drafts"
+
+
+class SelfSession(DraftSession):
+    def __init__(self, prompt: list[int], dim: int):
+        super().__init__(prompt)
+        self.feature_dim = dim
+        self.features = torch.zeros(0, dim)  # committed positions [0, len(tokens) - 1)
+        self.cache = HeadCache()
+        self.cached = 0  # leading positions whose head cache entries came from true features
+        self.last = None  # the head's prediction at position cached - 1
+
+    def sync(self, base_length: int, new_tokens: list[int]) -> None:
+        super().sync(base_length, new_tokens)
+        # Head cache position i used feature i and token i+1: keep those still committed.
+        self.cached = min(self.cached, base_length - 1)
+        self.features = self.features[:base_length]
+
+    def add_features(self, start: int, features: torch.Tensor) -> None:
+        if start > len(self.features):
+            raise ValueError(f"features start at position {start}; the drafter has {len(self.features)}")
+        if start + len(features) > len(self.tokens) - 1:
+            raise ValueError(f"features up to position {start + len(features)} for {len(self.tokens)} tokens: "
+                             "the last committed token has no feature yet")
+        self.features = torch.cat([self.features[:start], features])
+        self.cached = min(self.cached, start)
+
+
+def resolve_head(path: str) -> Path:
+    """A head directory, or `default` for the one shipped for the embedded default target."""
+    if path == "default":
+        return PACKAGED / "smollm2-135m-instruct-self"
+    return Path(path).expanduser()
+
+
+def read_head_card(head_dir: Path) -> dict:
+    card_path = head_dir / "head.json"
+    if not card_path.is_file():
+        raise FileNotFoundError(f"{head_dir} is not a feature head (no head.json); make one with `specsplit distill`")
+    card = json.loads(card_path.read_text())
+    if card.get("format") != HEAD_FORMAT:
+        raise ValueError(f"{card_path}: format {card.get('format')!r}, expected {HEAD_FORMAT!r}")
+    return card
+
+
+def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and output head, read alone from its safetensors files."""
+    from safetensors import safe_open
+
+    embed = head = None
+    for f in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if name.endswith("embed_tokens.weight"):
+                    embed = st.get_tensor(name)
+                elif name == "lm_head.weight":
+                    head = st.get_tensor(name)
+    if embed is None:
+        raise ValueError(f"{target_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
+    if head is None:
+        if not tied:
+            raise ValueError(f"{target_dir}: no 'lm_head.weight' tensor and the embeddings are not tied")
+        head = embed
+    return embed, head
+
+
+class SelfDrafter:
+    runs_model = True
+
+    def __init__(self, head_dir: Path, target_dir: Path, device: str = "cpu", name: str = "self"):
+        card = read_head_card(head_dir)
+        theirs = card["target"]["model_fingerprint"]
+        ours = weights_fingerprint(target_dir)
+        if theirs != ours:
+            raise ValueError(f"feature head {head_dir} was trained for target {card['target']['model_id']} "
+                             f"(weights {theirs}); {target_dir} has weights {ours or '(no safetensors)'}: "
+                             "retrain it with `specsplit distill` for this target")
+        from safetensors.torch import load_file
+
+        self.head = FeatureHead(HeadConfig(**card["config"]))
+        self.head.load_state_dict({k: v.float() for k, v in load_file(str(head_dir / "head.safetensors")).items()})
+        embed, lm_head = target_tensors(target_dir, card.get("tied_embeddings", True))
+        self.head.attach(embed.to(torch.bfloat16), lm_head.float())
+        self.head.to(device).eval().requires_grad_(False)
+        self.device = torch.device(device)
+        self.card = card
+        own = sum(t.numel() * t.element_size() for t in self.head.state_dict().values())
+        self.memory_bytes = own + sum(t.numel() * t.element_size() for t in (self.head.embed, self.head.vocab_weight))
+        self.description = DrafterDescription(
+            name=name, kind="self", model_id=head_dir.name,
+            tokenizer_fingerprint=card["target"]["tokenizer_fingerprint"],
+            param_bytes=own, dtype="float32", device=str(self.device), needs_features=True,
+            target_model_fingerprint=theirs)
+
+    def start(self, prompt: list[int]) -> SelfSession:
+        return SelfSession(prompt, self.head.cfg.hidden)
+
+    @torch.inference_mode()
+    def propose(self, session: SelfSession, gamma: int) -> Proposal:
+        n = len(session.tokens)
+        if len(session.features) != n - 1:
+            return Proposal([], "")  # features missing: nothing to draft from
+        head, cache = self.head, session.cache
+        cache.truncate(session.cached)  # drop last round's drafted steps
+        if session.cached < n - 1:
+            feats = session.features[session.cached:n - 1].to(self.device)
+            out = head_step(head, cache, feats, session.tokens[session.cached + 1:n])
+            session.cached, session.last = n - 1, out[-1]
+        pred = session.last
+        drafts: list[int] = []
+        for k in range(gamma):
+            drafts.append(int(head.vocab_ids[int(head.logits(pred).argmax())]))
+            if k + 1 < gamma:
+                pred = head_step(head, cache, pred[None], drafts[-1:])[-1]
+        return Proposal(drafts, "self")
+
+    def end(self, session: SelfSession) -> None:
+        pass

@@ -1,0 +1,94 @@
+"""`specsplit distill`: generate (resumable shards) -> train (checkpointed, resumable) -> export.
+
+Each stage has its own budget; rerunning the same command resumes where it stopped, and a larger
+--train-minutes continues training from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from draft_service.drafters.selfdraft import HEAD_FORMAT, target_tensors
+from specsplit import default_model
+from specsplit.distill import gen
+from specsplit.distill.prompts import load_prompts
+from specsplit.distill.train import TrainSettings, train
+from specsplit.modeling import load_model
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    target_model: str
+    out: str
+    prompts: str | None = None  # JSONL; None: the built-in set
+    gen_minutes: float = 30.0
+    train_minutes: float = 30.0
+    max_new_tokens: int = 192
+    batch: int = 8
+    draft_vocab: int = 8192
+    levels: int = 3
+    lr: float = 6e-4
+    dtype: str = "bfloat16"  # of the target while generating (the features keep it)
+    device: str = "cpu"
+    stages: tuple[str, ...] = ("generate", "train", "export")
+
+
+def distill(s: DistillSettings, log=print) -> Path:
+    out = Path(s.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = default_model.resolve(s.target_model)
+    data_dir = out / "data"
+    lm = load_model(target_dir, s.dtype, s.device, exact=False)
+    if "generate" in s.stages:
+        prompts = load_prompts(s.prompts)
+        log(f"generate: {len(prompts)} prompts, up to {s.max_new_tokens} new tokens each, budget {s.gen_minutes} min")
+        started = time.monotonic()
+        gen.run(lm, prompts, data_dir, s.gen_minutes * 60, s.batch, s.max_new_tokens)
+        _note(out, "generate_minutes", (time.monotonic() - started) / 60)
+    head_dir = out / "head"
+    if "train" in s.stages:
+        embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
+        settings = TrainSettings(budget_s=s.train_minutes * 60, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr)
+        result = train(lm, embed, lm_head, data_dir, out, settings, log)
+        _note(out, "metrics", result["metrics"])
+        _note(out, "train_settings", asdict(settings))
+    if "export" in s.stages:
+        export(out, lm, target_dir, s, head_dir)
+        log(f"head written to {head_dir}")
+    return head_dir
+
+
+def _note(out: Path, key: str, value) -> None:
+    path = out / "recipe.json"
+    notes = json.loads(path.read_text()) if path.exists() else {}
+    notes[key] = value
+    path.write_text(json.dumps(notes, indent=1))
+
+
+def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) -> None:
+    """The head's own weights (bfloat16 on disk) and its card: config, the target it was made for,
+    the recipe and the measured metrics."""
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    head_dir.mkdir(parents=True, exist_ok=True)
+    weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state["head"].items()}
+    save_file(weights, str(head_dir / "head.safetensors"))
+    notes = json.loads((out / "recipe.json").read_text()) if (out / "recipe.json").exists() else {}
+    from specsplit.featurehead import HeadConfig
+
+    card = {
+        "format": HEAD_FORMAT,
+        "config": HeadConfig.from_target(lm.model.config, int(state["head"]["vocab_ids"].numel())).to_dict(),
+        "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", True)),
+        "target": {"model_id": lm.model_id, "model_fingerprint": lm.model_fingerprint,
+                   "tokenizer_fingerprint": lm.fingerprint},
+        "recipe": {"command": "specsplit distill", "prompts": s.prompts or "built-in",
+                   "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
+                   "train": notes.get("train_settings", {}), "generate_minutes": notes.get("generate_minutes")},
+        "metrics": notes.get("metrics", {}),
+    }
+    (head_dir / "head.json").write_text(json.dumps(card, indent=1) + "\n")

@@ -1,0 +1,219 @@
+"""Stage 2 of distillation: train a feature head on the generated shards, with checkpoints, resume
+and a wall-clock budget. Loss: the target's own distribution over the draft vocabulary against the
+head's (as KL, so 0 is a perfect imitation), plus a feature regression, at every unrolled
+drafting step."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specsplit.distill.gen import shard_paths
+from specsplit.featurehead import FeatureHead, HeadConfig, unrolled_forward
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    budget_s: float
+    draft_vocab: int = 8192
+    levels: int = 3
+    lr: float = 6e-4
+    batch_tokens: int = 4096
+    reg_weight: float = 0.2
+    held_out_every: int = 25  # every n-th example is kept for evaluation
+    checkpoint_every_s: float = 120.0
+    seed: int = 0
+
+
+def load_examples(data_dir: Path) -> list[dict]:
+    examples = []
+    for path in shard_paths(data_dir):
+        examples += torch.load(path, weights_only=True)
+    return examples
+
+
+def build_vocab(examples: list[dict], size: int, eos_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """Frequency-ranked draft vocabulary over the target's continuations (FR-Spec); EOS always in,
+    then prompt tokens, then the lowest ids fill any remaining room."""
+    counts = Counter()
+    for ex in examples:
+        counts.update(ex["ids"][ex["prompt_len"]:].tolist())
+    ranked = [t for t in eos_ids] + [t for t, _ in counts.most_common()]
+    prompt_counts = Counter()
+    for ex in examples:
+        prompt_counts.update(ex["ids"][:ex["prompt_len"]].tolist())
+    ranked += [t for t, _ in prompt_counts.most_common()]
+    chosen = list(dict.fromkeys(ranked))[:size]
+    if len(chosen) < size:
+        have = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in have][:size - len(chosen)]
+    return torch.tensor(chosen, dtype=torch.long)
+
+
+def _batches(examples: list[dict], batch_tokens: int, rng: random.Random) -> list[list[dict]]:
+    order = sorted(examples, key=lambda ex: len(ex["ids"]))
+    batches, current, width = [], [], 0
+    for ex in order:
+        width = max(width, len(ex["ids"]))
+        if current and width * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, width = [], len(ex["ids"])
+        current.append(ex)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(batch: list[dict]):
+    """features [B, T, d] (f_0..f_{T-1}), tokens [B, T] (t_1..t_T), loss mask [B, T]: positions i
+    whose prediction of f_{i+1} (token t_{i+2}) lies in the continuation."""
+    t = max(len(ex["ids"]) for ex in batch) - 1
+    d = batch[0]["features"].shape[1]
+    feats = torch.zeros(len(batch), t, d)
+    tokens = torch.zeros(len(batch), t, dtype=torch.long)
+    mask = torch.zeros(len(batch), t, dtype=torch.bool)
+    for row, ex in enumerate(batch):
+        n = len(ex["ids"]) - 1
+        feats[row, :n] = ex["features"].float()
+        tokens[row, :n] = ex["ids"][1:].long()
+        mask[row, max(ex["prompt_len"] - 2, 0):n - 1] = True
+    return feats, tokens, mask
+
+
+def _losses(head: FeatureHead, feats, tokens, mask, levels: int, reg_weight: float):
+    target_feats = feats[:, 1:][mask[:, :-1]]  # f_{i+1} at the masked positions
+    with torch.no_grad():
+        teacher_logp = F.log_softmax(head.logits(target_feats), dim=-1)
+        teacher = teacher_logp.exp()
+        teacher_top = teacher.argmax(-1)
+    outs = unrolled_forward(head, feats, tokens, levels)
+    total, accs = 0.0, []
+    for s, out in enumerate(outs, 1):
+        level_mask = mask.clone()
+        level_mask[:, :s - 1] = False
+        pred = out[:, :-1][mask[:, :-1]]
+        keep = level_mask[:, :-1][mask[:, :-1]]
+        logp = F.log_softmax(head.logits(pred[keep]), dim=-1)
+        kl = (teacher[keep] * (teacher_logp[keep] - logp)).sum(-1).mean()  # KL(target || head)
+        reg = F.smooth_l1_loss(pred[keep], target_feats[keep])
+        total = total + (1.0 - 0.2 * (s - 1)) * (kl + reg_weight * reg)
+        accs.append(float((logp.argmax(-1) == teacher_top[keep]).float().mean()))
+    return total, accs
+
+
+def evaluate(head: FeatureHead, examples: list[dict], settings: TrainSettings) -> list[float]:
+    """Per drafting step, how often the head's top guess is the target's (teacher-forced prefix)."""
+    hits = [0.0] * settings.levels
+    n = 0
+    with torch.no_grad():
+        for batch in _batches(examples, settings.batch_tokens, random.Random(0)):
+            feats, tokens, mask = _collate(batch)
+            _, accs = _losses(head, feats, tokens, mask, settings.levels, settings.reg_weight)
+            weight = int(mask.sum())
+            hits = [h + a * weight for h, a in zip(hits, accs)]
+            n += weight
+    return [h / max(n, 1) for h in hits]
+
+
+def expected_acceptance(step_acc: list[float], gamma: int = 4) -> float:
+    """Acceptance length (bonus included) if step k's hit rate, given the earlier ones hit, is
+    step_acc[min(k, last)]: 1 + sum over k of the chance that the first k drafts all hit."""
+    total, run = 1.0, 1.0
+    for k in range(gamma):
+        run *= step_acc[min(k, len(step_acc) - 1)]
+        total += run
+    return total
+
+
+def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, out_dir: Path,
+          settings: TrainSettings, log=print) -> dict:
+    """Trains (or resumes) a head in out_dir/checkpoint.pt from the target's embedding and output
+    head (the very tensors the drafter reads when serving); returns the head and its metrics."""
+    torch.manual_seed(settings.seed)
+    examples = load_examples(data_dir)
+    if not examples:
+        raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
+    held = examples[::settings.held_out_every]
+    train_set = [ex for i, ex in enumerate(examples) if i % settings.held_out_every]
+    model = target.model
+    embed, lm_head = embed.float(), lm_head.float()
+    ckpt_path = out_dir / "checkpoint.pt"
+    cfg = HeadConfig.from_target(model.config, settings.draft_vocab)
+    head = FeatureHead(cfg)
+    state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if state is None:
+        head.init_from_target_layer(model.model.layers[-1])
+        vocab = build_vocab(examples, settings.draft_vocab, target.eos_token_ids, target.vocab_size)
+        head.attach(embed, lm_head, vocab)
+        elapsed, step, epoch = 0.0, 0, 0
+    else:
+        head.load_state_dict(state["head"])
+        head.attach(embed, lm_head)
+        elapsed, step, epoch = state["elapsed"], state["step"], state["epoch"]
+        log(f"resuming at step {step}, {elapsed / 60:.1f} min trained")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    rng = random.Random(settings.seed + epoch)
+    tokens_per_epoch = sum(len(ex["ids"]) - ex["prompt_len"] for ex in train_set)
+    log(f"{len(train_set)} training / {len(held)} held-out sequences, {tokens_per_epoch} continuation "
+        f"tokens per pass, draft vocab {settings.draft_vocab}")
+
+    def save() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "elapsed": elapsed,
+                    "step": step, "epoch": epoch, "settings": vars(settings) if hasattr(settings, "__dict__") else {}},
+                   tmp)
+        tmp.rename(ckpt_path)
+
+    losses: list[float] = []
+    bar = tqdm(total=round(settings.budget_s), initial=min(round(elapsed), round(settings.budget_s)),
+               desc="train", unit="s")
+    last_save = time.monotonic()
+    while elapsed < settings.budget_s:
+        for batch in _batches(train_set, settings.batch_tokens, rng):
+            if elapsed >= settings.budget_s:
+                break
+            t0 = time.monotonic()
+            frac = elapsed / settings.budget_s  # cosine schedule over the budget, short warm-up
+            lr = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            feats, tokens, mask = _collate(batch)
+            loss, accs = _losses(head, feats, tokens, mask, settings.levels, settings.reg_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            losses.append(float(loss.detach()))
+            dt = time.monotonic() - t0
+            elapsed += dt
+            bar.update(round(elapsed) - bar.n if round(elapsed) <= settings.budget_s else 0)
+            bar.set_postfix(epoch=epoch, loss=f"{float(loss):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+            if time.monotonic() - last_save > settings.checkpoint_every_s:
+                save()
+                last_save = time.monotonic()
+        else:
+            epoch += 1
+            rng = random.Random(settings.seed + epoch)
+    bar.close()
+    save()
+    step_acc = evaluate(head, held, settings)
+    metrics = {"held_out_step_accuracy": [round(a, 4) for a in step_acc],
+               "estimated_acceptance_length_gamma4": round(expected_acceptance(step_acc), 3),
+               "steps": step, "epochs": epoch, "train_minutes": round(elapsed / 60, 1),
+               "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
+    log(json.dumps(metrics))
+    return {"head": head, "metrics": metrics, "losses": losses}

@@ -1,0 +1,96 @@
+"""`specsplit distill` on a tiny target: data, training, resume, export, and the head's card."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import write_prompts
+
+from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
+from specsplit.distill import gen
+from specsplit.distill.prompts import builtin_prompts, load_prompts
+from specsplit.distill.train import TrainSettings, build_vocab, load_examples, train
+from specsplit.modeling import load_model, weights_fingerprint
+
+
+@pytest.fixture(scope="module")
+def data(models, tmp_path_factory):
+    lm = load_model(models["target"], "float32", exact=False)
+    work = tmp_path_factory.mktemp("data")
+    gen.run(lm, load_prompts(str(write_prompts(work / "p.jsonl"))), work / "data", 60, 4, 24)
+    return lm, work
+
+
+def test_generated_features_reproduce_the_targets_own_tokens(data):
+    lm, work = data
+    examples = load_examples(work / "data")
+    assert len(examples) == 8
+    for ex in examples:
+        assert ex["features"].shape == (len(ex["ids"]) - 1, lm.hidden_size)
+        # The feature at position i is what the target read to choose token i+1.
+        cont = slice(ex["prompt_len"] - 1, None)
+        chosen = lm.model.lm_head(ex["features"][cont].float()).argmax(-1)
+        assert torch.equal(chosen, ex["ids"][ex["prompt_len"]:].long())
+
+
+def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(data, models):
+    lm, work = data
+    embed, head = target_tensors(models["target"], tied=False)
+    settings = TrainSettings(budget_s=4.0, draft_vocab=128, batch_tokens=256, lr=3e-3, checkpoint_every_s=1.0)
+    first = train(lm, embed, head, work / "data", work, settings, log=lambda *_: None)
+    losses = first["losses"]
+    assert len(losses) >= 10
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    steps = first["metrics"]["steps"]
+    again = train(lm, embed, head, work / "data", work, TrainSettings(**{**vars(settings), "budget_s": 6.0}),
+                  log=lambda *_: None)
+    assert again["metrics"]["steps"] > steps  # continued, not restarted
+    assert again["metrics"]["steps"] < steps + 2 * len(again["losses"]) + 1
+    assert torch.equal(again["head"].vocab_ids, first["head"].vocab_ids)
+
+
+def test_draft_vocabulary_maps_back_to_target_ids(data):
+    lm, work = data
+    examples = load_examples(work / "data")
+    vocab = build_vocab(examples, 128, lm.eos_token_ids, lm.vocab_size)
+    assert vocab.numel() == 128 and len(set(vocab.tolist())) == 128
+    assert all(0 <= t < lm.vocab_size for t in vocab.tolist()) and set(lm.eos_token_ids) <= set(vocab.tolist())
+    to_draft = {t: i for i, t in enumerate(vocab.tolist())}
+    produced = {t for ex in examples for t in ex["ids"][ex["prompt_len"]:].tolist()}
+    for t in produced & set(to_draft):
+        assert int(vocab[to_draft[t]]) == t  # target id -> draft index -> the same target id
+    # The most frequent continuation tokens come first.
+    assert max(produced, key=lambda t: sum(ex["ids"][ex["prompt_len"]:].tolist().count(t) for ex in examples)) \
+        in vocab[:len(lm.eos_token_ids) + 1].tolist()
+
+
+def test_exported_head_records_its_target_and_loads(self_head, models):
+    card = json.loads((self_head / "head.json").read_text())
+    assert card["target"]["model_fingerprint"] == weights_fingerprint(models["target"])
+    assert card["metrics"]["steps"] > 0 and card["recipe"]["command"] == "specsplit distill"
+    drafter = SelfDrafter(self_head, models["target"])
+    session = drafter.start([5, 6, 7])
+    session.sync(3, [8])
+    session.add_features(0, torch.zeros(3, card["config"]["hidden"]))
+    proposal = drafter.propose(session, 4)
+    assert len(proposal.tokens) == 4 and proposal.source == "self"
+
+
+def test_a_head_for_other_weights_is_refused(self_head, models):
+    # "draft" shares the target's tokenizer but not its weights.
+    with pytest.raises(ValueError, match="was trained for target .* retrain it"):
+        SelfDrafter(self_head, models["draft"])
+
+
+def test_builtin_prompts_are_varied_and_hold_out_the_starter_prompts():
+    from importlib.resources import files
+
+    prompts = builtin_prompts()
+    starter = {json.loads(line)["prompt"] for line in
+               files("specsplit").joinpath("data/starter_prompts.jsonl").read_text().splitlines() if line.strip()}
+    assert len(prompts) > 1000 and len({p["prompt"] for p in prompts}) == len(prompts)
+    assert {p["task_type"] for p in prompts} == {"code", "structured", "rewrite", "open"}
+    assert not starter & {p["prompt"] for p in prompts}
+    assert {p["task_type"] for p in prompts[:8]} == {"code", "structured", "rewrite", "open"}  # balanced prefix

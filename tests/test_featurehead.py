@@ -1,0 +1,56 @@
+"""The feature head: serving (incremental, with a cache) computes exactly what training unrolls."""
+
+import torch
+
+from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step, unrolled_forward
+
+
+def _head(seed=0) -> FeatureHead:
+    torch.manual_seed(seed)
+    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8, rope_theta=10000.0,
+                     eps=1e-5, draft_vocab=16)
+    head = FeatureHead(cfg)
+    for p in head.parameters():  # random, not identity: every path must matter
+        torch.nn.init.normal_(p, std=0.2)
+    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
+    return head.eval()
+
+
+def test_drafting_steps_match_the_unrolled_training_forward():
+    head = _head()
+    t, n = 12, 7  # sequence length; the committed prefix holds n features
+    feats, tokens = torch.randn(1, t, 32), torch.randint(0, 50, (1, t))
+    with torch.no_grad():
+        levels = unrolled_forward(head, feats, tokens, 3)
+    cache = HeadCache()
+    pred = head_step(head, cache, feats[0, :n], tokens[0, :n].tolist())[-1]  # step 1 at position n-1
+    assert torch.allclose(pred, levels[0][0, n - 1], atol=1e-5)
+    for s in (2, 3):  # step s sits at position n+s-2 and reads the previous step's prediction
+        pred = head_step(head, cache, pred[None], [int(tokens[0, n + s - 2])])[-1]
+        assert torch.allclose(pred, levels[s - 1][0, n + s - 2], atol=1e-5), s
+
+
+def test_rolling_the_cache_back_forgets_drafted_steps():
+    head = _head(1)
+    feats, tokens = torch.randn(10, 32), torch.randint(0, 50, (10,)).tolist()
+    cache = HeadCache()
+    first = head_step(head, cache, feats[:6], tokens[:6])
+    head_step(head, cache, first[-1:], [tokens[6]])  # a drafted step
+    cache.truncate(6)
+    again = head_step(head, cache, feats[6:8], tokens[6:8])
+    fresh = head_step(head, HeadCache(), feats[:8], tokens[:8])
+    assert torch.allclose(again, fresh[6:8], atol=1e-5)
+
+
+def test_identity_init_predicts_the_current_feature():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=50)
+    head = FeatureHead(HeadConfig.from_target(config, 16))
+    head.init_from_target_layer(LlamaDecoderLayer(config, 0))
+    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16))
+    feats = torch.randn(5, 32)
+    out = head_step(head, HeadCache(), feats, [1, 2, 3, 4, 5])
+    assert torch.allclose(out, feats, atol=1e-6)
