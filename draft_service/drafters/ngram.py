@@ -89,7 +89,7 @@ class NgramDrafter:
     runs_model = False
 
     def __init__(self, name: str = "ngram", min_n: int = 1, max_n: int = 3, store: OutputStore | None = None,
-                 store_min_n: int = 2):
+                 store_min_n: int = 2, store_max_n: int = 8):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.description = DrafterDescription(name=name, kind="ngram")
@@ -97,6 +97,9 @@ class NgramDrafter:
         self._max_n = max_n
         self.store = store
         self._store_min_n = max(store_min_n, min_n)  # one matching token in a large store is a guess
+        # A long exact match with an earlier output marks a templated repeat: it beats a short
+        # match in the session.
+        self._store_max_n = max(store_max_n, max_n)
 
     @property
     def memory_bytes(self) -> int:
@@ -108,8 +111,8 @@ class NgramDrafter:
     def match(self, tokens: list[int], gamma: int) -> tuple[list[int], int]:
         """(drafts, matched n-gram length): the session's own tokens first, then the store."""
         drafts, n = lookup(tokens, gamma, self._min_n, self._max_n)
-        if self.store is not None and n < self._max_n:
-            stored, m = self.store.lookup(tokens, gamma, max(self._store_min_n, n + 1), self._max_n)
+        if self.store is not None:
+            stored, m = self.store.lookup(tokens, gamma, max(self._store_min_n, n + 1), self._store_max_n)
             if m > n:
                 return stored, m
         return drafts, n
