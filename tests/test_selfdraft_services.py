@@ -36,7 +36,8 @@ async def test_self_and_hybrid_drafts_keep_greedy_output_identical(models, self_
                     assert all(r.feature_bytes > 0 for r in records)
                     assert {r.draft_source for r in records if r.drafted} <= {"self", "ngram"}
                     if drafter == "self":
-                        assert all(r.draft_source == "self" and r.drafted == 3 for r in records[:-3])  # the last rounds are clamped by max_new_tokens
+                        # (the last rounds are clamped by max_new_tokens)
+                        assert all(r.draft_source == "self" and r.drafted == 3 for r in records[:-3])
                     accepted[drafter] += on.stats.accepted_tokens
             assert accepted["self"] > 0, "a trained head should get drafts accepted"
         assert await wait_released(stack) == (0, 0)
