@@ -30,6 +30,7 @@ class Prompt:
 class Record:
     task_type: str
     prompt: str
+    drafter: str
     off_s: float  # median client wall time, speculation off
     on_s: float
     off_tokens: int
@@ -44,6 +45,7 @@ class Record:
     first_divergence: int  # index of the first differing token, -1 when identical
     off_runs: list[float]  # every client wall time (s), speculation off
     on_runs: list[float]
+    target_step_ms: float = 0.0  # verify forward per token with speculation off (one target step)
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
@@ -68,27 +70,37 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return -1 if len(a) == len(b) else min(len(a), len(b))
 
 
-def _request(p: Prompt, speculation: int, max_new_tokens: int) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type)
+def _request(p: Prompt, speculation: int, max_new_tokens: int, drafter: str = "") -> pb.GenerateRequest:
+    req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
+                             drafter=drafter)
     req.chat.messages.add(role="user", content=p.prompt)
     return req
 
 
-def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int) -> Record:
-    times: dict[int, list[float]] = {pb.SPECULATION_OFF: [], pb.SPECULATION_ON: []}
-    last: dict[int, pb.GenerateResponse] = {}
+def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[str]) -> list[Record]:
+    """Speculation off, then on with each drafter, back to back (noise hits all alike); one record
+    per drafter, all compared with the same spec-off runs."""
+    off_times: list[float] = []
+    on_times: dict[str, list[float]] = {d: [] for d in drafters}
+    last: dict[str, pb.GenerateResponse] = {}
     for _ in range(repeats):
-        for mode in (pb.SPECULATION_OFF, pb.SPECULATION_ON):  # back to back: noise hits both alike
+        start = time.perf_counter()
+        off = stub.Generate(_request(p, pb.SPECULATION_OFF, max_new_tokens), timeout=600)
+        off_times.append(time.perf_counter() - start)
+        for d in drafters:
             start = time.perf_counter()
-            last[mode] = stub.Generate(_request(p, mode, max_new_tokens), timeout=600)
-            times[mode].append(time.perf_counter() - start)
-    off, on = last[pb.SPECULATION_OFF], last[pb.SPECULATION_ON]
-    s = on.stats
-    div = first_divergence(list(off.token_ids), list(on.token_ids))
-    return Record(p.task_type, p.prompt, statistics.median(times[pb.SPECULATION_OFF]),
-                  statistics.median(times[pb.SPECULATION_ON]), len(off.token_ids), len(on.token_ids),
-                  s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
-                  div < 0, div, times[pb.SPECULATION_OFF], times[pb.SPECULATION_ON])
+            last[d] = stub.Generate(_request(p, pb.SPECULATION_ON, max_new_tokens, d), timeout=600)
+            on_times[d].append(time.perf_counter() - start)
+    step_ms = off.stats.verify_ms / off.stats.rounds if off.stats.rounds else 0.0
+    records = []
+    for d in drafters:
+        on, s = last[d], last[d].stats
+        div = first_divergence(list(off.token_ids), list(on.token_ids))
+        records.append(Record(p.task_type, p.prompt, s.drafter, statistics.median(off_times),
+                              statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
+                              s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
+                              div < 0, div, off_times, on_times[d], step_ms))
+    return records
 
 
 def p95(values: list[float]) -> float:
@@ -98,18 +110,22 @@ def p95(values: list[float]) -> float:
 
 
 def summarise(records: list[Record]) -> list[dict]:
-    groups: dict[str, list[Record]] = defaultdict(list)
+    """One row per (drafter, task type), plus ALL per drafter."""
+    groups: dict[tuple[str, str], list[Record]] = defaultdict(list)
     for r in records:
-        groups[r.task_type].append(r)
-    groups["ALL"] = list(records)
+        groups[(r.drafter, r.task_type)].append(r)
+        groups[(r.drafter, "ALL")].append(r)
     rows = []
-    for task, rs in groups.items():
+    for (drafter, task), rs in groups.items():
         off_rate = sum(r.off_tokens for r in rs) / sum(r.off_s for r in rs)
         on_rate = sum(r.on_tokens for r in rs) / sum(r.on_s for r in rs)
         rounds = sum(r.rounds for r in rs)
         on_ms = sum(r.on_s for r in rs) * 1e3
+        drafted = sum(r.drafted for r in rs)
+        steps = [r.target_step_ms for r in rs if r.target_step_ms > 0]
+        draft_ms_per_token = sum(r.draft_ms for r in rs) / drafted if drafted else 0.0
         rows.append({
-            "task_type": task, "prompts": len(rs), "tok_s_off": off_rate, "tok_s_on": on_rate,
+            "drafter": drafter, "task_type": task, "prompts": len(rs), "tok_s_off": off_rate, "tok_s_on": on_rate,
             "speedup": on_rate / off_rate,
             "acceptance_length": (sum(r.accepted for r in rs) + rounds) / rounds if rounds else 0.0,
             "drafted_per_round": sum(r.drafted for r in rs) / rounds if rounds else 0.0,
@@ -120,21 +136,37 @@ def summarise(records: list[Record]) -> list[dict]:
             "network_share": sum(r.network_ms for r in rs) / on_ms,
             "p95_off_s": p95([t for r in rs for t in r.off_runs]),
             "p95_on_s": p95([t for r in rs for t in r.on_runs]),
+            "draft_ms_per_token": draft_ms_per_token,
+            "target_step_ms": statistics.median(steps) if steps else 0.0,
+            "draft_cost_ratio": draft_ms_per_token / statistics.median(steps) if steps else 0.0,
         })
     return rows
 
 
-def print_table(rows: list[dict], header: str, out=sys.stdout) -> None:
+def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = None, out=sys.stdout) -> None:
     print(header, file=out)
-    cols = (f"{'task type':<11}{'n':>3}{'tok/s off':>11}{'tok/s on':>10}{'on/off':>8}{'acc.len':>9}{'drafted':>9}"
-            f"{'identical':>11}{'draft%':>8}{'verify%':>9}{'net%':>6}{'p95 off/on s':>14}  first divergence")
+    cols = (f"{'drafter':<8}{'task type':<11}{'n':>3}{'tok/s off':>10}{'tok/s on':>9}{'on/off':>8}{'acc.len':>8}"
+            f"{'drafted':>8}{'cost':>7}{'identical':>10}{'draft%':>7}{'verify%':>8}{'net%':>6}{'p95 off/on s':>14}"
+            "  first divergence")
     print(cols, file=out)
     for r in rows:
-        print(f"{r['task_type']:<11}{r['prompts']:>3}{r['tok_s_off']:>11.1f}{r['tok_s_on']:>10.1f}"
-              f"{r['speedup']:>7.2f}x{r['acceptance_length']:>9.2f}{r['drafted_per_round']:>9.2f}"
-              f"{r['identical']:>7}/{r['prompts']:<3}{100 * r['draft_share']:>8.1f}{100 * r['verify_share']:>9.1f}"
-              f"{100 * r['network_share']:>6.1f}{r['p95_off_s']:>8.2f}/{r['p95_on_s']:<5.2f}"
-              f"  {r['first_divergence'] or '-'}", file=out)
+        print(f"{r['drafter']:<8}{r['task_type']:<11}{r['prompts']:>3}{r['tok_s_off']:>10.1f}{r['tok_s_on']:>9.1f}"
+              f"{r['speedup']:>7.2f}x{r['acceptance_length']:>8.2f}{r['drafted_per_round']:>8.2f}"
+              f"{r['draft_cost_ratio']:>7.3f}{r['identical']:>6}/{r['prompts']:<3}{100 * r['draft_share']:>7.1f}"
+              f"{100 * r['verify_share']:>8.1f}{100 * r['network_share']:>6.1f}"
+              f"{r['p95_off_s']:>8.2f}/{r['p95_on_s']:<5.2f}  {r['first_divergence'] or '-'}", file=out)
+    print("cost = draft time per drafted token / one target step (spec-off verify per token)", file=out)
+    if memory:
+        print("draft memory: " + ", ".join(f"{name} {mb / 2**20:.1f} MiB" for name, mb in memory.items()), file=out)
+
+
+def _draft_memory(address: str) -> dict[str, int]:
+    from specsplit.draft.v1 import draft_pb2 as dpb
+    from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        info = dpb_grpc.DrafterStub(channel).Info(dpb.InfoRequest(), timeout=10)
+    return {d.name: d.memory_bytes for d in info.drafters}
 
 
 def main(args, config: StackConfig) -> int:
@@ -149,17 +181,20 @@ def main(args, config: StackConfig) -> int:
             address = stack.start()
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.GatewayStub(channel)
-            warm = _request(prompts[0], pb.SPECULATION_ON, 16)
-            stub.Generate(warm, timeout=600)
+            drafters = [d for d in (args.drafters or "").split(",") if d] or [""]
+            for d in drafters:
+                stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 16, d), timeout=600)  # warm up
             records = []
             for i, p in enumerate(prompts, 1):
-                records.append(run_prompt(stub, p, args.max_new_tokens, args.repeats))
-                r = records[-1]
-                print(f"[{i}/{len(prompts)}] {p.task_type:<10} off {r.off_tokens / r.off_s:5.1f} tok/s  "
-                      f"on {r.on_tokens / r.on_s:5.1f} tok/s  acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
-                      f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
-                      file=sys.stderr, flush=True)
-            info = stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 1), timeout=600).stats
+                for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters):
+                    records.append(r)
+                    print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<7} off {r.off_tokens / r.off_s:5.1f} "
+                          f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
+                          f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
+                          f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
+                          file=sys.stderr, flush=True)
+            info = stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
+            memory = _draft_memory(stack.addresses["draft"]) if stack else None
     finally:
         if stack is not None:
             stack.stop()
@@ -167,8 +202,8 @@ def main(args, config: StackConfig) -> int:
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
     where = f"transport={config.transport}, target dtype={config.dtype}" if stack else f"gateway={address}"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-              f"repeats={args.repeats}, drafter={info.drafter}, gamma={info.gamma}, {where}, {exact}")
-    print_table(rows, header)
+              f"repeats={args.repeats}, gamma={info.gamma}, {where}, {exact}")
+    print_table(rows, header, memory)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,
                                                    "records": [asdict(r) for r in records]}, indent=1))

@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--json-out", help="also write every record and the summary here")
+    bench.add_argument("--drafters", default="",
+                       help="comma-separated drafters to compare side by side, e.g. ngram,self,hybrid "
+                            "(default: the gateway's default drafter)")
     return parser
 
 

@@ -15,17 +15,21 @@ def test_starter_prompts_cover_four_task_types():
     assert [p.task_type for p in load_prompts(None, limit=1)] == ["code", "structured", "rewrite", "open"]
 
 
-def record(task, off_s, on_s, tokens, rounds, accepted, identical=True):
-    return Record(task, "p", off_s, on_s, tokens, tokens, rounds, rounds * 4, accepted, 1.0, 2.0, 0.5,
-                  identical, -1 if identical else 3, [off_s, off_s + 1], [on_s])
+def record(task, off_s, on_s, tokens, rounds, accepted, identical=True, drafter="ngram"):
+    return Record(task, "p", drafter, off_s, on_s, tokens, tokens, rounds, rounds * 4, accepted, 1.0, 2.0, 0.5,
+                  identical, -1 if identical else 3, [off_s, off_s + 1], [on_s], target_step_ms=40.0)
 
 
 def test_summary_ratios_and_counts():
-    rows = {r["task_type"]: r for r in summarise([
+    all_rows = summarise([
         record("code", off_s=2.0, on_s=1.0, tokens=20, rounds=8, accepted=11),
         record("code", off_s=2.0, on_s=2.0, tokens=20, rounds=19, accepted=0, identical=False),
         record("open", off_s=1.0, on_s=1.0, tokens=10, rounds=9, accepted=0),
-    ])}
+        record("code", off_s=2.0, on_s=0.5, tokens=20, rounds=4, accepted=15, drafter="self"),
+    ])
+    rows = {r["task_type"]: r for r in all_rows if r["drafter"] == "ngram"}
+    self_rows = {r["task_type"]: r for r in all_rows if r["drafter"] == "self"}
+    assert set(self_rows) == {"code", "ALL"} and self_rows["code"]["speedup"] == 4.0
     code = rows["code"]
     assert code["tok_s_off"] == 10.0 and code["tok_s_on"] == 40 / 3
     assert code["speedup"] == (40 / 3) / 10.0
@@ -33,6 +37,8 @@ def test_summary_ratios_and_counts():
     assert code["identical"] == 1 and code["first_divergence"] == [3]
     assert rows["ALL"]["prompts"] == 3 and rows["open"]["acceptance_length"] == 1.0
     assert (code["p95_off_s"], code["p95_on_s"]) == (3.0, 2.0)
+    # 2 x 1.0 ms of drafting over 8 * 4 + 19 * 4 drafted tokens, against a 40 ms target step.
+    assert code["draft_cost_ratio"] == (2.0 / 108) / 40.0
 
 
 def test_p95_is_nearest_rank():

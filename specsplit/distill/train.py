@@ -24,6 +24,7 @@ from specsplit.featurehead import FeatureHead, HeadConfig, unrolled_forward
 @dataclass(frozen=True)
 class TrainSettings:
     budget_s: float
+    max_steps: int = 0  # 0: only the time budget bounds training
     draft_vocab: int = 8192
     levels: int = 3
     lr: float = 6e-4
@@ -181,12 +182,17 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, ou
     bar = tqdm(total=round(settings.budget_s), initial=min(round(elapsed), round(settings.budget_s)),
                desc="train", unit="s")
     last_save = time.monotonic()
-    while elapsed < settings.budget_s:
+    def done() -> bool:
+        return elapsed >= settings.budget_s or 0 < settings.max_steps <= step
+
+    while not done():
         for batch in _batches(train_set, settings.batch_tokens, rng):
-            if elapsed >= settings.budget_s:
+            if done():
                 break
             t0 = time.monotonic()
             frac = elapsed / settings.budget_s  # cosine schedule over the budget, short warm-up
+            if settings.max_steps:
+                frac = max(frac, step / settings.max_steps)
             lr = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -201,7 +207,7 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, ou
             dt = time.monotonic() - t0
             elapsed += dt
             bar.update(round(elapsed) - bar.n if round(elapsed) <= settings.budget_s else 0)
-            bar.set_postfix(epoch=epoch, loss=f"{float(loss):.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
             if time.monotonic() - last_save > settings.checkpoint_every_s:
                 save()
                 last_save = time.monotonic()
