@@ -75,14 +75,15 @@ def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) 
     the recipe and the measured metrics."""
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     head_dir.mkdir(parents=True, exist_ok=True)
-    weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in state["head"].items()}
+    weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+               for k, v in state["weights"].items()}
     save_file(weights, str(head_dir / "head.safetensors"))
     notes = json.loads((out / "recipe.json").read_text()) if (out / "recipe.json").exists() else {}
     from specsplit.featurehead import HeadConfig
 
     card = {
         "format": HEAD_FORMAT,
-        "config": HeadConfig.from_target(lm.model.config, int(state["head"]["vocab_ids"].numel())).to_dict(),
+        "config": HeadConfig.from_target(lm.model.config, int(state["weights"]["vocab_ids"].numel())).to_dict(),
         "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", True)),
         "target": {"model_id": lm.model_id, "model_fingerprint": lm.model_fingerprint,
                    "tokenizer_fingerprint": lm.fingerprint},

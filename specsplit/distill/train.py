@@ -112,16 +112,15 @@ def _losses(head: FeatureHead, feats, tokens, mask, levels: int, reg_weight: flo
     return total, accs
 
 
-def evaluate(head: FeatureHead, examples: list[dict], settings: TrainSettings) -> list[float]:
-    """Per drafting step, how often the head's top guess is the target's (teacher-forced prefix)."""
-    hits = [0.0] * settings.levels
+def evaluate(student, examples: list[dict], settings: TrainSettings) -> list[float]:
+    """Per drafting step, how often the student's top guess is the target's (teacher-forced prefix)."""
+    hits: list[float] = []
     n = 0
     with torch.no_grad():
         for batch in _batches(examples, settings.batch_tokens, random.Random(0)):
-            feats, tokens, mask = _collate(batch)
-            _, accs = _losses(head, feats, tokens, mask, settings.levels, settings.reg_weight)
-            weight = int(mask.sum())
-            hits = [h + a * weight for h, a in zip(hits, accs)]
+            _, accs = student.losses(batch)
+            weight = student.weight(batch)
+            hits = [h + a * weight for h, a in zip(hits or [0.0] * len(accs), accs)]
             n += weight
     return [h / max(n, 1) for h in hits]
 
@@ -136,33 +135,45 @@ def expected_acceptance(step_acc: list[float], gamma: int = 4) -> float:
     return total
 
 
-def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, out_dir: Path,
-          settings: TrainSettings, log=print) -> dict:
-    """Trains (or resumes) a head in out_dir/checkpoint.pt from the target's embedding and output
-    head (the very tensors the drafter reads when serving); returns the head and its metrics."""
+class HeadStudent:
+    """The self-draft head: trained on features, unrolled over `levels` drafting steps."""
+
+    def __init__(self, target, embed: torch.Tensor, lm_head: torch.Tensor, vocab: torch.Tensor | None,
+                 settings: TrainSettings):
+        self.settings = settings
+        self.module = FeatureHead(HeadConfig.from_target(target.model.config, settings.draft_vocab))
+        if vocab is not None:  # fresh (else the checkpoint restores weights and vocab)
+            self.module.init_from_target_layer(target.model.model.layers[-1])
+        self._wiring = (embed.float(), lm_head.float(), vocab)
+
+    def ready(self) -> None:
+        embed, lm_head, vocab = self._wiring
+        self.module.attach(embed, lm_head, vocab)
+
+    def losses(self, batch: list[dict]):
+        feats, tokens, mask = _collate(batch)
+        return _losses(self.module, feats, tokens, mask, self.settings.levels, self.settings.reg_weight)
+
+    def weight(self, batch: list[dict]) -> int:
+        return int(_collate(batch)[2].sum())
+
+
+def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, log=print) -> dict:
+    """The training loop shared by the students: AdamW, cosine schedule over the budget, a
+    checkpoint every settings.checkpoint_every_s, resume from out_dir/checkpoint.pt."""
     torch.manual_seed(settings.seed)
-    examples = load_examples(data_dir)
-    if not examples:
-        raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
     held = examples[::settings.held_out_every]
     train_set = [ex for i, ex in enumerate(examples) if i % settings.held_out_every]
-    model = target.model
-    embed, lm_head = embed.float(), lm_head.float()
+    module = student.module
     ckpt_path = out_dir / "checkpoint.pt"
-    cfg = HeadConfig.from_target(model.config, settings.draft_vocab)
-    head = FeatureHead(cfg)
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    if state is None:
-        head.init_from_target_layer(model.model.layers[-1])
-        vocab = build_vocab(examples, settings.draft_vocab, target.eos_token_ids, target.vocab_size)
-        head.attach(embed, lm_head, vocab)
-        elapsed, step, epoch = 0.0, 0, 0
-    else:
-        head.load_state_dict(state["head"])
-        head.attach(embed, lm_head)
+    elapsed, step, epoch = 0.0, 0, 0
+    if state is not None:
+        module.load_state_dict(state["weights"])
         elapsed, step, epoch = state["elapsed"], state["step"], state["epoch"]
         log(f"resuming at step {step}, {elapsed / 60:.1f} min trained")
-    params = [p for p in head.parameters() if p.requires_grad]
+    student.ready()
+    params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
@@ -173,18 +184,17 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, ou
 
     def save() -> None:
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "elapsed": elapsed,
-                    "step": step, "epoch": epoch, "settings": vars(settings) if hasattr(settings, "__dict__") else {}},
-                   tmp)
+        torch.save({"weights": module.state_dict(), "optimizer": opt.state_dict(), "elapsed": elapsed,
+                    "step": step, "epoch": epoch}, tmp)
         tmp.rename(ckpt_path)
+
+    def done() -> bool:
+        return elapsed >= settings.budget_s or 0 < settings.max_steps <= step
 
     losses: list[float] = []
     bar = tqdm(total=round(settings.budget_s), initial=min(round(elapsed), round(settings.budget_s)),
                desc="train", unit="s")
     last_save = time.monotonic()
-    def done() -> bool:
-        return elapsed >= settings.budget_s or 0 < settings.max_steps <= step
-
     while not done():
         for batch in _batches(train_set, settings.batch_tokens, rng):
             if done():
@@ -193,20 +203,17 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, ou
             frac = elapsed / settings.budget_s  # cosine schedule over the budget, short warm-up
             if settings.max_steps:
                 frac = max(frac, step / settings.max_steps)
-            lr = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
             for group in opt.param_groups:
-                group["lr"] = lr
-            feats, tokens, mask = _collate(batch)
-            loss, accs = _losses(head, feats, tokens, mask, settings.levels, settings.reg_weight)
+                group["lr"] = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+            loss, accs = student.losses(batch)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
             losses.append(float(loss.detach()))
-            dt = time.monotonic() - t0
-            elapsed += dt
-            bar.update(round(elapsed) - bar.n if round(elapsed) <= settings.budget_s else 0)
+            elapsed += time.monotonic() - t0
+            bar.update(min(round(elapsed), round(settings.budget_s)) - bar.n)
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
             if time.monotonic() - last_save > settings.checkpoint_every_s:
                 save()
@@ -216,10 +223,23 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, ou
             rng = random.Random(settings.seed + epoch)
     bar.close()
     save()
-    step_acc = evaluate(head, held, settings)
+    step_acc = evaluate(student, held, settings)
     metrics = {"held_out_step_accuracy": [round(a, 4) for a in step_acc],
                "estimated_acceptance_length_gamma4": round(expected_acceptance(step_acc), 3),
                "steps": step, "epochs": epoch, "train_minutes": round(elapsed / 60, 1),
                "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
     log(json.dumps(metrics))
-    return {"head": head, "metrics": metrics, "losses": losses}
+    return {"module": module, "metrics": metrics, "losses": losses}
+
+
+def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, out_dir: Path,
+          settings: TrainSettings, log=print) -> dict:
+    """Trains (or resumes) a self-draft head from the target's embedding and output head (the very
+    tensors the drafter reads when serving); returns the head and its metrics."""
+    examples = load_examples(data_dir)
+    if not examples:
+        raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
+    fresh = not (out_dir / "checkpoint.pt").exists()
+    vocab = build_vocab(examples, settings.draft_vocab, target.eos_token_ids, target.vocab_size) if fresh else None
+    result = fit(HeadStudent(target, embed, lm_head, vocab, settings), examples, out_dir, settings, log)
+    return {"head": result["module"], **result}
