@@ -21,7 +21,8 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
     ngram = NgramDrafter("ngram", settings.ngram_min, settings.ngram_max, store=store)
     drafters: dict[str, Drafter] = {"ngram": ngram}
     if settings.model is not None:
-        drafters["model"] = ModelDrafter(runtime.load(settings.model), "model")
+        drafters["model"] = ModelDrafter(runtime.load(settings.model), "model",
+                                         default_model.resolve(settings.model.path))
     if settings.self_head is not None:
         head = SelfDrafter(resolve_head(settings.self_head), default_model.resolve(settings.target_model),
                            settings.device)

@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     dist.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
     dist.add_argument("--stages", default="generate,train,export", help="comma-separated subset to run")
+    dist.add_argument("--kind", choices=["self", "model"], default="self",
+                      help="self: a feature head (--drafter self/hybrid); model: a standalone draft model of "
+                           "--layers target layers (--draft-model DIR/model)")
+    dist.add_argument("--layers", type=int, default=2, help="target layers a standalone draft keeps (--kind model)")
 
     bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
     _stack_flags(bench)
@@ -296,7 +300,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
                             train_minutes=a.train_minutes, max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
-                            stages=stages))
+                            stages=stages, kind=a.kind, layers=a.layers))
     return 0
 
 

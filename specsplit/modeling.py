@@ -255,15 +255,18 @@ class KVSequence:
         return out.logits[0].float()  # [n or 1, vocab]
 
     @torch.inference_mode()
-    def forward_with_features(self, token_ids: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(), also returning the features (final-norm hidden states) [n, hidden] of every
-        fed token. Logits are lm_head(features), the same arithmetic as the Llama-family
-        *ForCausalLM forward (models that post-process logits, e.g. soft-capping, are not supported
-        for feature drafting)."""
-        device = self._model.device
-        ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # [1, n]
+    def hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """Append `token_ids` and return their features (final-norm hidden states) [n, hidden],
+        without the output head."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self._model.device)  # [1, n]
         base = getattr(self._model, self._model.base_model_prefix)
-        hidden = base(input_ids=ids, cache=self._cache, use_cache=True).last_hidden_state  # [1, n, hidden]
-        rows = hidden[:, -1:] if last_only else hidden
-        logits = self._model.get_output_embeddings()(rows)
-        return logits[0].float(), hidden[0]
+        return base(input_ids=ids, cache=self._cache, use_cache=True).last_hidden_state[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, token_ids: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(), also returning the features [n, hidden] of every fed token. Logits are
+        lm_head(features), the same arithmetic as the Llama-family *ForCausalLM forward (models
+        that post-process logits, e.g. soft-capping, are not supported for feature drafting)."""
+        hidden = self.hidden(token_ids)
+        rows = hidden[-1:] if last_only else hidden
+        return self._model.get_output_embeddings()(rows).float(), hidden

@@ -92,3 +92,29 @@ def test_builtin_prompts_are_varied_and_hold_out_the_starter_prompts():
     assert {p["task_type"] for p in prompts} == {"code", "structured", "rewrite", "open"}
     assert not starter & {p["prompt"] for p in prompts}
     assert {p["task_type"] for p in prompts[:8]} == {"code", "structured", "rewrite", "open"}  # balanced prefix
+
+
+def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, models, tmp_path):
+    from draft_service.drafters.model import ModelDrafter
+    from specsplit.distill.pipeline import DistillSettings, distill
+    from specsplit.distill.standalone import layer_subset, train_standalone
+
+    assert layer_subset(30, 2) == [0, 29] and layer_subset(30, 4) == [0, 10, 19, 29] and layer_subset(2, 4) == [0, 1]
+    lm, work = data
+    settings = TrainSettings(budget_s=600, max_steps=30, draft_vocab=128, batch_tokens=256, lr=3e-3)
+    result = train_standalone(lm, work / "data", tmp_path / "model-work", 1, settings, log=lambda *_: None)
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    # The whole command: reuses generated data, exports an HF dir with the draft vocabulary.
+    (tmp_path / "data").symlink_to(work / "data")
+    model_dir = distill(DistillSettings(target_model=str(models["target"]), out=str(tmp_path), kind="model",
+                                        layers=1, stages=("train", "export"), train_minutes=0.05, draft_vocab=128,
+                                        dtype="float32"), log=lambda *_: None)
+    card = json.loads((model_dir / "draft.json").read_text())
+    assert card["recipe"]["kind"] == "model" and card["recipe"]["target_layers"] == [1]
+    drafter = ModelDrafter(load_model(model_dir, "float32", exact=False), model_dir=model_dir)
+    assert drafter.vocab_ids is not None and drafter.vocab_ids.numel() == 128
+    session = drafter.start([5, 6, 7])
+    session.sync(3, [8])
+    drafts = drafter.propose(session, 4).tokens
+    assert len(drafts) == 4 and set(drafts) <= set(drafter.vocab_ids.tolist())

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
+
 from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
 from specsplit.modeling import KVSequence, LoadedModel
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `specsplit distill --kind model`
 
 
 class ModelSession(DraftSession):
@@ -16,8 +23,14 @@ class ModelSession(DraftSession):
 class ModelDrafter:
     runs_model = True
 
-    def __init__(self, lm: LoadedModel, name: str = "model"):
+    def __init__(self, lm: LoadedModel, name: str = "model", model_dir: str | Path | None = None):
         self.lm = lm
+        # A distilled draft scores only its draft vocabulary (most of a small model's cost is the head).
+        vocab_file = Path(model_dir) / DRAFT_VOCAB_FILE if model_dir else None
+        self.vocab_ids = self.rows = None
+        if vocab_file is not None and vocab_file.is_file():
+            self.vocab_ids = torch.tensor(json.loads(vocab_file.read_text()), dtype=torch.long, device=lm.device)
+            self.rows = lm.model.get_output_embeddings().weight.detach()[self.vocab_ids]
         self.description = DrafterDescription(
             name=name, kind="model", model_id=lm.model_id, tokenizer_fingerprint=lm.fingerprint,
             param_bytes=lm.param_bytes, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device))
@@ -42,11 +55,16 @@ class ModelDrafter:
         pending = tokens[keep:]
         drafts: list[int] = []
         while len(drafts) < gamma:
-            logits = session.kv.forward(pending, last_only=True)  # [1, vocab]
-            drafts.append(int(logits[0].argmax()))
+            drafts.append(self._next(session.kv, pending))
             pending = drafts[-1:]
         session.fed = tokens + drafts[:-1]
         return Proposal(drafts, "model")
+
+    def _next(self, kv: KVSequence, pending: list[int]) -> int:
+        if self.rows is None:
+            return int(kv.forward(pending, last_only=True)[0].argmax())
+        hidden = kv.hidden(pending)[-1:]
+        return int(self.vocab_ids[int((hidden @ self.rows.T).argmax())])
 
     def end(self, session: ModelSession) -> None:
         pass

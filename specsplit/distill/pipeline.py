@@ -17,7 +17,9 @@ from draft_service.drafters.selfdraft import HEAD_FORMAT, target_tensors
 from specsplit import default_model
 from specsplit.distill import gen
 from specsplit.distill.prompts import load_prompts
+from specsplit.distill.standalone import export_standalone, train_standalone
 from specsplit.distill.train import TrainSettings, train
+from specsplit.featurehead import HeadConfig
 from specsplit.modeling import load_model
 
 
@@ -36,6 +38,8 @@ class DistillSettings:
     dtype: str = "bfloat16"  # of the target while generating (the features keep it)
     device: str = "cpu"
     stages: tuple[str, ...] = ("generate", "train", "export")
+    kind: str = "self"  # self: a feature head; model: a standalone draft model of `layers` target layers
+    layers: int = 2
 
 
 def distill(s: DistillSettings, log=print) -> Path:
@@ -50,24 +54,55 @@ def distill(s: DistillSettings, log=print) -> Path:
         started = time.monotonic()
         gen.run(lm, prompts, data_dir, s.gen_minutes * 60, s.batch, s.max_new_tokens)
         _note(out, "generate_minutes", (time.monotonic() - started) / 60)
-    head_dir = out / "head"
+    if s.kind not in ("self", "model"):
+        raise ValueError(f"unknown kind {s.kind!r}: self or model")
+    work = out / f"{s.kind}-train"  # checkpoint and notes of this kind; the data is shared
+    work.mkdir(exist_ok=True)
+    settings = TrainSettings(budget_s=s.train_minutes * 60, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr)
+    result = None
     if "train" in s.stages:
-        embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
-        settings = TrainSettings(budget_s=s.train_minutes * 60, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr)
-        result = train(lm, embed, lm_head, data_dir, out, settings, log)
-        _note(out, "metrics", result["metrics"])
-        _note(out, "train_settings", asdict(settings))
-    if "export" in s.stages:
-        export(out, lm, target_dir, s, head_dir)
-        log(f"head written to {head_dir}")
-    return head_dir
+        if s.kind == "self":
+            embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
+            result = train(lm, embed, lm_head, data_dir, work, settings, log)
+        else:
+            result = train_standalone(lm, data_dir, work, s.layers, settings, log)
+            _note(work, "layers", result["layers"])
+        _note(work, "metrics", result["metrics"])
+        _note(work, "train_settings", asdict(settings))
+    if "export" not in s.stages:
+        return work
+    if s.kind == "self":
+        export(work, lm, target_dir, s, out / "head")
+        log(f"head written to {out / 'head'}")
+        return out / "head"
+    if result is None:
+        raise ValueError("--kind model exports right after training: run the train and export stages together")
+    export_standalone(result["module"], target_dir, work, out / "model", _card(work, lm, s))
+    log(f"draft model written to {out / 'model'} (use it with --draft-model)")
+    return out / "model"
 
 
 def _note(out: Path, key: str, value) -> None:
-    path = out / "recipe.json"
-    notes = json.loads(path.read_text()) if path.exists() else {}
+    notes = _notes(out)
     notes[key] = value
-    path.write_text(json.dumps(notes, indent=1))
+    (out / "recipe.json").write_text(json.dumps(notes, indent=1))
+
+
+def _notes(work: Path) -> dict:
+    path = work / "recipe.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _card(work: Path, lm, s: DistillSettings) -> dict:
+    """What a made draft records: the target it was made for, the recipe, the held-out metrics."""
+    notes = _notes(work)
+    return {"target": {"model_id": lm.model_id, "model_fingerprint": lm.model_fingerprint,
+                       "tokenizer_fingerprint": lm.fingerprint},
+            "recipe": {"command": "specsplit distill", "kind": s.kind, "prompts": s.prompts or "built-in",
+                       "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
+                       "train": notes.get("train_settings", {}), "target_layers": notes.get("layers"),
+                       "generate_minutes": _notes(work.parent).get("generate_minutes")},
+            "metrics": notes.get("metrics", {})}
 
 
 def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) -> None:
@@ -78,18 +113,8 @@ def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) 
     weights = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
                for k, v in state["weights"].items()}
     save_file(weights, str(head_dir / "head.safetensors"))
-    notes = json.loads((out / "recipe.json").read_text()) if (out / "recipe.json").exists() else {}
-    from specsplit.featurehead import HeadConfig
-
-    card = {
-        "format": HEAD_FORMAT,
-        "config": HeadConfig.from_target(lm.model.config, int(state["weights"]["vocab_ids"].numel())).to_dict(),
-        "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", True)),
-        "target": {"model_id": lm.model_id, "model_fingerprint": lm.model_fingerprint,
-                   "tokenizer_fingerprint": lm.fingerprint},
-        "recipe": {"command": "specsplit distill", "prompts": s.prompts or "built-in",
-                   "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
-                   "train": notes.get("train_settings", {}), "generate_minutes": notes.get("generate_minutes")},
-        "metrics": notes.get("metrics", {}),
-    }
+    card = {"format": HEAD_FORMAT,
+            "config": HeadConfig.from_target(lm.model.config, int(state["weights"]["vocab_ids"].numel())).to_dict(),
+            "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", True)),
+            **_card(out, lm, s)}
     (head_dir / "head.json").write_text(json.dumps(card, indent=1) + "\n")
