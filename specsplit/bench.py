@@ -200,7 +200,8 @@ def main(args, config: StackConfig) -> int:
             stack.stop()
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
-    where = f"transport={config.transport}, target dtype={config.dtype}" if stack else f"gateway={address}"
+    where = (f"transport={config.transport}, target dtype={config.dtype}, output store={config.store_tokens} tokens"
+             if stack else f"gateway={address}")
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
               f"repeats={args.repeats}, gamma={info.gamma}, {where}, {exact}")
     print_table(rows, header, memory)

@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start verify, draft and gateway co-located; Ctrl-C stops all three")
     _stack_flags(up)
+    up.add_argument("--store-tokens", type=int, default=262144,
+                    help="earlier outputs the retrieval drafter remembers across requests (0: none)")
 
     gen = sub.add_parser("generate", help="call Generate on a gateway")
     gen.add_argument("prompt")
@@ -125,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--json-out", help="also write every record and the summary here")
+    bench.add_argument("--store-tokens", type=int, default=0,
+                       help="the retrieval store remembers outputs across requests; the bench runs every prompt "
+                            "several times, which the store would simply copy, so it is off unless set")
     bench.add_argument("--drafters", default="",
                        help="comma-separated drafters to compare side by side, e.g. ngram,self,hybrid "
                             "(default: the gateway's default drafter)")
@@ -153,7 +158,7 @@ def _stack_config(a: argparse.Namespace):
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, drafter=a.drafter, gamma=a.gamma,
-                       self_head=a.self_head,
+                       self_head=a.self_head, store_tokens=a.store_tokens,
                        threads=a.threads, run_dir=a.run_dir)
 
 

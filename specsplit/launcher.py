@@ -37,6 +37,7 @@ class StackConfig:
     exact: bool = True
     drafter: str = "ngram"  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
+    store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
     gamma: int = 4
     threads: int = 0
     run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
@@ -100,7 +101,7 @@ class Stack:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
             self._spawn("verify", ["--target-model", c.target_model, *model_flags])
             draft_flags = ["--default-drafter", c.drafter, "--device", c.device, "--self-head", c.self_head,
-                           "--target-model", c.target_model]
+                           "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]
             if c.draft_model:
                 draft_flags += ["--draft-model", c.draft_model, "--draft-dtype", c.draft_dtype]
             self._spawn("draft", draft_flags)

@@ -54,3 +54,27 @@ def test_identity_init_predicts_the_current_feature():
     feats = torch.randn(5, 32)
     out = head_step(head, HeadCache(), feats, [1, 2, 3, 4, 5])
     assert torch.allclose(out, feats, atol=1e-6)
+
+
+def test_self_session_keeps_features_aligned_with_committed_tokens():
+    from draft_service.drafters.selfdraft import SelfSession
+
+    session = SelfSession([1, 2, 3], dim=4)
+    session.sync(3, [9])  # first generated token: features may now cover positions 0..2
+    session.add_features(0, torch.ones(3, 4))
+    session.cached = 3
+    session.sync(4, [5, 6])  # a round committed two tokens; their features come next
+    session.add_features(3, torch.full((2, 4), 2.0))
+    assert session.features.shape == (5, 4) and session.cached == 3
+    session.add_features(3, torch.full((2, 4), 3.0))  # a retried delivery replaces, not appends
+    assert session.features.shape == (5, 4) and float(session.features[4, 0]) == 3.0 and session.cached == 3
+    session.sync(5, [7])  # a retried round from position 5 drops the feature of position 5 onwards
+    assert session.features.shape == (5, 4) and session.cached == 3
+    import pytest
+
+    with pytest.raises(ValueError, match="no feature yet"):
+        session.add_features(5, torch.zeros(1, 4))  # position 5 is the last token: not computed yet
+    with pytest.raises(ValueError, match="start at position 7"):
+        session.add_features(7, torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="inside the 3-token prompt"):
+        session.sync(2, [1])
