@@ -181,7 +181,9 @@ def main(args, config: StackConfig) -> int:
             address = stack.start()
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.GatewayStub(channel)
-            drafters = [d for d in (args.drafters or "").split(",") if d] or [""]
+            drafters = [d for d in (args.drafters or "").split(",") if d]
+            if not drafters:  # every drafter the stack's draft service hosts; else the gateway's default
+                drafters = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
             for d in drafters:
                 stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 16, d), timeout=600)  # warm up
             records = []

@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--draft-vocab", type=int, default=8192, help="size of the frequency-ranked draft vocabulary")
     dist.add_argument("--levels", type=int, default=3, help="drafting steps unrolled in training")
     dist.add_argument("--lr", type=float, default=6e-4)
+    dist.add_argument("--batch-tokens", type=int, default=1024, help="tokens per training step")
     dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
     dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     dist.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
@@ -131,8 +132,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="the retrieval store remembers outputs across requests; the bench runs every prompt "
                             "several times, which the store would simply copy, so it is off unless set")
     bench.add_argument("--drafters", default="",
-                       help="comma-separated drafters to compare side by side, e.g. ngram,self,hybrid "
-                            "(default: the gateway's default drafter)")
+                       help="comma-separated drafters to compare side by side, e.g. ngram,self "
+                            "(default: every drafter of the started stack; with --gateway, its default)")
     return parser
 
 
@@ -305,7 +306,7 @@ def cmd_distill(a: argparse.Namespace) -> int:
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
                             train_minutes=a.train_minutes, max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
-                            stages=stages, kind=a.kind, layers=a.layers))
+                            stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens))
     return 0
 
 

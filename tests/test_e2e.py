@@ -57,6 +57,21 @@ def test_greedy_speculation_is_token_identical_on_the_default_model(default_mode
             assert self_drafted.stats.mean_acceptance_length > 3.0
 
 
+def test_shipped_self_draft_is_exact_and_accepted_on_the_default_model(default_model, tmp_path):
+    """The committed head for the default target: loaded by `auto`, its fingerprint matches the
+    converted model, outputs equal spec-off, and it gets drafts accepted on code."""
+    with Stack(StackConfig(transport="unix", drafter="hybrid", run_dir=str(tmp_path))) as stack:
+        with grpc.insecure_channel(stack.start()) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            for p in one_prompt_per_task():
+                off = generate(stub, p.prompt, pb.SPECULATION_OFF)
+                for drafter in ("self", "hybrid"):
+                    on = generate(stub, p.prompt, pb.SPECULATION_ON, drafter=drafter)
+                    assert list(on.token_ids) == list(off.token_ids), (p.task_type, drafter)
+                    if p.task_type == "code" and drafter == "self":
+                        assert on.stats.mean_acceptance_length > 1.5
+
+
 def _spawn_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "SPECSPLIT_CACHE": os.environ.get("SPECSPLIT_CACHE", str(Path.home() / ".cache/specsplit"))}
     proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(tmp_path), *flags],

@@ -38,6 +38,7 @@ class DistillSettings:
     dtype: str = "bfloat16"  # of the target while generating (the features keep it)
     device: str = "cpu"
     stages: tuple[str, ...] = ("generate", "train", "export")
+    batch_tokens: int = 1024
     kind: str = "self"  # self: a feature head; model: a standalone draft model of `layers` target layers
     layers: int = 2
 
@@ -58,7 +59,8 @@ def distill(s: DistillSettings, log=print) -> Path:
         raise ValueError(f"unknown kind {s.kind!r}: self or model")
     work = out / f"{s.kind}-train"  # checkpoint and notes of this kind; the data is shared
     work.mkdir(exist_ok=True)
-    settings = TrainSettings(budget_s=s.train_minutes * 60, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr)
+    settings = TrainSettings(budget_s=s.train_minutes * 60, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr,
+                             batch_tokens=s.batch_tokens)
     result = None
     if "train" in s.stages:
         if s.kind == "self":

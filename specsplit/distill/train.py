@@ -28,7 +28,7 @@ class TrainSettings:
     draft_vocab: int = 8192
     levels: int = 3
     lr: float = 6e-4
-    batch_tokens: int = 4096
+    batch_tokens: int = 1024
     reg_weight: float = 0.2
     held_out_every: int = 25  # every n-th example is kept for evaluation
     checkpoint_every_s: float = 120.0
