@@ -46,6 +46,7 @@ class Record:
     off_runs: list[float]  # every client wall time (s), speculation off
     on_runs: list[float]
     target_step_ms: float = 0.0  # verify forward per token with speculation off (one target step)
+    by_source: dict = None  # draft source -> [rounds, drafted, accepted] (which part of a hybrid drafted)
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
@@ -95,11 +96,17 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
     records = []
     for d in drafters:
         on, s = last[d], last[d].stats
+        by_source: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for r in s.round_records:
+            counts = by_source[r.draft_source or "none"]
+            counts[0] += 1
+            counts[1] += r.drafted
+            counts[2] += r.accepted
         div = first_divergence(list(off.token_ids), list(on.token_ids))
         records.append(Record(p.task_type, p.prompt, s.drafter, statistics.median(off_times),
                               statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
-                              div < 0, div, off_times, on_times[d], step_ms))
+                              div < 0, div, off_times, on_times[d], step_ms, dict(by_source)))
     return records
 
 
@@ -139,8 +146,17 @@ def summarise(records: list[Record]) -> list[dict]:
             "draft_ms_per_token": draft_ms_per_token,
             "target_step_ms": statistics.median(steps) if steps else 0.0,
             "draft_cost_ratio": draft_ms_per_token / statistics.median(steps) if steps else 0.0,
+            "by_source": _merge_sources(rs),
         })
     return rows
+
+
+def _merge_sources(records: list[Record]) -> dict[str, list[int]]:
+    merged: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for r in records:
+        for source, counts in (r.by_source or {}).items():
+            merged[source] = [a + b for a, b in zip(merged[source], counts)]
+    return dict(merged)
 
 
 def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = None, out=sys.stdout) -> None:
@@ -156,6 +172,10 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
               f"{100 * r['verify_share']:>8.1f}{100 * r['network_share']:>6.1f}"
               f"{r['p95_off_s']:>8.2f}/{r['p95_on_s']:<5.2f}  {r['first_divergence'] or '-'}", file=out)
     print("cost = draft time per drafted token / one target step (spec-off verify per token)", file=out)
+    mixes = [(r["drafter"], r["by_source"]) for r in rows if r["task_type"] == "ALL" and len(r["by_source"]) > 1]
+    for drafter, mix in mixes:
+        parts = [f"{src} {n} rounds acc.len {(acc + n) / n:.2f}" for src, (n, _, acc) in sorted(mix.items()) if n]
+        print(f"{drafter} rounds by source: " + "; ".join(parts), file=out)
     if memory:
         print("draft memory: " + ", ".join(f"{name} {mb / 2**20:.1f} MiB" for name, mb in memory.items()), file=out)
 
