@@ -25,7 +25,7 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
                                          default_model.resolve(settings.model.path))
     if settings.self_head is not None:
         head = SelfDrafter(resolve_head(settings.self_head), default_model.resolve(settings.target_model),
-                           settings.device)
+                           settings.device, min_confidence=settings.self_min_confidence)
         drafters["self"] = head
         drafters["hybrid"] = HybridDrafter(ngram, head, settings.hybrid_min_match)
     return drafters

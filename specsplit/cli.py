@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the target the head drafts for (its embeddings are read from here)")
     d.add_argument("--hybrid-min-match", type=int, default=2,
                    help="the hybrid copies an n-gram match of at least this length, else uses the head")
+    d.add_argument("--self-min-confidence", type=float, default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", "0")),
+                   help="the head stops drafting once its probability that the draft so far is right falls "
+                        "below this (0: always draft gamma)")
     d.add_argument("--max-sessions", type=int, default=64)
     d.add_argument("--idle-timeout", type=float, default=600.0)
 
@@ -184,7 +187,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                  ngram_min=a.ngram_min, ngram_max=a.ngram_max, max_sessions=a.max_sessions,
                                  idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
                                  self_head=_self_head(a.self_head, a.target_model), target_model=a.target_model,
-                                 device=a.device, hybrid_min_match=a.hybrid_min_match)
+                                 device=a.device, hybrid_min_match=a.hybrid_min_match,
+                                 self_min_confidence=a.self_min_confidence)
     else:
         from gateway.main import run
 

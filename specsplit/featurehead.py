@@ -108,9 +108,8 @@ class FeatureHead(nn.Module):
         """Give the head the target's embedding [V, d] and output head [V, d] (frozen, not saved)."""
         if vocab_ids is not None:
             self.vocab_ids.copy_(vocab_ids)
-        dtype = self.fc.weight.dtype
-        self.embed = embed.detach().to(dtype)
-        self.vocab_weight = lm_head.detach()[self.vocab_ids].to(dtype)
+        self.embed = embed.detach()  # kept in its own dtype (bf16 when serving: half the memory)
+        self.vocab_weight = lm_head.detach()[self.vocab_ids].to(self.fc.weight.dtype)
 
     def head_state(self) -> dict[str, torch.Tensor]:
         """What a saved head holds: its own weights and the vocab map (no target tensors)."""
@@ -126,7 +125,7 @@ class FeatureHead(nn.Module):
         """fc + input norm + q/k/v with RoPE for inputs [B, T, d] / [B, T] at positions [T].
         Returns (residual [B,T,d], q [B,H,T,hd], k [B,KV,T,hd], v [B,KV,T,hd])."""
         cfg = self.cfg
-        x = self.fc(torch.cat([features, self.embed[next_tokens]], dim=-1))
+        x = self.fc(torch.cat([features, self.embed[next_tokens].to(features.dtype)], dim=-1))
         b, t, _ = x.shape
         hn = self.input_norm(x)
         q = self.q_proj(hn).view(b, t, cfg.heads, cfg.head_dim).transpose(1, 2)

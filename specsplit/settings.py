@@ -44,6 +44,7 @@ class DraftSettings:
     target_model: str = "default"
     device: str = "cpu"
     hybrid_min_match: int = 2  # n-gram length from which the hybrid copies instead of using the head
+    self_min_confidence: float = 0.0  # the head stops drafting below this chain probability
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
 

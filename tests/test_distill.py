@@ -74,6 +74,8 @@ def test_exported_head_records_its_target_and_loads(self_head, models):
     session.add_features(0, torch.zeros(3, card["config"]["hidden"]))
     proposal = drafter.propose(session, 4)
     assert len(proposal.tokens) == 4 and proposal.source == "self"
+    drafter.min_confidence = 1.01  # no chain is that sure: the head drafts nothing rather than guess
+    assert drafter.propose(session, 4) == ([], "")
 
 
 def test_a_head_for_other_weights_is_refused(self_head, models):

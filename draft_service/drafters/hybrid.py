@@ -1,5 +1,6 @@
 """Retrieval first, the self-drafter otherwise: copying pays when the text repeats (rewrites,
-templated output), the head everywhere else."""
+templated output), the head everywhere else. Most reliable first: an n-gram match of at least
+`min_match` tokens, then the head (which drafts nothing when it is unsure), then a shorter match."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ class HybridDrafter:
         drafts, n = self.ngram.match(session.tokens, gamma)
         if n >= self.min_match:
             return Proposal(drafts, "ngram")
-        return self.head.propose(session, gamma)
+        proposal = self.head.propose(session, gamma)
+        if proposal.tokens or not drafts:
+            return proposal
+        return Proposal(drafts, "ngram")
 
     def end(self, session: SelfSession) -> None:
         self.ngram.end(session)

@@ -83,7 +83,8 @@ def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Te
 class SelfDrafter:
     runs_model = True
 
-    def __init__(self, head_dir: Path, target_dir: Path, device: str = "cpu", name: str = "self"):
+    def __init__(self, head_dir: Path, target_dir: Path, device: str = "cpu", name: str = "self",
+                 min_confidence: float = 0.0):
         card = read_head_card(head_dir)
         theirs = card["target"]["model_fingerprint"]
         ours = weights_fingerprint(target_dir)
@@ -100,6 +101,10 @@ class SelfDrafter:
         self.head.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
         self.card = card
+        # Drafting stops once the head's own probability that the whole draft so far is right
+        # (the product of its top probabilities) falls below this: a doubtful draft costs draft
+        # and verify time and is rarely accepted. 0 drafts gamma tokens every round.
+        self.min_confidence = min_confidence
         own = sum(t.numel() * t.element_size() for t in self.head.state_dict().values())
         self.memory_bytes = own + sum(t.numel() * t.element_size() for t in (self.head.embed, self.head.vocab_weight))
         self.description = DrafterDescription(
@@ -124,11 +129,17 @@ class SelfDrafter:
             session.cached, session.last = n - 1, out[-1]
         pred = session.last
         drafts: list[int] = []
+        confidence = 1.0
         for k in range(gamma):
-            drafts.append(int(head.vocab_ids[int(head.logits(pred).argmax())]))
+            probs = head.logits(pred).softmax(-1)
+            top = int(probs.argmax())
+            confidence *= float(probs[top])
+            if confidence < self.min_confidence:
+                break
+            drafts.append(int(head.vocab_ids[top]))
             if k + 1 < gamma:
                 pred = head_step(head, cache, pred[None], drafts[-1:])[-1]
-        return Proposal(drafts, "self")
+        return Proposal(drafts, "self" if drafts else "")
 
     def end(self, session: SelfSession) -> None:
         pass

@@ -102,7 +102,8 @@ def _card(work: Path, lm, s: DistillSettings) -> dict:
                        "tokenizer_fingerprint": lm.fingerprint},
             "recipe": {"command": "specsplit distill", "kind": s.kind, "prompts": s.prompts or "built-in",
                        "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
-                       "train": notes.get("train_settings", {}), "target_layers": notes.get("layers"),
+                       "train": notes.get("train_settings", {}), **({"target_layers": notes["layers"]}
+                                                                        if "layers" in notes else {}),
                        "generate_minutes": _notes(work.parent).get("generate_minutes")},
             "metrics": notes.get("metrics", {})}
 
