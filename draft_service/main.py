@@ -36,6 +36,9 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     worker = ModelWorker("draft")
     drafters = await worker.run(build_drafters, settings)
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
-    servicer = DrafterServicer(drafters, settings.default_drafter, sessions, worker)
+    default = settings.default_drafter
+    if default == "auto":
+        default = "hybrid" if "hybrid" in drafters else "ngram"
+    servicer = DrafterServicer(drafters, default, sessions, worker)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals)

@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="local HF causal LM dir for the 'model' drafter ('default': the embedded model)")
     d.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
     d.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
-    d.add_argument("--default-drafter", default="ngram", help="ngram | model | self | hybrid")
+    d.add_argument("--default-drafter", default="auto",
+                   help="ngram | model | self | hybrid | auto (hybrid when a self head is loaded, else ngram)")
     d.add_argument("--ngram-min", type=int, default=1)
     d.add_argument("--ngram-max", type=int, default=3)
     d.add_argument("--store-tokens", type=int, default=262144,
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the target the head drafts for (its embeddings are read from here)")
     d.add_argument("--hybrid-min-match", type=int, default=2,
                    help="the hybrid copies an n-gram match of at least this length, else uses the head")
-    d.add_argument("--self-min-confidence", type=float, default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", "0")),
+    d.add_argument("--self-min-confidence", type=float, default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", "0.3")),
                    help="the head stops drafting once its probability that the draft so far is right falls "
                         "below this (0: always draft gamma)")
     d.add_argument("--max-sessions", type=int, default=64)
@@ -148,8 +149,9 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
-    p.add_argument("--drafter", default="ngram",
-                   help="default drafter: ngram | self | hybrid | model (with --draft-model)")
+    p.add_argument("--drafter", default="auto",
+                   help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid when the "
+                        "self head is there, else ngram)")
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)

@@ -35,7 +35,7 @@ class StackConfig:
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     exact: bool = True
-    drafter: str = "ngram"  # the draft service's default drafter
+    drafter: str = "auto"  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
     store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
     gamma: int = 4

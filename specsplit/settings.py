@@ -33,7 +33,7 @@ class VerifySettings:
 class DraftSettings:
     server: ServerSettings
     model: ModelSettings | None  # None: no standalone draft model
-    default_drafter: str = "ngram"
+    default_drafter: str = "auto"  # auto: hybrid when a self head is loaded, else ngram
     ngram_min: int = 1
     ngram_max: int = 3
     store_tokens: int = 262144  # earlier outputs the retrieval drafter remembers (0: none)
@@ -44,7 +44,7 @@ class DraftSettings:
     target_model: str = "default"
     device: str = "cpu"
     hybrid_min_match: int = 2  # n-gram length from which the hybrid copies instead of using the head
-    self_min_confidence: float = 0.0  # the head stops drafting below this chain probability
+    self_min_confidence: float = 0.3  # the head stops drafting below this chain probability
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
 
