@@ -16,7 +16,8 @@ from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 async def test_self_and_hybrid_drafts_keep_greedy_output_identical(models, self_head, tmp_path, transport):
-    draft_kw = {"self_head": str(self_head), "target_model": str(models["target"])}
+    # No confidence stop: the head drafts gamma tokens every round.
+    draft_kw = {"self_head": str(self_head), "target_model": str(models["target"]), "self_min_confidence": 0.0}
     async with running_stack(tmp_path, transport, models["target"], None, draft_kw=draft_kw) as stack:
         async with grpc.aio.insecure_channel(stack.draft) as ch:
             info = {d.name: d for d in (await dpb_grpc.DrafterStub(ch).Info(dpb.InfoRequest())).drafters}
