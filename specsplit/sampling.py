@@ -1,0 +1,79 @@
+"""Sampling maths shared by the draft and verify services: the per-request warp (temperature,
+top-k, top-p) and noise that both services derive from (seed, absolute position) alone, so
+that a sampled token is reproducible and, in coupled mode, the same whoever drafted.
+
+Noise comes from a CPU torch.Generator seeded with sha256(seed, position, stream): no state is
+carried between calls or processes, retries and restarts reproduce the same draws, and each use
+(Gumbel noise, acceptance uniform, residual sample) has its own stream."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+GUMBEL, ACCEPT, RESAMPLE = 0, 1, 2  # noise streams
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+
+    def check(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature} must be a finite number >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k {self.top_k} must be >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p {self.top_p} is not in (0, 1]")
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [n, V] from logits [n, V]: temperature, then top-k, then top-p (the smallest
+    set of most likely tokens whose mass reaches top_p). Greedy (temperature 0) is one-hot."""
+    logits = logits.float()
+    if params.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    x = logits / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        drop_sorted = before >= params.top_p  # the first token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.softmax(-1)
+
+
+def generator(seed: int, position: int, stream: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{position}:{stream}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    return float(torch.rand(1, generator=generator(seed, position, stream)))
+
+
+def gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [vocab] for one position (CPU, float32)."""
+    u = torch.rand(vocab, generator=generator(seed, position, GUMBEL)).clamp_(1e-10, 1 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def coupled_choice(probs: torch.Tensor, seed: int, position: int) -> int:
+    """Gumbel-max: argmax(log p + g) is an exact sample from p, and a function of (seed, position,
+    p) alone, so every party that knows p makes the same choice."""
+    noise = gumbel(seed, position, probs.shape[-1]).to(probs.device)
+    return int((probs.log() + noise).argmax())
+
+
+def sample(probs: torch.Tensor, seed: int, position: int, stream: int = RESAMPLE) -> int:
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator(seed, position, stream)))

@@ -1,0 +1,114 @@
+"""Sampling maths on hand-built distributions: warp edges, acceptance rules, and statistics that a
+wrong residual would fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit.sampling import SamplingParams, coupled_choice, sample, warp
+from verify_service import acceptance
+from verify_service.acceptance import coupled_accept, rejection_accept
+
+
+def dense(*probs: float) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float32)
+
+
+def proposal(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.nonzero(q > 0).flatten()
+    return ids, q[ids]
+
+
+def test_warp_edges():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert torch.equal(warp(logits, SamplingParams(0.0)), dense(1, 0, 0, 0)[None])  # greedy: one-hot
+    assert torch.allclose(warp(logits, SamplingParams(1.0)), logits.softmax(-1))
+    top1 = warp(logits, SamplingParams(0.7, top_k=1))
+    assert torch.equal(top1, dense(1, 0, 0, 0)[None])
+    top2 = warp(logits, SamplingParams(1.0, top_k=2))
+    assert top2[0, 2:].sum() == 0 and torch.allclose(top2[0, :2], logits[0, :2].softmax(-1))
+    p = logits.softmax(-1)[0]  # [0.61, 0.22, 0.14, 0.03]
+    assert torch.equal(warp(logits, SamplingParams(1.0, top_p=0.5)), dense(1, 0, 0, 0)[None])  # top token alone
+    nucleus = warp(logits, SamplingParams(1.0, top_p=float(p[0] + p[1]) + 1e-4))  # needs three tokens
+    assert (nucleus[0] > 0).tolist() == [True, True, True, False]
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_p=1.0)), logits.softmax(-1))
+    hot = warp(logits, SamplingParams(100.0))
+    assert float(hot.max() - hot.min()) < 0.01  # high temperature flattens
+    for bad in (SamplingParams(-1.0), SamplingParams(1.0, top_k=-1), SamplingParams(1.0, top_p=0.0),
+                SamplingParams(float("nan"))):
+        with pytest.raises(ValueError):
+            bad.check()
+
+
+def test_rejection_cases():
+    p = dense(0.5, 0.3, 0.2)
+    # q = p: every draft is accepted, then a bonus token.
+    for seed in range(50):
+        accepted, _, kind = rejection_accept(torch.stack([p, p, p]), [1, 2], [proposal(p)] * 2, seed, 10)
+        assert (accepted, kind) == (2, "bonus")
+    # Disjoint supports: always rejected, and the recovered token comes from p.
+    q = dense(0.0, 0.0, 1.0)
+    p_no2 = dense(0.6, 0.4, 0.0)
+    for seed in range(50):
+        accepted, token, kind = rejection_accept(torch.stack([p_no2, p_no2]), [2], [proposal(q)], seed, 0)
+        assert (accepted, kind) == (0, "recovered") and token in (0, 1)
+    # The residual: drafting 1 from q = [.2, .6, .2]: accepted half the time (p/q = .3/.6); when
+    # rejected the residual max(0, p - q) = [.3, 0, 0] leaves only token 0.
+    q = dense(0.2, 0.6, 0.2)
+    outcomes = [rejection_accept(torch.stack([p, p]), [1], [proposal(q)], seed, 0) for seed in range(400)]
+    recovered = [t for a, t, k in outcomes if k == "recovered"]
+    assert set(recovered) == {0}
+    assert 0.4 < len(recovered) / len(outcomes) < 0.6
+    with pytest.raises(ValueError, match="probability 0"):
+        rejection_accept(torch.stack([p, p]), [0], [proposal(dense(0, 1, 0))], 0, 0)
+
+
+def _first_token_distribution(p, q, trials, accept=rejection_accept):
+    counts = torch.zeros(len(p))
+    for seed in range(trials):
+        draft = [sample(q, seed, 0, stream=7)]  # the drafter's own sample from q
+        accepted, token, _ = accept(torch.stack([p, p]), draft, [proposal(q)], seed, 0)
+        counts[draft[0] if accepted else token] += 1
+    return counts / trials
+
+
+def test_rejection_sampling_reproduces_the_target_distribution_and_a_broken_residual_does_not(monkeypatch):
+    p, q = dense(0.1, 0.2, 0.3, 0.4), dense(0.4, 0.3, 0.2, 0.1)
+    trials = 6000
+    right = _first_token_distribution(p, q, trials)
+    assert float((right - p).abs().sum() / 2) < 0.03  # total variation: 0.016 measured (noise ~0.01)
+
+    def broken(probs, draft, proposals, seed, start):  # resamples from p instead of the residual
+        ids, qv = proposals[0]
+        dense_q = torch.zeros_like(probs[0]).index_put_((ids,), qv)
+        token = draft[0]
+        if acceptance.uniform(seed, start, acceptance.ACCEPT) < min(1.0, float(probs[0, token] / dense_q[token])):
+            return 1, sample(probs[1], seed, start + 1), "bonus"
+        return 0, sample(probs[0], seed, start), "recovered"
+
+    wrong = _first_token_distribution(p, q, trials, accept=broken)
+    assert float((wrong - p).abs().sum() / 2) > 0.08  # 0.13 measured
+
+
+def test_coupled_choice_samples_p_and_ignores_the_draft():
+    p = dense(0.1, 0.2, 0.3, 0.4)
+    counts = torch.zeros(4)
+    for seed in range(6000):
+        counts[coupled_choice(p, seed, 3)] += 1
+    assert float((counts / 6000 - p).abs().sum() / 2) < 0.03
+    probs = torch.stack([p] * 4)
+    for seed in range(30):
+        # The committed text is the target's own choices whatever was drafted.
+        alone = [coupled_choice(p, seed, 5 + i) for i in range(4)]
+        for draft in ([0, 0, 0], alone[:3], [alone[0], 3 - alone[1], alone[2]]):
+            accepted, nxt = coupled_accept(probs, draft, seed, 5)
+            assert draft[:accepted] + [nxt] == alone[:accepted + 1]
+        assert coupled_accept(probs, alone[:3], seed, 5) == (3, alone[3])
+
+
+def test_greedy_is_the_zero_temperature_case_of_coupled():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 1.0]])
+    probs = warp(logits, SamplingParams(0.0))
+    for seed in range(10):
+        assert coupled_accept(probs, [1], seed, 0) == acceptance.greedy_accept(logits, [1])
