@@ -129,3 +129,47 @@ def test_exact_numerics_compute_the_same_model(models, dtype, tol, prompt_len):
         seq = KVSequence(load_model(models["target"], dtype, exact=exact).model)
         logits[exact] = torch.cat([seq.forward(prompt), seq.forward([1, 2, 3])])  # [prompt_len + 3, vocab]
     assert torch.allclose(logits[True], logits[False], atol=tol, rtol=0)
+
+
+def _decode(target, session, rounds, drafter):
+    for _ in range(rounds):
+        draft, proposals = drafter(session)
+        target.verify(session, len(session.tokens), draft, proposals)
+    return session.tokens
+
+
+def test_coupled_sampling_commits_the_same_text_whatever_is_drafted(models):
+    from specsplit.sampling import SamplingParams
+
+    target = Target(load_model(models["target"], "float32"))
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    plain, _ = target.prefill(PROMPT, sampling=params)
+    alone = _decode(target, plain, 24, lambda s: ([], None))
+    drafted, _ = target.prefill(PROMPT, sampling=params)
+    # Wrong guesses, right guesses (the committed text itself), anything: the text does not move.
+    guesses = iter(range(10**6))
+    together = _decode(target, drafted, 12, lambda s: ([alone[len(s.tokens)] if len(s.tokens) < len(alone) else 1,
+                                                         next(guesses) % 50, 3], None))
+    assert together == alone[:len(together)] and len(together) > len(PROMPT) + 12
+    other, _ = target.prefill(PROMPT, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=8))
+    assert _decode(target, other, 24, lambda s: ([], None)) != alone  # the seed matters
+
+
+def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
+    import torch
+
+    from specsplit.sampling import SamplingParams
+
+    target = Target(load_model(models["target"], "float32"))
+    params = SamplingParams(temperature=1.0, seed=3)
+    session, _ = target.prefill(PROMPT, sampling=params, method="rejection")
+    with pytest.raises(ValueError, match="one proposal distribution per draft token"):
+        target.verify(session, len(session.tokens), [5, 6])
+    certain = (torch.tensor([5]), torch.tensor([1.0]))  # a deterministic drafter: q is one-hot
+    result = target.verify(session, len(session.tokens), [5], [certain])
+    assert result.length == len(session.tokens) and 0 <= result.num_accepted <= 1
+    again, _ = target.prefill(PROMPT, sampling=params, method="rejection")
+    target.verify(again, len(again.tokens), [5], [certain])
+    assert again.tokens == session.tokens  # same seed, same draws
+    with pytest.raises(ValueError, match="unknown verify method"):
+        target.prefill(PROMPT, sampling=params, method="magic")

@@ -295,3 +295,35 @@ async def test_gateway_refuses_requests_until_its_backends_answer(models, tmp_pa
     finally:
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_verifier_refuses_bad_sampling_and_bad_proposals(models, tmp_path):
+    from specsplit.common.v1 import common_pb2 as cpb
+
+    async with running_stack(tmp_path, "unix", models["target"], None) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            stub = vpb_grpc.VerifierStub(ch)
+            for sampling, words in ((cpb.Sampling(temperature=-1), "temperature"),
+                                    (cpb.Sampling(temperature=1, top_p=1.5), "top_p")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Prefill(vpb.PrefillRequest(session_id="a", prompt_token_ids=[1, 2], sampling=sampling))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+            rejection = cpb.Sampling(temperature=1, seed=1, method=cpb.VERIFY_METHOD_REJECTION)
+            first = await stub.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=[1, 2], sampling=rejection))
+            for probs, words in (([], "one proposal distribution per draft token"),
+                                 ([cpb.SparseProbs(token_ids=[5], probs=[0.5])], "sum to 1"),
+                                 ([cpb.SparseProbs(token_ids=[6], probs=[1.0])], "probability 0")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Verify(vpb.VerifyRequest(session_id="s", length=first.length, draft_token_ids=[5],
+                                                        draft_probs=probs))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+            ok = await stub.Verify(vpb.VerifyRequest(session_id="s", length=first.length, draft_token_ids=[5],
+                                                     draft_probs=[cpb.SparseProbs(token_ids=[5], probs=[1.0])]))
+            assert ok.length == first.length + ok.num_accepted + 1
+            # The refused calls left the session untouched: a fresh session gives the same answer.
+            await stub.Prefill(vpb.PrefillRequest(session_id="t", prompt_token_ids=[1, 2], sampling=rejection))
+            fresh = await stub.Verify(vpb.VerifyRequest(session_id="t", length=first.length, draft_token_ids=[5],
+                                                        draft_probs=[cpb.SparseProbs(token_ids=[5], probs=[1.0])]))
+            assert (fresh.num_accepted, fresh.next_token_id) == (ok.num_accepted, ok.next_token_id)
+            await stub.Release(vpb.ReleaseRequest(session_id="t"))
+            await stub.Release(vpb.ReleaseRequest(session_id="s"))

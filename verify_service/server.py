@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
+import torch
 
 from specsplit import features as wire
+from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.modeling import LoadedModel
+from specsplit.sampling import SamplingParams
 from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.verify.v1 import verify_pb2 as pb
@@ -47,7 +52,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         try:
-            session, result = await self._worker.run(self._target.prefill, prompt, request.return_features)
+            sampling, method = sampling_from(request.sampling)
+            sampling.check()
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            session, result = await self._worker.run(self._target.prefill, prompt, request.return_features,
+                                                     sampling, method)
             self._sessions.put(request.session_id, session)
         except SessionExists:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
@@ -62,8 +73,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                 f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
         try:
             session = self._sessions.get(request.session_id)
+            proposals = [sparse_from(d) for d in request.draft_probs]
             result = await self._worker.run(
-                self._target.verify, session, request.length, list(request.draft_token_ids))
+                self._target.verify, session, request.length, list(request.draft_token_ids), proposals)
         except SessionNotFound:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
         except LengthMismatch as e:
@@ -83,6 +95,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """One prefill and one 4-token verify, so the first request does not pay for lazy init."""
         session, result = await self._worker.run(self._target.prefill, [first_id(self._lm)] * 8)
         await self._worker.run(self._target.verify, session, len(session.tokens), [result.next_token] * 4)
+
+
+def sampling_from(message: cpb.Sampling) -> tuple[SamplingParams, str]:
+    method = "rejection" if message.method == cpb.VERIFY_METHOD_REJECTION else "coupled"
+    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
+                          seed=message.seed), method
+
+
+def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probs); ValueError unless it is a probability distribution."""
+    if len(message.token_ids) != len(message.probs) or not message.token_ids:
+        raise ValueError(f"a proposal has {len(message.token_ids)} ids and {len(message.probs)} probabilities")
+    probs = list(message.probs)
+    if any(not math.isfinite(x) or x < 0 for x in probs) or abs(sum(probs) - 1) > 1e-3:
+        raise ValueError(f"a proposal's probabilities must be finite, >= 0 and sum to 1 (sum {sum(probs):.4f})")
+    return torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(probs, dtype=torch.float32)
 
 
 def _features(result, start: int):
