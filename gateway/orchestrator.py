@@ -39,6 +39,7 @@ class Plan:
     drafter: str
     task_type: str
     needs_features: bool = False  # the drafter reads target features: the verifier returns them
+    sampling: cpb.Sampling = field(default_factory=cpb.Sampling)  # temperature 0: greedy
 
 
 @dataclass
@@ -114,7 +115,8 @@ class Orchestrator:
                     features = None  # delivered
                 t = time.perf_counter_ns()
                 verdict = await call(self._verifier.Verify, vpb.VerifyRequest(
-                    session_id=session_id, length=length, draft_token_ids=drafts), "verify")
+                    session_id=session_id, length=length, draft_token_ids=drafts,
+                    draft_probs=self._proposals(plan, drafts)), "verify")
                 verify_rpc_ns = time.perf_counter_ns() - t
                 if plan.needs_features and drafting:
                     features = _join(features, verdict.features)
@@ -131,6 +133,15 @@ class Orchestrator:
         finally:
             await asyncio.shield(self._release(session_id, plan.speculate))
 
+    @staticmethod
+    def _proposals(plan: Plan, drafts: list[int]) -> list[cpb.SparseProbs]:
+        """Rejection sampling needs the distribution each draft token was drawn from. Today's
+        drafters choose deterministically, which is a point mass on the draft token: exact, and
+        the verifier then accepts a draft with probability p(draft)."""
+        if plan.sampling.temperature == 0 or plan.sampling.method != cpb.VERIFY_METHOD_REJECTION:
+            return []
+        return [cpb.SparseProbs(token_ids=[t], probs=[1.0]) for t in drafts]
+
     def _limit(self, generated: int, length: int, plan: Plan) -> int:
         if generated >= plan.max_new_tokens:
             return pb.FINISH_REASON_LENGTH
@@ -143,8 +154,8 @@ class Orchestrator:
         """Prefills the verifier and the drafter in parallel; returns the first token, the prompt's
         features (for drafters that read them) and whether drafting goes on."""
         prefill = call(self._verifier.Prefill, vpb.PrefillRequest(
-            session_id=session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features),
-            "verify")
+            session_id=session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
+            sampling=plan.sampling), "verify")
         if not drafting:
             return (await prefill).next_token_id, None, False
         start = call(self._drafter.StartSession, dpb.StartSessionRequest(
@@ -165,6 +176,10 @@ class Orchestrator:
         rounds = tally.rounds
         drafted = sum(r.drafted for r in rounds)
         accepted = sum(r.accepted for r in rounds)
+        bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.drafted)
+        sampled = plan.sampling.temperature > 0
+        method = {cpb.VERIFY_METHOD_REJECTION: "rejection"}.get(plan.sampling.method, "coupled") if sampled \
+            else "greedy"
         return pb.GenerationStats(
             prompt_tokens=len(plan.prompt_ids), generated_tokens=generated,
             prefill_ms=tally.prefill_ms, decode_ms=(time.perf_counter() - tally.decode_start) * 1e3,
@@ -174,7 +189,8 @@ class Orchestrator:
             speculation_used=drafting, drafter=plan.drafter if drafting else "", gamma=plan.gamma if drafting else 0,
             draft_ms=sum(r.draft_ms for r in rounds), verify_ms=sum(r.verify_ms for r in rounds),
             network_ms=sum(r.network_ms for r in rounds), exact=self._target.exact, task_type=plan.task_type,
-            round_records=rounds)
+            round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
+            seed=plan.sampling.seed if sampled else 0, verify_method=method)
 
     async def _release(self, session_id: str, drafted: bool) -> None:
         calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=session_id), timeout=5)]

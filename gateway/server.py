@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import secrets
 
 import grpc
 
 from gateway.orchestrator import Orchestrator, Plan, UpstreamError
+from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
@@ -147,7 +149,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_new_tokens {request.max_new_tokens} exceeds this gateway's limit of "
                           f"{settings.max_new_tokens_limit}")
-        self._check_sampling(request.sampling)
+        sampling = self._check_sampling(request.sampling)
         stops = tuple(request.stop.stop_strings)
         if len(stops) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -168,7 +170,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
-                    needs_features=speculate and b.drafters[drafter].needs_features)
+                    needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self._backends.tokenizer
@@ -190,15 +192,19 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                                                   return_dict=True)["input_ids"])
 
     @staticmethod
-    def _check_sampling(sampling: pb.SamplingParams) -> None:
+    def _check_sampling(sampling: pb.SamplingParams) -> cpb.Sampling:
+        """The verifier's Sampling for the request; a seed is drawn when none is given."""
         if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"temperature {sampling.temperature} must be a finite number >= 0")
         if not (math.isfinite(sampling.top_p) and 0 <= sampling.top_p <= 1):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {sampling.top_p} is not in [0, 1]")
-        if sampling.temperature > 0:
-            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
-                          "sampling at temperature > 0 is not implemented yet; use temperature 0 (greedy)")
+        method = sampling.method or cpb.VERIFY_METHOD_COUPLED
+        if method not in (cpb.VERIFY_METHOD_COUPLED, cpb.VERIFY_METHOD_REJECTION):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown verify method {sampling.method}")
+        seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
+        return cpb.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p or 1.0,
+                            seed=seed, method=method)
 
 
 def register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:

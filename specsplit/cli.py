@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--gamma", type=int, default=0)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--task-type", default="")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, help="sampler seed (default: drawn by the gateway, reported in stats)")
+    gen.add_argument("--method", choices=["coupled", "rejection"], default="coupled",
+                     help="verification at temperature > 0: coupled (same text on or off) or rejection")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     gen.add_argument("--stream", action="store_true", help="print text as it is accepted")
@@ -246,6 +252,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from specsplit.common.v1 import common_pb2 as cpb
     from specsplit.gateway.v1 import gateway_pb2 as pb
     from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -258,7 +265,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     request = pb.GenerateRequest(
         max_new_tokens=a.max_new_tokens, gamma=a.gamma, drafter=a.drafter, task_type=a.task_type,
         speculation=pb.SPECULATION_OFF if a.no_spec else pb.SPECULATION_ON if a.spec else pb.SPECULATION_AUTO,
-        stop=pb.StopConditions(stop_strings=a.stop))
+        stop=pb.StopConditions(stop_strings=a.stop),
+        sampling=pb.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                                   method=cpb.VERIFY_METHOD_REJECTION if a.method == "rejection"
+                                   else cpb.VERIFY_METHOD_COUPLED))
     if a.raw:
         request.text = a.prompt
     else:

@@ -92,6 +92,11 @@ def test_up_generate_and_stop_as_a_process_group(default_model, tmp_path, transp
         response = json.loads(out.stdout)
         assert response["text"] and len(response["tokenIds"]) == response["stats"]["generatedTokens"] <= 12
         assert response["stats"]["taskType"] == "open"
+        sampled = [json.loads(subprocess.run(
+            [sys.executable, "-m", "specsplit.cli", "generate", "--gateway", address, "--json",
+             "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", *flags, "Say hello."],
+            capture_output=True, text=True, timeout=120, check=True).stdout) for flags in ([], ["--no-spec"])]
+        assert sampled[0]["tokenIds"] == sampled[1]["tokenIds"] and sampled[0]["stats"]["seed"] == "3"
         bad = subprocess.run([sys.executable, "-m", "specsplit.cli", "generate", "--gateway", address,
                               "--gamma", "99", "hi"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr

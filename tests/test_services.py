@@ -143,8 +143,8 @@ BAD_REQUESTS = [
      "unknown drafter"),
     (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(temperature=-1)),
      grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(temperature=0.7)),
-     grpc.StatusCode.UNIMPLEMENTED, "temperature"),
+    (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(temperature=0.7, method=7)),
+     grpc.StatusCode.INVALID_ARGUMENT, "verify method"),
     (pb.GenerateRequest(text="hi", max_new_tokens=5, sampling=pb.SamplingParams(top_p=1.5)),
      grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     (pb.GenerateRequest(text="hi", max_new_tokens=5, stop=pb.StopConditions(stop_strings=[""])),
@@ -327,3 +327,35 @@ async def test_verifier_refuses_bad_sampling_and_bad_proposals(models, tmp_path)
             assert (fresh.num_accepted, fresh.next_token_id) == (ok.num_accepted, ok.next_token_id)
             await stub.Release(vpb.ReleaseRequest(session_id="t"))
             await stub.Release(vpb.ReleaseRequest(session_id="s"))
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+async def test_coupled_sampling_gives_the_same_text_with_speculation_on_or_off(models, tmp_path, transport):
+    from specsplit.common.v1 import common_pb2 as cpb
+
+    async with running_stack(tmp_path, transport, models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            seeds_differ = 0
+            for prompt in PROMPTS:
+                sampling = pb.SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+                off = await gw.Generate(request(prompt, pb.SPECULATION_OFF, sampling=sampling))
+                assert off.stats.seed == 11 and off.stats.verify_method == "coupled"
+                for drafter in ("ngram", "model"):
+                    on = await gw.Generate(request(prompt, drafter=drafter, gamma=3, sampling=sampling))
+                    assert list(on.token_ids) == list(off.token_ids), (prompt, drafter)
+                    s = on.stats
+                    assert s.recovered_tokens + s.bonus_tokens == sum(1 for r in s.round_records if r.drafted)
+                other = await gw.Generate(request(prompt, pb.SPECULATION_OFF,
+                                                  sampling=pb.SamplingParams(temperature=0.8, top_p=0.95, seed=12)))
+                seeds_differ += list(other.token_ids) != list(off.token_ids)
+            assert seeds_differ >= len(PROMPTS) - 1  # another seed, another text
+            drawn = await gw.Generate(request(PROMPTS[0], sampling=pb.SamplingParams(temperature=0.8)))
+            again = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_OFF,
+                                              sampling=pb.SamplingParams(temperature=0.8, seed=drawn.stats.seed)))
+            assert list(again.token_ids) == list(drawn.token_ids)  # the reported seed reproduces the text
+            rejection = pb.SamplingParams(temperature=0.8, seed=5, method=cpb.VERIFY_METHOD_REJECTION)
+            first = await gw.Generate(request(PROMPTS[1], drafter="model", sampling=rejection))
+            second = await gw.Generate(request(PROMPTS[1], drafter="model", sampling=rejection))
+            assert list(first.token_ids) == list(second.token_ids) and first.stats.verify_method == "rejection"
+        assert await wait_released(stack) == (0, 0)

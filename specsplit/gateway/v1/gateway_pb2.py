@@ -22,37 +22,38 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specsplit.common.v1 import common_pb2 as specsplit_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"specsplit/gateway/v1/gateway.proto\x12\x14specsplit.gateway.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.specsplit.gateway.v1.ChatMessage\":\n\x0eStopConditions\x12\x12\n\nignore_eos\x18\x01 \x01(\x08\x12\x14\n\x0cstop_strings\x18\x02 \x03(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xce\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x32\n\x04\x63hat\x18\x02 \x01(\x0b\x32\".specsplit.gateway.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x32\n\x04stop\x18\x04 \x01(\x0b\x32$.specsplit.gateway.v1.StopConditions\x12\x36\n\x08sampling\x18\x05 \x01(\x0b\x32$.specsplit.gateway.v1.SamplingParams\x12\x36\n\x0bspeculation\x18\x06 \x01(\x0e\x32!.specsplit.gateway.v1.Speculation\x12\r\n\x05gamma\x18\x07 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x11\n\ttask_type\x18\t \x01(\tB\x08\n\x06prompt\"\xa8\x01\n\x0bRoundRecord\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x05 \x01(\x01\x12\x10\n\x08round_ms\x18\x06 \x01(\x01\x12\x14\n\x0c\x64raft_source\x18\x07 \x01(\t\x12\x15\n\rfeature_bytes\x18\x08 \x01(\r\"\xab\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x0e\n\x06rounds\x18\x06 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x08 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\t \x01(\x01\x12\x18\n\x10speculation_used\x18\n \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x0b \x01(\t\x12\r\n\x05gamma\x18\x0c \x01(\r\x12\x10\n\x08\x64raft_ms\x18\r \x01(\x01\x12\x11\n\tverify_ms\x18\x0e \x01(\x01\x12\x12\n\nnetwork_ms\x18\x0f \x01(\x01\x12\r\n\x05\x65xact\x18\x10 \x01(\x08\x12\x11\n\ttask_type\x18\x11 \x01(\t\x12\x38\n\rround_records\x18\x12 \x03(\x0b\x32!.specsplit.gateway.v1.RoundRecord\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".specsplit.gateway.v1.FinishReason\x12\x34\n\x05stats\x18\x04 \x01(\x0b\x32%.specsplit.gateway.v1.GenerationStats\"\xa1\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".specsplit.gateway.v1.FinishReason\x12\x34\n\x05stats\x18\x04 \x01(\x0b\x32%.specsplit.gateway.v1.GenerationStats*i\n\x0bSpeculation\x12\x1b\n\x17SPECULATION_UNSPECIFIED\x10\x00\x12\x14\n\x10SPECULATION_AUTO\x10\x01\x12\x12\n\x0eSPECULATION_ON\x10\x02\x12\x13\n\x0fSPECULATION_OFF\x10\x03*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xc4\x01\n\x07Gateway\x12Y\n\x08Generate\x12%.specsplit.gateway.v1.GenerateRequest\x1a&.specsplit.gateway.v1.GenerateResponse\x12^\n\x0eGenerateStream\x12%.specsplit.gateway.v1.GenerateRequest\x1a#.specsplit.gateway.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"specsplit/gateway/v1/gateway.proto\x12\x14specsplit.gateway.v1\x1a specsplit/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"C\n\x0c\x43hatMessages\x12\x33\n\x08messages\x18\x01 \x03(\x0b\x32!.specsplit.gateway.v1.ChatMessage\":\n\x0eStopConditions\x12\x12\n\nignore_eos\x18\x01 \x01(\x08\x12\x14\n\x0cstop_strings\x18\x02 \x03(\t\"\x92\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x31\n\x06method\x18\x05 \x01(\x0e\x32!.specsplit.common.v1.VerifyMethodB\x07\n\x05_seed\"\xce\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x32\n\x04\x63hat\x18\x02 \x01(\x0b\x32\".specsplit.gateway.v1.ChatMessagesH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x32\n\x04stop\x18\x04 \x01(\x0b\x32$.specsplit.gateway.v1.StopConditions\x12\x36\n\x08sampling\x18\x05 \x01(\x0b\x32$.specsplit.gateway.v1.SamplingParams\x12\x36\n\x0bspeculation\x18\x06 \x01(\x0e\x32!.specsplit.gateway.v1.Speculation\x12\r\n\x05gamma\x18\x07 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x11\n\ttask_type\x18\t \x01(\tB\x08\n\x06prompt\"\xa8\x01\n\x0bRoundRecord\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x11\n\tverify_ms\x18\x04 \x01(\x01\x12\x12\n\nnetwork_ms\x18\x05 \x01(\x01\x12\x10\n\x08round_ms\x18\x06 \x01(\x01\x12\x14\n\x0c\x64raft_source\x18\x07 \x01(\t\x12\x15\n\rfeature_bytes\x18\x08 \x01(\r\"\x80\x04\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x0e\n\x06rounds\x18\x06 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x08 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\t \x01(\x01\x12\x18\n\x10speculation_used\x18\n \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x0b \x01(\t\x12\r\n\x05gamma\x18\x0c \x01(\r\x12\x10\n\x08\x64raft_ms\x18\r \x01(\x01\x12\x11\n\tverify_ms\x18\x0e \x01(\x01\x12\x12\n\nnetwork_ms\x18\x0f \x01(\x01\x12\r\n\x05\x65xact\x18\x10 \x01(\x08\x12\x11\n\ttask_type\x18\x11 \x01(\t\x12\x38\n\rround_records\x18\x12 \x03(\x0b\x32!.specsplit.gateway.v1.RoundRecord\x12\x18\n\x10recovered_tokens\x18\x13 \x01(\r\x12\x14\n\x0c\x62onus_tokens\x18\x14 \x01(\r\x12\x0c\n\x04seed\x18\x15 \x01(\x04\x12\x15\n\rverify_method\x18\x16 \x01(\t\"\xa4\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".specsplit.gateway.v1.FinishReason\x12\x34\n\x05stats\x18\x04 \x01(\x0b\x32%.specsplit.gateway.v1.GenerationStats\"\xa1\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".specsplit.gateway.v1.FinishReason\x12\x34\n\x05stats\x18\x04 \x01(\x0b\x32%.specsplit.gateway.v1.GenerationStats*i\n\x0bSpeculation\x12\x1b\n\x17SPECULATION_UNSPECIFIED\x10\x00\x12\x14\n\x10SPECULATION_AUTO\x10\x01\x12\x12\n\x0eSPECULATION_ON\x10\x02\x12\x13\n\x0fSPECULATION_OFF\x10\x03*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32\xc4\x01\n\x07Gateway\x12Y\n\x08Generate\x12%.specsplit.gateway.v1.GenerateRequest\x1a&.specsplit.gateway.v1.GenerateResponse\x12^\n\x0eGenerateStream\x12%.specsplit.gateway.v1.GenerateRequest\x1a#.specsplit.gateway.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.gateway.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATION']._serialized_start=1601
-  _globals['_SPECULATION']._serialized_end=1706
-  _globals['_FINISHREASON']._serialized_start=1709
-  _globals['_FINISHREASON']._serialized_end=1861
-  _globals['_CHATMESSAGE']._serialized_start=60
-  _globals['_CHATMESSAGE']._serialized_end=104
-  _globals['_CHATMESSAGES']._serialized_start=106
-  _globals['_CHATMESSAGES']._serialized_end=173
-  _globals['_STOPCONDITIONS']._serialized_start=175
-  _globals['_STOPCONDITIONS']._serialized_end=233
-  _globals['_SAMPLINGPARAMS']._serialized_start=235
-  _globals['_SAMPLINGPARAMS']._serialized_end=330
-  _globals['_GENERATEREQUEST']._serialized_start=333
-  _globals['_GENERATEREQUEST']._serialized_end=667
-  _globals['_ROUNDRECORD']._serialized_start=670
-  _globals['_ROUNDRECORD']._serialized_end=838
-  _globals['_GENERATIONSTATS']._serialized_start=841
-  _globals['_GENERATIONSTATS']._serialized_end=1268
-  _globals['_GENERATERESPONSE']._serialized_start=1271
-  _globals['_GENERATERESPONSE']._serialized_end=1435
-  _globals['_GENERATECHUNK']._serialized_start=1438
-  _globals['_GENERATECHUNK']._serialized_end=1599
-  _globals['_GATEWAY']._serialized_start=1864
-  _globals['_GATEWAY']._serialized_end=2060
+  _globals['_SPECULATION']._serialized_start=1772
+  _globals['_SPECULATION']._serialized_end=1877
+  _globals['_FINISHREASON']._serialized_start=1880
+  _globals['_FINISHREASON']._serialized_end=2032
+  _globals['_CHATMESSAGE']._serialized_start=94
+  _globals['_CHATMESSAGE']._serialized_end=138
+  _globals['_CHATMESSAGES']._serialized_start=140
+  _globals['_CHATMESSAGES']._serialized_end=207
+  _globals['_STOPCONDITIONS']._serialized_start=209
+  _globals['_STOPCONDITIONS']._serialized_end=267
+  _globals['_SAMPLINGPARAMS']._serialized_start=270
+  _globals['_SAMPLINGPARAMS']._serialized_end=416
+  _globals['_GENERATEREQUEST']._serialized_start=419
+  _globals['_GENERATEREQUEST']._serialized_end=753
+  _globals['_ROUNDRECORD']._serialized_start=756
+  _globals['_ROUNDRECORD']._serialized_end=924
+  _globals['_GENERATIONSTATS']._serialized_start=927
+  _globals['_GENERATIONSTATS']._serialized_end=1439
+  _globals['_GENERATERESPONSE']._serialized_start=1442
+  _globals['_GENERATERESPONSE']._serialized_end=1606
+  _globals['_GENERATECHUNK']._serialized_start=1609
+  _globals['_GENERATECHUNK']._serialized_end=1770
+  _globals['_GATEWAY']._serialized_start=2035
+  _globals['_GATEWAY']._serialized_end=2231
 # @@protoc_insertion_point(module_scope)
