@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.launcher import Stack, StackConfig
@@ -71,19 +72,37 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return -1 if len(a) == len(b) else min(len(a), len(b))
 
 
-def _request(p: Prompt, speculation: int, max_new_tokens: int, drafter: str = "") -> pb.GenerateRequest:
+@dataclass(frozen=True)
+class Variant:
+    """One spec-on configuration: a drafter, and at temperature > 0 a verify method."""
+
+    drafter: str
+    method: str = ""  # "" greedy, else coupled | rejection
+
+    @property
+    def label(self) -> str:
+        return f"{self.drafter}/{self.method}" if self.method else self.drafter
+
+
+SAMPLING = {"temperature": 0.0, "seed": 0}  # set by main from --temperature / --seed
+
+
+def _request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant = Variant("")) -> pb.GenerateRequest:
+    method = cpb.VERIFY_METHOD_REJECTION if variant.method == "rejection" else cpb.VERIFY_METHOD_COUPLED
     req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
-                             drafter=drafter)
+                             drafter=variant.drafter,
+                             sampling=pb.SamplingParams(temperature=SAMPLING["temperature"], seed=SAMPLING["seed"],
+                                                        method=method))
     req.chat.messages.add(role="user", content=p.prompt)
     return req
 
 
-def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[str]) -> list[Record]:
-    """Speculation off, then on with each drafter, back to back (noise hits all alike); one record
-    per drafter, all compared with the same spec-off runs."""
+def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant]) -> list[Record]:
+    """Speculation off, then on with each variant, back to back (noise hits all alike); one record
+    per variant, all compared with the same spec-off runs (coupled sampler at temperature > 0)."""
     off_times: list[float] = []
-    on_times: dict[str, list[float]] = {d: [] for d in drafters}
-    last: dict[str, pb.GenerateResponse] = {}
+    on_times: dict[Variant, list[float]] = {d: [] for d in drafters}
+    last: dict[Variant, pb.GenerateResponse] = {}
     for _ in range(repeats):
         start = time.perf_counter()
         off = stub.Generate(_request(p, pb.SPECULATION_OFF, max_new_tokens), timeout=600)
@@ -103,7 +122,8 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
             counts[1] += r.drafted
             counts[2] += r.accepted
         div = first_divergence(list(off.token_ids), list(on.token_ids))
-        records.append(Record(p.task_type, p.prompt, s.drafter, statistics.median(off_times),
+        records.append(Record(p.task_type, p.prompt, f"{s.drafter}/{d.method}" if d.method else s.drafter,
+                              statistics.median(off_times),
                               statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
                               div < 0, div, off_times, on_times[d], step_ms, dict(by_source)))
@@ -161,12 +181,13 @@ def _merge_sources(records: list[Record]) -> dict[str, list[int]]:
 
 def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = None, out=sys.stdout) -> None:
     print(header, file=out)
-    cols = (f"{'drafter':<8}{'task type':<11}{'n':>3}{'tok/s off':>10}{'tok/s on':>9}{'on/off':>8}{'acc.len':>8}"
+    width = max(8, *(len(r["drafter"]) + 1 for r in rows))
+    cols = (f"{'drafter':<{width}}{'task type':<11}{'n':>3}{'tok/s off':>10}{'tok/s on':>9}{'on/off':>8}{'acc.len':>8}"
             f"{'drafted':>8}{'cost':>7}{'identical':>10}{'draft%':>7}{'verify%':>8}{'net%':>6}{'p95 off/on s':>14}"
             "  first divergence")
     print(cols, file=out)
     for r in rows:
-        print(f"{r['drafter']:<8}{r['task_type']:<11}{r['prompts']:>3}{r['tok_s_off']:>10.1f}{r['tok_s_on']:>9.1f}"
+        print(f"{r['drafter']:<{width}}{r['task_type']:<11}{r['prompts']:>3}{r['tok_s_off']:>10.1f}{r['tok_s_on']:>9.1f}"
               f"{r['speedup']:>7.2f}x{r['acceptance_length']:>8.2f}{r['drafted_per_round']:>8.2f}"
               f"{r['draft_cost_ratio']:>7.3f}{r['identical']:>6}/{r['prompts']:<3}{100 * r['draft_share']:>7.1f}"
               f"{100 * r['verify_share']:>8.1f}{100 * r['network_share']:>6.1f}"
@@ -191,6 +212,7 @@ def _draft_memory(address: str) -> dict[str, int]:
 
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
+    SAMPLING.update(temperature=args.temperature, seed=args.seed)
     stack = None
     try:
         if args.gateway:
@@ -201,16 +223,18 @@ def main(args, config: StackConfig) -> int:
             address = stack.start()
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.GatewayStub(channel)
-            drafters = [d for d in (args.drafters or "").split(",") if d]
-            if not drafters:  # every drafter the stack's draft service hosts; else the gateway's default
-                drafters = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
+            names = [d for d in (args.drafters or "").split(",") if d]
+            if not names:  # every drafter the stack's draft service hosts; else the gateway's default
+                names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
+            methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
+            drafters = [Variant(n, m) for n in names for m in methods]
             for d in drafters:
                 stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 16, d), timeout=600)  # warm up
             records = []
             for i, p in enumerate(prompts, 1):
                 for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters):
                     records.append(r)
-                    print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<7} off {r.off_tokens / r.off_s:5.1f} "
+                    print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
                           f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
                           f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
                           f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
@@ -224,8 +248,9 @@ def main(args, config: StackConfig) -> int:
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
     where = (f"transport={config.transport}, target dtype={config.dtype}, output store={config.store_tokens} tokens"
              if stack else f"gateway={address}")
+    sampling = f"temperature={args.temperature}, seed={args.seed}" if args.temperature > 0 else "greedy"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
-              f"repeats={args.repeats}, gamma={info.gamma}, {where}, {exact}")
+              f"repeats={args.repeats}, gamma={info.gamma}, {sampling}, {where}, {exact}")
     print_table(rows, header, memory)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,

@@ -138,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--json-out", help="also write every record and the summary here")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded)")
+    bench.add_argument("--seed", type=int, default=0, help="sampler seed at temperature > 0")
+    bench.add_argument("--methods", default="coupled,rejection",
+                       help="verify methods compared at temperature > 0")
     bench.add_argument("--store-tokens", type=int, default=0,
                        help="the retrieval store remembers outputs across requests; the bench runs every prompt "
                             "several times, which the store would simply copy, so it is off unless set")
