@@ -13,6 +13,7 @@ from draft_service.drafters.base import Drafter, DraftSession, Proposal
 from specsplit import features as wire
 from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
+from specsplit.sampling import from_proto
 from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 
@@ -64,6 +65,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 f"{request.target_model_fingerprint}: retrain it with `specsplit distill`")
         start = time.perf_counter_ns()
         session = drafter.start(list(request.prompt_token_ids))
+        params, method = from_proto(request.sampling)
+        if params.temperature > 0 and method == "coupled":
+            session.coupled = params
         prefill_ns = time.perf_counter_ns() - start
         try:
             self._sessions.put(request.session_id, Entry(drafter, session))

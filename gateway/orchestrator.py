@@ -161,7 +161,7 @@ class Orchestrator:
         start = call(self._drafter.StartSession, dpb.StartSessionRequest(
             session_id=session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
             target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
-            target_model_fingerprint=self._target.model_fingerprint), "draft")
+            target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling), "draft")
         verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
         if isinstance(verified, BaseException):
             raise verified

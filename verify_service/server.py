@@ -10,7 +10,7 @@ import torch
 from specsplit import features as wire
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.modeling import LoadedModel
-from specsplit.sampling import SamplingParams
+from specsplit.sampling import from_proto
 from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.verify.v1 import verify_pb2 as pb
@@ -52,7 +52,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         try:
-            sampling, method = sampling_from(request.sampling)
+            sampling, method = from_proto(request.sampling)
             sampling.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -95,12 +95,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """One prefill and one 4-token verify, so the first request does not pay for lazy init."""
         session, result = await self._worker.run(self._target.prefill, [first_id(self._lm)] * 8)
         await self._worker.run(self._target.verify, session, len(session.tokens), [result.next_token] * 4)
-
-
-def sampling_from(message: cpb.Sampling) -> tuple[SamplingParams, str]:
-    method = "rejection" if message.method == cpb.VERIFY_METHOD_REJECTION else "coupled"
-    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
-                          seed=message.seed), method
 
 
 def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:

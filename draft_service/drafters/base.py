@@ -7,6 +7,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from specsplit.sampling import SamplingParams, gumbel, warp
+
 
 @dataclass(frozen=True)
 class DrafterDescription:
@@ -31,10 +33,12 @@ class DraftSession:
     them consistent with `tokens` in `propose`."""
 
     feature_dim = 0  # width of the target features the session reads; 0: it reads none
+    coupled: SamplingParams | None = None  # set for coupled sampling: draft with the verifier's noise
 
     def __init__(self, prompt: list[int]):
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
+        self.drafting = 0  # index of the draft token being chosen (its position: len(tokens) + drafting)
 
     def sync(self, base_length: int, new_tokens: list[int]) -> None:
         """Roll back to `base_length` (dropping rejected guesses) and append what was committed."""
@@ -52,6 +56,24 @@ class DraftSession:
     def output(self) -> list[int]:
         """The committed tokens after the prompt."""
         return self.tokens[self.prompt_len:]
+
+
+def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> tuple[int, float]:
+    """A model drafter's next token and its probability under the drafter: greedy, or for coupled
+    sampling argmax(log q + g) with the verifier's Gumbel noise g for this absolute position.
+    logits [n] cover target ids `ids` (a draft vocabulary) or the whole vocabulary (ids None)."""
+    params = session.coupled
+    if params is None:
+        probs = logits.float().softmax(-1)
+    else:
+        probs = warp(logits[None], params)[0]
+    if params is None or params.temperature == 0:
+        k = int(probs.argmax())
+    else:
+        noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
+        noise = noise if ids is None else noise[ids.cpu()]
+        k = int((probs.log() + noise.to(probs.device)).argmax())
+    return (k if ids is None else int(ids[k])), float(probs[k])
 
 
 class Drafter(Protocol):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose
 from specsplit.modeling import KVSequence, LoadedModel
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `specsplit distill --kind model`
@@ -55,16 +55,18 @@ class ModelDrafter:
         pending = tokens[keep:]
         drafts: list[int] = []
         while len(drafts) < gamma:
-            drafts.append(self._next(session.kv, pending))
+            session.drafting = len(drafts)
+            drafts.append(self._next(session, pending))
             pending = drafts[-1:]
         session.fed = tokens + drafts[:-1]
         return Proposal(drafts, "model")
 
-    def _next(self, kv: KVSequence, pending: list[int]) -> int:
+    def _next(self, session: ModelSession, pending: list[int]) -> int:
         if self.rows is None:
-            return int(kv.forward(pending, last_only=True)[0].argmax())
-        hidden = kv.hidden(pending)[-1:]
-        return int(self.vocab_ids[int((hidden @ self.rows.T).argmax())])
+            logits = session.kv.forward(pending, last_only=True)[0]
+            return choose(session, logits, None, self.lm.vocab_size)[0]
+        hidden = session.kv.hidden(pending)[-1]
+        return choose(session, hidden.float() @ self.rows.float().T, self.vocab_ids, self.lm.vocab_size)[0]
 
     def end(self, session: ModelSession) -> None:
         pass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose
 from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step
 from specsplit.modeling import weights_fingerprint
 
@@ -131,12 +131,12 @@ class SelfDrafter:
         drafts: list[int] = []
         confidence = 1.0
         for k in range(gamma):
-            probs = head.logits(pred).softmax(-1)
-            top = int(probs.argmax())
-            confidence *= float(probs[top])
+            session.drafting = k
+            token, prob = choose(session, head.logits(pred), head.vocab_ids, head.embed.shape[0])
+            confidence *= prob
             if confidence < self.min_confidence:
                 break
-            drafts.append(int(head.vocab_ids[top]))
+            drafts.append(token)
             if k + 1 < gamma:
                 pred = head_step(head, cache, pred[None], drafts[-1:])[-1]
         return Proposal(drafts, "self" if drafts else "")

@@ -50,18 +50,20 @@ class InfoResponse(_message.Message):
     def __init__(self, drafters: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., default_drafter: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint")
+    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_tokenizer_fingerprint: str
     target_model_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ...) -> None: ...
+    sampling: _common_pb2.Sampling
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("drafter", "prefill_ns")
