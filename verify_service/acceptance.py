@@ -15,7 +15,11 @@ def greedy_accept(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
     own argmax choices, and the target's choice right after it — the recovered token at the first
     mismatch, or the bonus token when every draft token was accepted.
     """
-    choices = logits.argmax(dim=-1).tolist()  # [k+1]
+    return _match(logits.argmax(dim=-1).tolist(), draft)
+
+
+def _match(choices: list[int], draft: list[int]) -> tuple[int, int]:
+    """The target's own choices at the k+1 positions -> (drafts accepted, the choice after them)."""
     accepted = 0
     while accepted < len(draft) and draft[accepted] == choices[accepted]:
         accepted += 1
@@ -27,11 +31,7 @@ def coupled_accept(probs: torch.Tensor, draft: list[int], seed: int, start: int)
     absolute positions start..start+k. The target's token at each position is its Gumbel-max
     choice under the (seed, position) noise; drafts are accepted while they equal those choices.
     The text is a function of the seed and the target alone: the same as without speculation."""
-    choices = [coupled_choice(probs[i], seed, start + i) for i in range(len(draft) + 1)]
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == choices[accepted]:
-        accepted += 1
-    return accepted, choices[accepted]
+    return _match([coupled_choice(probs[i], seed, start + i) for i in range(len(draft) + 1)], draft)
 
 
 def rejection_accept(probs: torch.Tensor, draft: list[int], proposals: list[tuple[torch.Tensor, torch.Tensor]],
