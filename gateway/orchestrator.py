@@ -16,6 +16,7 @@ from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.sampling import from_proto
 from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
@@ -177,9 +178,8 @@ class Orchestrator:
         drafted = sum(r.drafted for r in rounds)
         accepted = sum(r.accepted for r in rounds)
         bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.drafted)
-        sampled = plan.sampling.temperature > 0
-        method = {cpb.VERIFY_METHOD_REJECTION: "rejection"}.get(plan.sampling.method, "coupled") if sampled \
-            else "greedy"
+        params, method = from_proto(plan.sampling)
+        sampled = params.temperature > 0
         return pb.GenerationStats(
             prompt_tokens=len(plan.prompt_ids), generated_tokens=generated,
             prefill_ms=tally.prefill_ms, decode_ms=(time.perf_counter() - tally.decode_start) * 1e3,
@@ -190,7 +190,7 @@ class Orchestrator:
             draft_ms=sum(r.draft_ms for r in rounds), verify_ms=sum(r.verify_ms for r in rounds),
             network_ms=sum(r.network_ms for r in rounds), exact=self._target.exact, task_type=plan.task_type,
             round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
-            seed=plan.sampling.seed if sampled else 0, verify_method=method)
+            seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy")
 
     async def _release(self, session_id: str, drafted: bool) -> None:
         calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=session_id), timeout=5)]

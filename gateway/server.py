@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import secrets
 
 import grpc
@@ -16,6 +15,7 @@ from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import tokenizer_fingerprint
+from specsplit.sampling import SamplingParams
 from specsplit.serving import CHANNEL_OPTIONS
 from specsplit.settings import GatewaySettings
 from specsplit.verify.v1 import verify_pb2 as vpb
@@ -194,17 +194,17 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     @staticmethod
     def _check_sampling(sampling: pb.SamplingParams) -> cpb.Sampling:
         """The verifier's Sampling for the request; a seed is drawn when none is given."""
-        if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"temperature {sampling.temperature} must be a finite number >= 0")
-        if not (math.isfinite(sampling.top_p) and 0 <= sampling.top_p <= 1):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"top_p {sampling.top_p} is not in [0, 1]")
+        top_p = sampling.top_p or 1.0  # 0: off
+        try:
+            SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p).check()
+        except ValueError as e:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         method = sampling.method or cpb.VERIFY_METHOD_COUPLED
         if method not in (cpb.VERIFY_METHOD_COUPLED, cpb.VERIFY_METHOD_REJECTION):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown verify method {sampling.method}")
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
-        return cpb.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p or 1.0,
-                            seed=seed, method=method)
+        return cpb.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=seed,
+                            method=method)
 
 
 def register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:
