@@ -14,7 +14,7 @@ from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.modeling import tokenizer_fingerprint
+from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
 from specsplit.sampling import SamplingParams
 from specsplit.serving import CHANNEL_OPTIONS
 from specsplit.settings import GatewaySettings
@@ -188,8 +188,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown chat role {bad[0]!r}; use {sorted(ROLES)}")
         if not getattr(tokenizer, "chat_template", None):
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the target's tokenizer has no chat template")
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return chat_prompt_ids(tokenizer, messages)
 
     @staticmethod
     def _check_sampling(sampling: pb.SamplingParams) -> cpb.Sampling:

@@ -159,6 +159,13 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages rendered with the tokenizer's chat template, ready for the assistant's turn:
+    how the gateway sends a chat request (and so what distillation must generate from)."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module

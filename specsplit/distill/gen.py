@@ -13,15 +13,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsplit.modeling import LoadedModel
+from specsplit.modeling import LoadedModel, chat_prompt_ids
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the gateway tokenizes a one-message chat request."""
-    messages = [{"role": "user", "content": prompt}]
+    """The prompt as the gateway tokenizes a one-message chat request (plain text without a template)."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
     return tokenizer(prompt)["input_ids"]
 
 
