@@ -77,10 +77,7 @@ class ModelStudent:
             teacher_logp = F.log_softmax(feats[mask] @ self._rows.T, dim=-1)
         kl = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1).mean()
         acc = float((logp.argmax(-1) == teacher_logp.argmax(-1)).float().mean())
-        return kl, [acc]
-
-    def weight(self, batch: list[dict]) -> int:
-        return int(self._collate(batch)[2].sum())
+        return kl, [acc], int(mask.sum())
 
 
 def train_standalone(target, data_dir: Path, out_dir: Path, layers: int, settings: TrainSettings,

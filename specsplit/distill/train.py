@@ -118,8 +118,7 @@ def evaluate(student, examples: list[dict], settings: TrainSettings) -> list[flo
     n = 0
     with torch.no_grad():
         for batch in _batches(examples, settings.batch_tokens, random.Random(0)):
-            _, accs = student.losses(batch)
-            weight = student.weight(batch)
+            _, accs, weight = student.losses(batch)
             hits = [h + a * weight for h, a in zip(hits or [0.0] * len(accs), accs)]
             n += weight
     return [h / max(n, 1) for h in hits]
@@ -151,11 +150,10 @@ class HeadStudent:
         self.module.attach(embed, lm_head, vocab)
 
     def losses(self, batch: list[dict]):
+        """(loss, per-step accuracies, positions scored)."""
         feats, tokens, mask = _collate(batch)
-        return _losses(self.module, feats, tokens, mask, self.settings.levels, self.settings.reg_weight)
-
-    def weight(self, batch: list[dict]) -> int:
-        return int(_collate(batch)[2].sum())
+        loss, accs = _losses(self.module, feats, tokens, mask, self.settings.levels, self.settings.reg_weight)
+        return loss, accs, int(mask.sum())
 
 
 def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, log=print) -> dict:
@@ -205,7 +203,7 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
                 frac = max(frac, step / settings.max_steps)
             for group in opt.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
-            loss, accs = student.losses(batch)
+            loss, accs, _ = student.losses(batch)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
