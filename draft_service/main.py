@@ -39,6 +39,6 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     default = settings.default_drafter
     if default == "auto":
         default = "hybrid" if "hybrid" in drafters else "ngram"
-    servicer = DrafterServicer(drafters, default, sessions, worker)
+    servicer = DrafterServicer(drafters, default, sessions, worker, settings.proposal_top_k)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals)

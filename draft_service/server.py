@@ -11,6 +11,7 @@ import torch
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
 from specsplit import features as wire
+from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.sampling import from_proto
@@ -29,13 +30,16 @@ class Entry:
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, drafters: dict[str, Drafter], default: str, sessions: SessionTable[Entry],
-                 worker: ModelWorker):
+                 worker: ModelWorker, proposal_top_k: int = 16):
+        if proposal_top_k < 1:
+            raise ValueError(f"proposal_top_k {proposal_top_k} must be >= 1")
         if default not in drafters:
             raise ValueError(f"default drafter {default!r} is not one of {sorted(drafters)}")
         self._drafters = drafters
         self._default = default
         self._sessions = sessions
         self._worker = worker
+        self._proposal_top_k = proposal_top_k
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
 
     async def Info(self, request, context):
@@ -66,8 +70,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         start = time.perf_counter_ns()
         session = drafter.start(list(request.prompt_token_ids))
         params, method = from_proto(request.sampling)
-        if params.temperature > 0 and method == "coupled":
-            session.coupled = params
+        try:
+            params.check()
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
         prefill_ns = time.perf_counter_ns() - start
         try:
             self._sessions.put(request.session_id, Entry(drafter, session))
@@ -98,7 +105,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source)
+        return pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source,
+                                  draft_probs=_draft_probs(entry.session, proposal))
 
     async def EndSession(self, request, context):
         entry = self._sessions.pop(request.session_id)
@@ -135,6 +143,16 @@ def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], fea
         entry.session.add_features(*features)
     proposal = entry.drafter.propose(entry.session, gamma)
     return proposal, time.perf_counter_ns() - start
+
+
+def _draft_probs(session: DraftSession, proposal: Proposal) -> list[cpb.SparseProbs]:
+    """Rejection sessions get the distribution of every draft token: the drafter's sampled q, or a
+    point mass for a token it chose deterministically (exact: such a token has q = 1)."""
+    if session.sampling.temperature == 0 or session.method != "rejection":
+        return []
+    if proposal.probs is None:
+        return [cpb.SparseProbs(token_ids=[t], probs=[1.0]) for t in proposal.tokens]
+    return [cpb.SparseProbs(token_ids=ids.tolist(), probs=q.tolist()) for ids, q in proposal.probs]
 
 
 def register(server: grpc.aio.Server, servicer: DrafterServicer) -> None:

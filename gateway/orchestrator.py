@@ -104,7 +104,7 @@ class Orchestrator:
                 # Never draft past max_new_tokens or the context: accepted + 1 must fit.
                 gamma = min(plan.gamma, plan.max_new_tokens - generated - 1, self._target.max_context - length - 1)
                 round_start = time.perf_counter()
-                drafts, draft_ns, draft_rpc_ns, source = [], 0, 0, ""
+                drafts, draft_probs, draft_ns, draft_rpc_ns, source = [], [], 0, 0, ""
                 feature_bytes = len(features.data) if features is not None else 0
                 if drafting and gamma >= 1:
                     t = time.perf_counter_ns()
@@ -113,11 +113,12 @@ class Orchestrator:
                         features=features), "draft")
                     draft_rpc_ns = time.perf_counter_ns() - t
                     drafts, draft_ns, source = list(proposal.draft_token_ids), proposal.draft_ns, proposal.source
+                    draft_probs = proposal.draft_probs  # rejection sessions: what each draft was sampled from
                     features = None  # delivered
                 t = time.perf_counter_ns()
                 verdict = await call(self._verifier.Verify, vpb.VerifyRequest(
                     session_id=session_id, length=length, draft_token_ids=drafts,
-                    draft_probs=self._proposals(plan, drafts)), "verify")
+                    draft_probs=draft_probs), "verify")
                 verify_rpc_ns = time.perf_counter_ns() - t
                 if plan.needs_features and drafting:
                     features = _join(features, verdict.features)
@@ -129,19 +130,10 @@ class Orchestrator:
                     verify_ms=_ms(verdict.forward_ns),
                     network_ms=_ms(draft_rpc_ns - draft_ns + verify_rpc_ns - verdict.forward_ns),
                     round_ms=(time.perf_counter() - round_start) * 1e3, draft_source=source,
-                    feature_bytes=feature_bytes))
+                    feature_bytes=feature_bytes, proposal_bytes=sum(d.ByteSize() for d in draft_probs)))
                 delta = text.add(new_tokens, self._limit(generated, length, plan))
         finally:
             await asyncio.shield(self._release(session_id, plan.speculate))
-
-    @staticmethod
-    def _proposals(plan: Plan, drafts: list[int]) -> list[cpb.SparseProbs]:
-        """Rejection sampling needs the distribution each draft token was drawn from. Today's
-        drafters choose deterministically, which is a point mass on the draft token: exact, and
-        the verifier then accepts a draft with probability p(draft)."""
-        if plan.sampling.temperature == 0 or plan.sampling.method != cpb.VERIFY_METHOD_REJECTION:
-            return []
-        return [cpb.SparseProbs(token_ids=[t], probs=[1.0]) for t in drafts]
 
     def _limit(self, generated: int, length: int, plan: Plan) -> int:
         if generated >= plan.max_new_tokens:

@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--self-min-confidence", type=float, default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", "0.3")),
                    help="the head stops drafting once its probability that the draft so far is right falls "
                         "below this (0: always draft gamma)")
+    d.add_argument("--proposal-top-k", type=int, default=int(ENV("SPECSPLIT_PROPOSAL_TOP_K", "16")),
+                   help="rejection sampling: a model drafter samples from its most likely K tokens "
+                        "(renormalised) and sends that distribution with each draft token")
     d.add_argument("--max-sessions", type=int, default=64)
     d.add_argument("--idle-timeout", type=float, default=600.0)
 
@@ -200,7 +203,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                  idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
                                  self_head=_self_head(a.self_head, a.target_model), target_model=a.target_model,
                                  device=a.device, hybrid_min_match=a.hybrid_min_match,
-                                 self_min_confidence=a.self_min_confidence)
+                                 self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k)
     else:
         from gateway.main import run
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-GUMBEL, ACCEPT, RESAMPLE = 0, 1, 2  # noise streams
+GUMBEL, ACCEPT, RESAMPLE, DRAFT = 0, 1, 2, 3  # noise streams (DRAFT: the drafter's own samples)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class DraftSettings:
     device: str = "cpu"
     hybrid_min_match: int = 2  # n-gram length from which the hybrid copies instead of using the head
     self_min_confidence: float = 0.3  # the head stops drafting below this chain probability
+    proposal_top_k: int = 16  # rejection sampling: tokens kept (and sent) per draft distribution
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
 

@@ -112,3 +112,35 @@ def test_greedy_is_the_zero_temperature_case_of_coupled():
     probs = warp(logits, SamplingParams(0.0))
     for seed in range(10):
         assert coupled_accept(probs, [1], seed, 0) == acceptance.greedy_accept(logits, [1])
+
+
+def test_drafter_choice_per_method():
+    """choose(): greedy takes argmax q; coupled takes the Gumbel-max choice with the verifier's
+    noise; rejection samples from q cut to its top-k and returns exactly that distribution."""
+    from draft_service.drafters.base import DraftSession, choose
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+    session = DraftSession([7, 8, 9])
+    greedy = choose(session, logits, None, 6)
+    assert (greedy.token, greedy.q) == (5, None) and greedy.top_prob == pytest.approx(float(logits.softmax(-1)[5]))
+    params = SamplingParams(temperature=1.0, seed=4)
+    session.sampling, session.method = params, "coupled"
+    session.drafting = 1
+    coupled = choose(session, logits, None, 6)
+    assert coupled.token == coupled_choice(warp(logits[None], params)[0], 4, 3 + 1) and coupled.q is None
+    session.method, session.proposal_top_k = "rejection", 3
+    seen = set()
+    for seed in range(40):
+        session.sampling = SamplingParams(temperature=1.0, seed=seed)
+        choice = choose(session, logits, None, 6)
+        ids, q = choice.q
+        assert sorted(ids.tolist()) == [0, 1, 5] and float(q.sum()) == pytest.approx(1.0)
+        assert choice.token in ids.tolist() and choice.top_prob == pytest.approx(float(logits.softmax(-1).max()))
+        again = choose(session, logits, None, 6)  # the same (seed, position): the same draw
+        assert again.token == choice.token and torch.equal(again.q[1], q)
+        seen.add(choice.token)
+    assert seen == {0, 1, 5}
+    # A draft vocabulary: q's ids are target ids.
+    vocab_ids = torch.tensor([10, 20, 30, 40, 50, 60])
+    mapped = choose(session, logits, vocab_ids, 100)
+    assert set(mapped.q[0].tolist()) == {10, 20, 60} and mapped.token in {10, 20, 60}

@@ -358,6 +358,8 @@ async def test_coupled_sampling_gives_the_same_text_with_speculation_on_or_off(m
             first = await gw.Generate(request(PROMPTS[1], drafter="model", sampling=rejection))
             second = await gw.Generate(request(PROMPTS[1], drafter="model", sampling=rejection))
             assert list(first.token_ids) == list(second.token_ids) and first.stats.verify_method == "rejection"
+            sent = [r.proposal_bytes for r in first.stats.round_records if r.drafted]
+            assert sent and all(b > 0 for b in sent)  # the drafter's sampled q went to the verifier
         assert await wait_released(stack) == (0, 0)
 
 
@@ -376,3 +378,36 @@ async def test_model_drafter_drafts_with_the_verifiers_noise_in_coupled_mode(mod
                 assert list(on.token_ids) == list(off.token_ids)
                 lengths.append(on.stats.mean_acceptance_length)
         assert sum(lengths) / len(lengths) > 3.5, lengths
+
+
+async def test_draft_service_returns_what_each_draft_was_sampled_from(models, tmp_path):
+    from specsplit.common.v1 import common_pb2 as cpb
+
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"], draft_kw={"proposal_top_k": 5}) as stack:
+        async with grpc.aio.insecure_channel(stack.draft) as ch:
+            stub = dpb_grpc.DrafterStub(ch)
+            prompt = [5, 6, 7, 8, 5, 6, 7]
+            for drafter, method, expect in (("model", cpb.VERIFY_METHOD_REJECTION, "sampled"),
+                                            ("ngram", cpb.VERIFY_METHOD_REJECTION, "point"),
+                                            ("model", cpb.VERIFY_METHOD_COUPLED, "none")):
+                sid = f"{drafter}-{method}"
+                await stub.StartSession(dpb.StartSessionRequest(
+                    session_id=sid, drafter=drafter, prompt_token_ids=prompt,
+                    sampling=cpb.Sampling(temperature=0.9, seed=3, method=method)))
+                got = await stub.Propose(dpb.ProposeRequest(session_id=sid, base_length=len(prompt), gamma=3))
+                await stub.EndSession(dpb.EndSessionRequest(session_id=sid))
+                assert got.draft_token_ids, drafter
+                if expect == "none":
+                    assert not got.draft_probs
+                    continue
+                assert len(got.draft_probs) == len(got.draft_token_ids)
+                for token, q in zip(got.draft_token_ids, got.draft_probs):
+                    assert token in q.token_ids and sum(q.probs) == pytest.approx(1.0, abs=1e-5)
+                    if expect == "point":
+                        assert (list(q.token_ids), list(q.probs)) == ([token], [1.0])
+                    else:
+                        assert 1 <= len(q.token_ids) <= 5
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.StartSession(dpb.StartSessionRequest(session_id="bad", prompt_token_ids=prompt,
+                                                                sampling=cpb.Sampling(temperature=-2)))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()

@@ -101,6 +101,8 @@ def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, probs); ValueError unless it is a probability distribution."""
     if len(message.token_ids) != len(message.probs) or not message.token_ids:
         raise ValueError(f"a proposal has {len(message.token_ids)} ids and {len(message.probs)} probabilities")
+    if len(set(message.token_ids)) != len(message.token_ids):
+        raise ValueError("a proposal lists a token id more than once")
     probs = list(message.probs)
     if any(not math.isfinite(x) or x < 0 for x in probs) or abs(sum(probs) - 1) > 1e-3:
         raise ValueError(f"a proposal's probabilities must be finite, >= 0 and sum to 1 (sum {sum(probs):.4f})")

@@ -7,7 +7,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specsplit.sampling import SamplingParams, gumbel, warp
+from specsplit.sampling import DRAFT, SamplingParams, gumbel, sample, warp
+
+GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,15 @@ class DrafterDescription:
 class Proposal(NamedTuple):
     tokens: list[int]
     source: str  # which method drafted ("" when nothing was)
+    # Rejection sampling: the sparse distribution (ids, probs) each token was sampled from.
+    # None: the tokens are a deterministic function of the context (a point mass each).
+    probs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class Choice(NamedTuple):
+    token: int
+    top_prob: float  # the drafter's highest probability at this step, known before choosing
+    q: tuple[torch.Tensor, torch.Tensor] | None  # rejection sampling: (ids, probs) the token was drawn from
 
 
 class DraftSession:
@@ -33,7 +44,9 @@ class DraftSession:
     them consistent with `tokens` in `propose`."""
 
     feature_dim = 0  # width of the target features the session reads; 0: it reads none
-    coupled: SamplingParams | None = None  # set for coupled sampling: draft with the verifier's noise
+    sampling: SamplingParams = GREEDY  # the session's sampling, as the verifier applies it
+    method = "coupled"  # with temperature > 0: "coupled" (draft with the verifier's noise) or "rejection"
+    proposal_top_k = 16  # rejection: sample from (and send) the drafter's top-k, renormalised
 
     def __init__(self, prompt: list[int]):
         self.tokens = list(prompt)
@@ -58,22 +71,40 @@ class DraftSession:
         return self.tokens[self.prompt_len:]
 
 
-def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> tuple[int, float]:
-    """A model drafter's next token and its probability under the drafter: greedy, or for coupled
-    sampling argmax(log q + g) with the verifier's Gumbel noise g for this absolute position.
-    logits [n] cover target ids `ids` (a draft vocabulary) or the whole vocabulary (ids None)."""
-    params = session.coupled
-    if params is None:
-        probs = logits.float().softmax(-1)
-    else:
-        probs = warp(logits[None], params)[0]
-    if params is None or params.temperature == 0:
-        k = int(probs.argmax())
-    else:
-        noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
+def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> Choice:
+    """A model drafter's next token. logits [n] cover target ids `ids` (a draft vocabulary) or
+    the whole vocabulary (ids None); q is their distribution warped as the verifier warps p.
+    - greedy: argmax q;
+    - coupled: argmax(log q + g) with the verifier's Gumbel noise g for this absolute position, so
+      the draft equals the target's own sampled token as often as q resembles p;
+    - rejection: a sample from q cut to its top `proposal_top_k` and renormalised, returned with
+      the draft so that the verifier tests against exactly the distribution that was sampled.
+    top_prob is max q, fixed before the token is drawn: a drafter that stops on it keeps every
+    drafted token distributed as its q (stopping on the drawn token's own probability would not)."""
+    params = session.sampling
+    probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
+    top_prob, k = probs.max(-1)
+    position = len(session.tokens) + session.drafting
+    q = None
+    if params.temperature > 0 and session.method == "coupled":
+        noise = gumbel(params.seed, position, vocab)
         noise = noise if ids is None else noise[ids.cpu()]
-        k = int((probs.log() + noise.to(probs.device)).argmax())
-    return (k if ids is None else int(ids[k])), float(probs[k])
+        k = (probs.log() + noise.to(probs.device)).argmax()
+    elif params.temperature > 0:
+        cut = probs.topk(min(session.proposal_top_k, probs.shape[-1]))
+        keep = cut.values > 0
+        local, values = cut.indices[keep], cut.values[keep]
+        values = (values / values.sum()).cpu()
+        j = sample(values, params.seed, position, DRAFT)
+        k = local[j]
+        q = ((local if ids is None else ids[local]).cpu(), values)
+    k = int(k)
+    return Choice(k if ids is None else int(ids[k]), float(top_prob), q)
+
+
+def sampled_from(choices: list[Choice]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The proposal distributions of sampled choices (rejection sampling); None when chosen deterministically."""
+    return [c.q for c in choices] if choices and choices[0].q is not None else None
 
 
 class Drafter(Protocol):

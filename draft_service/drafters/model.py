@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose
+from draft_service.drafters.base import Choice, DrafterDescription, DraftSession, Proposal, choose, sampled_from
 from specsplit.modeling import KVSequence, LoadedModel
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `specsplit distill --kind model`
@@ -53,20 +53,21 @@ class ModelDrafter:
         keep = _common_prefix(session.fed, tokens[:-1])
         session.kv.truncate(keep)
         pending = tokens[keep:]
-        drafts: list[int] = []
-        while len(drafts) < gamma:
-            session.drafting = len(drafts)
-            drafts.append(self._next(session, pending))
-            pending = drafts[-1:]
+        choices = []
+        while len(choices) < gamma:
+            session.drafting = len(choices)
+            choices.append(self._next(session, pending))
+            pending = [choices[-1].token]
+        drafts = [c.token for c in choices]
         session.fed = tokens + drafts[:-1]
-        return Proposal(drafts, "model")
+        return Proposal(drafts, "model", sampled_from(choices))
 
-    def _next(self, session: ModelSession, pending: list[int]) -> int:
+    def _next(self, session: ModelSession, pending: list[int]) -> Choice:
         if self.rows is None:
             logits = session.kv.forward(pending, last_only=True)[0]
-            return choose(session, logits, None, self.lm.vocab_size)[0]
+            return choose(session, logits, None, self.lm.vocab_size)
         hidden = session.kv.hidden(pending)[-1]
-        return choose(session, hidden.float() @ self.rows.float().T, self.vocab_ids, self.lm.vocab_size)[0]
+        return choose(session, hidden.float() @ self.rows.float().T, self.vocab_ids, self.lm.vocab_size)
 
     def end(self, session: ModelSession) -> None:
         pass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose, sampled_from
 from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step
 from specsplit.modeling import weights_fingerprint
 
@@ -128,18 +128,18 @@ class SelfDrafter:
             out = head_step(head, cache, feats, session.tokens[session.cached + 1:n])
             session.cached, session.last = n - 1, out[-1]
         pred = session.last
-        drafts: list[int] = []
+        choices = []
         confidence = 1.0
         for k in range(gamma):
             session.drafting = k
-            token, prob = choose(session, head.logits(pred), head.vocab_ids, head.embed.shape[0])
-            confidence *= prob
+            choice = choose(session, head.logits(pred), head.vocab_ids, head.embed.shape[0])
+            confidence *= choice.top_prob
             if confidence < self.min_confidence:
                 break
-            drafts.append(token)
+            choices.append(choice)
             if k + 1 < gamma:
-                pred = head_step(head, cache, pred[None], drafts[-1:])[-1]
-        return Proposal(drafts, "self" if drafts else "")
+                pred = head_step(head, cache, pred[None], [choice.token])[-1]
+        return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
 
     def end(self, session: SelfSession) -> None:
         pass

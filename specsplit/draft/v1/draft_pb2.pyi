@@ -88,14 +88,16 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_ns", "source")
+    __slots__ = ("draft_token_ids", "draft_ns", "source", "draft_probs")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_ns: int
     source: str
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseProbs]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
