@@ -383,7 +383,8 @@ async def test_model_drafter_drafts_with_the_verifiers_noise_in_coupled_mode(mod
 async def test_draft_service_returns_what_each_draft_was_sampled_from(models, tmp_path):
     from specsplit.common.v1 import common_pb2 as cpb
 
-    async with running_stack(tmp_path, "unix", models["target"], models["draft"], draft_kw={"proposal_top_k": 5}) as stack:
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"],
+                             draft_kw={"proposal_top_k": 5}) as stack:
         async with grpc.aio.insecure_channel(stack.draft) as ch:
             stub = dpb_grpc.DrafterStub(ch)
             prompt = [5, 6, 7, 8, 5, 6, 7]
