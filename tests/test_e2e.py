@@ -70,6 +70,18 @@ def test_shipped_self_draft_is_exact_and_accepted_on_the_default_model(default_m
                     assert list(on.token_ids) == list(off.token_ids), (p.task_type, drafter)
                     if p.task_type == "code" and drafter == "self":
                         assert on.stats.mean_acceptance_length > 1.5
+                # Sampling at temperature 0.8: coupled verification keeps the seed's text whatever
+                # the drafter; rejection verification reproduces itself for a seed when the drafts
+                # do (the self drafter; the hybrid's store of earlier outputs changes its drafts).
+                sampling = pb.SamplingParams(temperature=0.8, seed=7)
+                off = generate(stub, p.prompt, pb.SPECULATION_OFF, sampling=sampling)
+                on = generate(stub, p.prompt, pb.SPECULATION_ON, drafter="hybrid", sampling=sampling)
+                assert list(on.token_ids) == list(off.token_ids), (p.task_type, "coupled")
+                rejection = pb.SamplingParams(temperature=0.8, seed=7, method=2)
+                runs = [generate(stub, p.prompt, pb.SPECULATION_ON, drafter="self", sampling=rejection)
+                        for _ in range(2)]
+                assert list(runs[0].token_ids) == list(runs[1].token_ids)
+                assert runs[0].stats.accepted_tokens > 0 and runs[0].stats.verify_method == "rejection"
 
 
 def _spawn_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
