@@ -48,6 +48,7 @@ class Record:
     on_runs: list[float]
     target_step_ms: float = 0.0  # verify forward per token with speculation off (one target step)
     by_source: dict = None  # draft source -> [rounds, drafted, accepted] (which part of a hybrid drafted)
+    proposal_bytes: int = 0  # draft distributions sent (rejection sampling), all rounds
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
@@ -126,7 +127,8 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               statistics.median(off_times),
                               statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
-                              div < 0, div, off_times, on_times[d], step_ms, dict(by_source)))
+                              div < 0, div, off_times, on_times[d], step_ms, dict(by_source),
+                              sum(r.proposal_bytes for r in s.round_records)))
     return records
 
 
@@ -167,6 +169,7 @@ def summarise(records: list[Record]) -> list[dict]:
             "target_step_ms": statistics.median(steps) if steps else 0.0,
             "draft_cost_ratio": draft_ms_per_token / statistics.median(steps) if steps else 0.0,
             "by_source": _merge_sources(rs),
+            "proposal_bytes_per_round": sum(r.proposal_bytes for r in rs) / rounds if rounds else 0.0,
         })
     return rows
 
@@ -197,6 +200,13 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
     for drafter, mix in mixes:
         parts = [f"{src} {n} rounds acc.len {(acc + n) / n:.2f}" for src, (n, _, acc) in sorted(mix.items()) if n]
         print(f"{drafter} rounds by source: " + "; ".join(parts), file=out)
+    for r in rows:
+        if r["task_type"] == "ALL" and r["proposal_bytes_per_round"]:
+            print(f"{r['drafter']}: draft distributions sent {r['proposal_bytes_per_round']:.0f} bytes per round",
+                  file=out)
+    if any(r["drafter"].endswith("/rejection") for r in rows):
+        print("rejection verification samples a different (equally distributed) text: 'identical' "
+              "applies to greedy and coupled", file=out)
     if memory:
         print("draft memory: " + ", ".join(f"{name} {mb / 2**20:.1f} MiB" for name, mb in memory.items()), file=out)
 
