@@ -145,7 +145,10 @@ def summarise(records: list[Record]) -> list[dict]:
         groups[(r.drafter, r.task_type)].append(r)
         groups[(r.drafter, "ALL")].append(r)
     rows = []
-    for (drafter, task), rs in groups.items():
+    # Drafters and task types in the order met, ALL last per drafter.
+    order = {key: i for i, key in enumerate(groups)}
+    drafters = {d: i for i, (d, _) in reversed(list(enumerate(groups)))}
+    for (drafter, task), rs in sorted(groups.items(), key=lambda g: (drafters[g[0][0]], g[0][1] == "ALL", order[g[0]])):
         off_rate = sum(r.off_tokens for r in rs) / sum(r.off_s for r in rs)
         on_rate = sum(r.on_tokens for r in rs) / sum(r.on_s for r in rs)
         rounds = sum(r.rounds for r in rs)
