@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+from opentelemetry.metrics import Observation
+
 from draft_service.drafters.base import Drafter
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, OutputStore
 from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
-from specsplit import default_model, runtime
+from specsplit import default_model, runtime, telemetry
 from specsplit.serving import ModelWorker, serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import DraftSettings
@@ -33,6 +35,7 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
 
 async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     runtime.configure_process(settings.server.threads)
+    tel = telemetry.configure("specsplit-draft", settings.server.metrics_port)
     worker = ModelWorker("draft")
     drafters = await worker.run(build_drafters, settings)
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
@@ -40,5 +43,9 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     if default == "auto":
         default = "hybrid" if "hybrid" in drafters else "ngram"
     servicer = DrafterServicer(drafters, default, sessions, worker, settings.proposal_top_k)
+    telemetry.meter().create_observable_gauge(
+        "specsplit.draft.memory", unit="By", description="bytes each drafter holds (DrafterInfo.memory_bytes)",
+        callbacks=[lambda _: [Observation(d.memory_bytes, {"drafter": name}) for name, d in drafters.items()]])
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
-                sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals)
+                sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
+                interceptors=tel.server_interceptors())

@@ -17,6 +17,7 @@ from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.sampling import from_proto
 from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.telemetry import record_compute
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 MAX_GAMMA = 64
@@ -105,6 +106,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        record_compute(draft_ns)
         return pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source,
                                   draft_probs=_draft_probs(entry.session, proposal))
 

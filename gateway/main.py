@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
-from specsplit import default_model, runtime
+from specsplit import default_model, runtime, telemetry
 from specsplit.serving import serve
 from specsplit.settings import GatewaySettings
 
@@ -14,11 +14,13 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
     from transformers import AutoTokenizer
 
     runtime.configure_process(settings.server.threads)
+    tel = telemetry.configure("specsplit-gateway", settings.server.metrics_port)
     tokenizer_dir = default_model.resolve(settings.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    backends = Backends(settings, tokenizer)
+    backends = Backends(settings, tokenizer, tel.client_interceptors())
     try:
         await serve(settings.server, SERVICE_NAME, lambda server: register(server, GatewayServicer(backends)),
-                    backends.connect, stop_event=stop_event, handle_signals=handle_signals)
+                    backends.connect, stop_event=stop_event, handle_signals=handle_signals,
+                    interceptors=tel.server_interceptors())
     finally:
         await backends.close()

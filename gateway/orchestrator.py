@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
+from gateway.instruments import GatewayMetrics
 from gateway.textstream import TextAssembler
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.sampling import from_proto
+from specsplit.telemetry import tracer
 from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
@@ -41,6 +46,19 @@ class Plan:
     task_type: str
     needs_features: bool = False  # the drafter reads target features: the verifier returns them
     sampling: cpb.Sampling = field(default_factory=cpb.Sampling)  # temperature 0: greedy
+
+
+@dataclass
+class _Decode:
+    """Where a request's decoding stands between rounds."""
+
+    session_id: str
+    drafting: bool
+    base: int  # position of new_tokens[0]
+    length: int  # committed tokens on the verifier
+    new_tokens: list[int]  # committed since the drafter last heard
+    features: cpb.Features | None  # target features not yet delivered to the drafter
+    generated: int
 
 
 @dataclass
@@ -72,68 +90,89 @@ def _ms(ns: int | float) -> float:
 
 class Orchestrator:
     def __init__(self, verifier: vpb_grpc.VerifierStub, drafter: dpb_grpc.DrafterStub, tokenizer,
-                 target: vpb.InfoResponse, rpc_timeout_s: float):
+                 target: vpb.InfoResponse, rpc_timeout_s: float, metrics: GatewayMetrics | None = None,
+                 transport: dict[str, str] | None = None):
         self._verifier = verifier
         self._drafter = drafter
         self._tokenizer = tokenizer
         self._target = target
         self._rpc_timeout_s = rpc_timeout_s
+        self._metrics = metrics or GatewayMetrics()
+        # Trace attributes: how each backend is reached ("unix" or "tcp").
+        self._transport = {f"specsplit.transport.{k}": v for k, v in (transport or {}).items()}
 
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per verify round; the last carries the finish reason and stats."""
         session_id = uuid.uuid4().hex
         started = time.perf_counter()
         tally = Tally()
-        drafting = plan.speculate
         call = _Caller(time_remaining, self._rpc_timeout_s)
+        request_span = trace.get_current_span()  # the Generate server span when tracing
+        common = {"specsplit.task_type": plan.task_type or "unspecified", **self._transport}
         try:
-            first, features, drafting = await self._prefill(session_id, plan, call, drafting)
+            prefill_attrs = {**common, "specsplit.prompt_tokens": len(plan.prompt_ids)}
+            with tracer().start_as_current_span("prefill", attributes=prefill_attrs):
+                first, features, drafting = await self._prefill(session_id, plan, call, plan.speculate)
             tally.prefill_ms = (time.perf_counter() - started) * 1e3
             tally.decode_start = time.perf_counter()
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
-            length = len(plan.prompt_ids) + 1
-            generated = 1
-            new_tokens, base = [first], len(plan.prompt_ids)
-            delta = text.add(new_tokens, self._limit(generated, length, plan))
+            state = _Decode(session_id, drafting, base=len(plan.prompt_ids), length=len(plan.prompt_ids) + 1,
+                            new_tokens=[first], features=features, generated=1)
+            delta = text.add(state.new_tokens, self._limit(state.generated, state.length, plan))
             while True:
                 if delta.finish:
+                    stats = self._stats(plan, tally, started, len(text.token_ids), drafting)
+                    self._metrics.request(stats)
+                    _describe(request_span, stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
                     yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish,
-                                           stats=self._stats(plan, tally, started, len(text.token_ids), drafting))
+                                           stats=stats)
                     return
                 yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
                 # Never draft past max_new_tokens or the context: accepted + 1 must fit.
-                gamma = min(plan.gamma, plan.max_new_tokens - generated - 1, self._target.max_context - length - 1)
-                round_start = time.perf_counter()
-                drafts, draft_probs, draft_ns, draft_rpc_ns, source = [], [], 0, 0, ""
-                feature_bytes = len(features.data) if features is not None else 0
-                if drafting and gamma >= 1:
-                    t = time.perf_counter_ns()
-                    proposal = await call(self._drafter.Propose, dpb.ProposeRequest(
-                        session_id=session_id, base_length=base, new_token_ids=new_tokens, gamma=gamma,
-                        features=features), "draft")
-                    draft_rpc_ns = time.perf_counter_ns() - t
-                    drafts, draft_ns, source = list(proposal.draft_token_ids), proposal.draft_ns, proposal.source
-                    draft_probs = proposal.draft_probs  # rejection sessions: what each draft was sampled from
-                    features = None  # delivered
-                t = time.perf_counter_ns()
-                verdict = await call(self._verifier.Verify, vpb.VerifyRequest(
-                    session_id=session_id, length=length, draft_token_ids=drafts,
-                    draft_probs=draft_probs), "verify")
-                verify_rpc_ns = time.perf_counter_ns() - t
-                if plan.needs_features and drafting:
-                    features = _join(features, verdict.features)
-                new_tokens = [*drafts[:verdict.num_accepted], verdict.next_token_id]
-                base, length = length, verdict.length
-                generated += len(new_tokens)
-                tally.rounds.append(pb.RoundRecord(
-                    drafted=len(drafts), accepted=verdict.num_accepted, draft_ms=_ms(draft_ns),
-                    verify_ms=_ms(verdict.forward_ns),
-                    network_ms=_ms(draft_rpc_ns - draft_ns + verify_rpc_ns - verdict.forward_ns),
-                    round_ms=(time.perf_counter() - round_start) * 1e3, draft_source=source,
-                    feature_bytes=feature_bytes, proposal_bytes=sum(d.ByteSize() for d in draft_probs)))
-                delta = text.add(new_tokens, self._limit(generated, length, plan))
+                gamma = min(plan.gamma, plan.max_new_tokens - state.generated - 1,
+                            self._target.max_context - state.length - 1)
+                position = state.generated
+                attrs = {**common, "specsplit.round": len(tally.rounds), "specsplit.position": position,
+                         "specsplit.gamma": gamma if drafting else 0}
+                with tracer().start_as_current_span("round", attributes=attrs) as span:
+                    record = await self._round(plan, call, state, gamma)
+                    _describe_round(span, record)
+                tally.rounds.append(record)
+                self._metrics.round(record, plan.task_type, plan.drafter if drafting else "", position)
+                delta = text.add(state.new_tokens, self._limit(state.generated, state.length, plan))
         finally:
             await asyncio.shield(self._release(session_id, plan.speculate))
+
+    async def _round(self, plan: Plan, call: _Caller, state: _Decode, gamma: int) -> pb.RoundRecord:
+        """One draft -> verify round; advances `state` by the committed tokens."""
+        round_start = time.perf_counter()
+        drafts, draft_probs, draft_ns, draft_rpc_ns, source = [], [], 0, 0, ""
+        feature_bytes = len(state.features.data) if state.features is not None else 0
+        if state.drafting and gamma >= 1:
+            t = time.perf_counter_ns()
+            proposal = await call(self._drafter.Propose, dpb.ProposeRequest(
+                session_id=state.session_id, base_length=state.base, new_token_ids=state.new_tokens, gamma=gamma,
+                features=state.features), "draft")
+            draft_rpc_ns = time.perf_counter_ns() - t
+            drafts, draft_ns, source = list(proposal.draft_token_ids), proposal.draft_ns, proposal.source
+            draft_probs = proposal.draft_probs  # rejection sessions: what each draft was sampled from
+            state.features = None  # delivered
+        t = time.perf_counter_ns()
+        verdict = await call(self._verifier.Verify, vpb.VerifyRequest(
+            session_id=state.session_id, length=state.length, draft_token_ids=drafts, draft_probs=draft_probs),
+            "verify")
+        verify_rpc_ns = time.perf_counter_ns() - t
+        if plan.needs_features and state.drafting:
+            state.features = _join(state.features, verdict.features)
+        state.new_tokens = [*drafts[:verdict.num_accepted], verdict.next_token_id]
+        state.base, state.length = state.length, verdict.length
+        state.generated += len(state.new_tokens)
+        return pb.RoundRecord(
+            drafted=len(drafts), accepted=verdict.num_accepted, draft_ms=_ms(draft_ns),
+            verify_ms=_ms(verdict.forward_ns),
+            network_ms=_ms(draft_rpc_ns - draft_ns + verify_rpc_ns - verdict.forward_ns),
+            round_ms=(time.perf_counter() - round_start) * 1e3, draft_source=source,
+            feature_bytes=feature_bytes, proposal_bytes=sum(d.ByteSize() for d in draft_probs))
 
     def _limit(self, generated: int, length: int, plan: Plan) -> int:
         if generated >= plan.max_new_tokens:
@@ -191,6 +230,34 @@ class Orchestrator:
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 log.warning("releasing session %s failed: %s", session_id, outcome)
+
+
+def _digest(ids: list[int]) -> str:
+    """Pairs a spec-on request with spec-off runs of the same prompt in trace-report, without the text."""
+    return hashlib.sha256(array("I", ids).tobytes()).hexdigest()[:16]
+
+
+def _describe_round(span, record: pb.RoundRecord) -> None:
+    if span.is_recording():
+        span.set_attributes({
+            "specsplit.drafted": record.drafted, "specsplit.accepted": record.accepted,
+            "specsplit.next_token": "none" if not record.drafted else
+            ("bonus" if record.accepted == record.drafted else "recovered"),
+            "specsplit.draft_source": record.draft_source, "specsplit.draft_ms": record.draft_ms,
+            "specsplit.verify_ms": record.verify_ms, "specsplit.network_ms": record.network_ms,
+            "specsplit.feature_bytes": record.feature_bytes, "specsplit.proposal_bytes": record.proposal_bytes})
+
+
+def _describe(span, stats: pb.GenerationStats, common: dict) -> None:
+    """The Generate span's summary of the request (what trace-report groups and compares by)."""
+    if span.is_recording():
+        span.set_attributes({
+            **common, "specsplit.speculation": "on" if stats.speculation_used else "off",
+            "specsplit.drafter": stats.drafter, "specsplit.gamma": stats.gamma,
+            "specsplit.generated_tokens": stats.generated_tokens, "specsplit.prompt_tokens": stats.prompt_tokens,
+            "specsplit.rounds": stats.rounds, "specsplit.drafted": stats.drafted_tokens,
+            "specsplit.accepted": stats.accepted_tokens, "specsplit.verify_method": stats.verify_method,
+            "specsplit.mean_acceptance_length": stats.mean_acceptance_length})
 
 
 class _Caller:

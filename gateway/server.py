@@ -8,6 +8,7 @@ import secrets
 
 import grpc
 
+from gateway.instruments import GatewayMetrics
 from gateway.orchestrator import Orchestrator, Plan, UpstreamError
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
@@ -16,7 +17,7 @@ from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
 from specsplit.sampling import SamplingParams
-from specsplit.serving import CHANNEL_OPTIONS
+from specsplit.serving import CHANNEL_OPTIONS, unix_path
 from specsplit.settings import GatewaySettings
 from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
@@ -58,11 +59,13 @@ def incompatibility(target: vpb.InfoResponse, drafters: dict[str, dpb.DrafterInf
 class Backends:
     """Channels to the draft and verify services and what the gateway learnt from them at start."""
 
-    def __init__(self, settings: GatewaySettings, tokenizer):
+    def __init__(self, settings: GatewaySettings, tokenizer, interceptors=()):
         self.settings = settings
         self.tokenizer = tokenizer
-        self._verify_channel = grpc.aio.insecure_channel(settings.verify_address, options=CHANNEL_OPTIONS)
-        self._draft_channel = grpc.aio.insecure_channel(settings.draft_address, options=CHANNEL_OPTIONS)
+        self._verify_channel = grpc.aio.insecure_channel(settings.verify_address, options=CHANNEL_OPTIONS,
+                                                         interceptors=list(interceptors))
+        self._draft_channel = grpc.aio.insecure_channel(settings.draft_address, options=CHANNEL_OPTIONS,
+                                                        interceptors=list(interceptors))
         self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
         self.target: vpb.InfoResponse | None = None
@@ -97,10 +100,14 @@ class Backends:
 class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(self, backends: Backends):
         self._backends = backends
+        self._metrics = GatewayMetrics()
+        self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
+                           (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 
     def _orchestrator(self) -> Orchestrator:
         b = self._backends
-        return Orchestrator(b.verifier, b.drafter, b.tokenizer, b.target, b.settings.rpc_timeout_s)
+        return Orchestrator(b.verifier, b.drafter, b.tokenizer, b.target, b.settings.rpc_timeout_s, self._metrics,
+                            self._transport)
 
     async def Generate(self, request, context):
         plan = await self._plan_or_abort(request, context)

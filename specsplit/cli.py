@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+from specsplit import telemetry
 from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
 
 ENV = os.environ.get
@@ -22,10 +23,13 @@ def _server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")),
                    help="torch intra-op threads (0: torch's default)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
+    p.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
+                   help="serve Prometheus metrics on this port (0: none)")
 
 
 def _server_settings(a: argparse.Namespace) -> ServerSettings:
-    return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace)
+    return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace,
+                          metrics_port=a.metrics_port)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -151,6 +155,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafters", default="",
                        help="comma-separated drafters to compare side by side, e.g. ngram,self "
                             "(default: every drafter of the started stack; with --gateway, its default)")
+
+    rep = sub.add_parser("trace-report", help="time shares, speedup and break-even RTT from Generate traces")
+    rep.add_argument("--file", action="append", help="OTLP-JSON lines (e.g. from --trace-file); repeatable")
+    rep.add_argument("--jaeger", help="Jaeger query URL, e.g. http://localhost:16686")
+    rep.add_argument("--service", default="specsplit-gateway", help="service whose traces to fetch from Jaeger")
+    rep.add_argument("--limit", type=int, default=200, help="most traces to fetch from Jaeger")
+    rep.add_argument("--lookback", default="1h", help="how far back to fetch from Jaeger")
+    rep.add_argument("--no-per-request", action="store_true", help="only the per-task-type table")
+    rep.add_argument("--json-out", help="also write the report here")
     return parser
 
 
@@ -169,6 +182,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
+    p.add_argument("--trace-file", help="the three services append their traces here as OTLP-JSON lines "
+                                        "(read them with `specsplit trace-report --file`)")
     p.add_argument("--run-dir", help="directory for sockets and logs (default: a fresh temp dir)")
 
 
@@ -178,7 +193,7 @@ def _stack_config(a: argparse.Namespace):
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, drafter=a.drafter, gamma=a.gamma,
                        self_head=a.self_head, store_tokens=a.store_tokens,
-                       threads=a.threads, run_dir=a.run_dir)
+                       threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file)
 
 
 def _last_gateway_file() -> Path:
@@ -215,6 +230,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except Exception as e:  # a start-up failure: say what it was, not a traceback
         print(f"specsplit serve {a.role}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        telemetry.shutdown()  # spans still queued are exported
     return 0
 
 
@@ -317,6 +334,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a, _stack_config(a))
 
 
+def cmd_trace_report(a: argparse.Namespace) -> int:
+    from specsplit.tracereport import main as report_main
+
+    return report_main(a)
+
+
 def cmd_distill(a: argparse.Namespace) -> int:
     from specsplit import runtime
     from specsplit.distill.pipeline import DistillSettings, distill
@@ -346,7 +369,7 @@ def cmd_fetch_model(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-               "distill": cmd_distill, "fetch-model": cmd_fetch_model}[a.command]
+               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "trace-report": cmd_trace_report}[a.command]
     try:
         return command(a)
     except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as e:  # bad flags, a service that died

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,7 @@ class StackConfig:
     gamma: int = 4
     threads: int = 0
     run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
+    trace_file: str | None = None  # the services export traces here as OTLP-JSON lines (else OTEL_* decides)
 
 
 class Stack:
@@ -69,7 +71,11 @@ class Stack:
         if self.config.threads:
             cmd += ["--threads", str(self.config.threads)]
         log = open(self.run_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        env = dict(os.environ)
+        if self.config.trace_file:
+            env["SPECSPLIT_OTLP_FILE"] = str(Path(self.config.trace_file).resolve())
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                            env=env)
         log.close()
 
     def _await(self, names: list[str], timeout_s: float) -> None:

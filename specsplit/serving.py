@@ -60,12 +60,13 @@ async def serve(
     worker: ModelWorker | None = None,
     stop_event: asyncio.Event | None = None,
     handle_signals: bool = True,
+    interceptors: list[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Binds `settings.listen` (`unix:///path.sock` or `host:port`, port 0 picks one), reports
     NOT_SERVING until `warmup` finished, writes the bound address to `settings.address_file`, sweeps
     idle `sessions`, and on SIGINT/SIGTERM (or `stop_event`) flips health to NOT_SERVING, gives
     in-flight calls `settings.grace_s`, then stops the `worker`."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -19,6 +19,7 @@ class ServerSettings:
     address_file: str | None = None  # where the bound address is written once SERVING
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     grace_s: float = 5.0  # in-flight calls get this long on shutdown
+    metrics_port: int = 0  # Prometheus scrape endpoint (0: none; see specsplit.telemetry)
 
 
 @dataclass(frozen=True)

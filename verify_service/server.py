@@ -13,6 +13,7 @@ from specsplit.modeling import LoadedModel
 from specsplit.sampling import from_proto
 from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.telemetry import record_compute
 from specsplit.verify.v1 import verify_pb2 as pb
 from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
 from verify_service.engine import ContextFull, LengthMismatch, Target, TargetSession
@@ -64,6 +65,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        record_compute(result.forward_ns)
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
                                   forward_ns=result.forward_ns, features=_features(result, 0))
 
@@ -84,6 +86,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        record_compute(result.forward_ns)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1))
