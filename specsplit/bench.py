@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -223,9 +223,51 @@ def _draft_memory(address: str) -> dict[str, int]:
     return {d.name: d.memory_bytes for d in info.drafters}
 
 
+def tracing_overhead(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats: int) -> int:
+    """The same spec-on requests against two stacks, tracing off and on (OTLP-JSON file export),
+    alternating request by request so that machine noise hits both alike."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="specsplit-trace-overhead-") as tmp:
+        configs = {"off": replace(config, trace_file=None),
+                   "on": replace(config, trace_file=str(Path(tmp) / "traces.jsonl"))}
+        stacks = {k: Stack(c) for k, c in configs.items()}
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        tokens = 0
+        try:
+            print("starting two stacks (tracing off, tracing on) ...", file=sys.stderr, flush=True)
+            channels = {k: grpc.insecure_channel(s.start()) for k, s in stacks.items()}
+            stubs = {k: pb_grpc.GatewayStub(c) for k, c in channels.items()}
+            for stub in stubs.values():
+                stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 16), timeout=600)  # warm up
+            for i, p in enumerate(prompts, 1):
+                for r in range(repeats):
+                    for mode in (("off", "on") if (i + r) % 2 else ("on", "off")):
+                        start = time.perf_counter()
+                        out = stubs[mode].Generate(_request(p, pb.SPECULATION_ON, max_new_tokens), timeout=600)
+                        times[mode].append((time.perf_counter() - start) / max(1, len(out.token_ids)))
+                        tokens += len(out.token_ids)
+                print(f"[{i}/{len(prompts)}] {p.task_type}", file=sys.stderr, flush=True)
+            for c in channels.values():
+                c.close()
+        finally:
+            for s in stacks.values():
+                s.stop()
+        spans = sum(1 for _ in open(configs["on"].trace_file)) if Path(configs["on"].trace_file).exists() else 0
+    ratios = [b / a for a, b in zip(times["off"], times["on"])]
+    print(f"tracing overhead: {len(ratios)} request pairs, {tokens} tokens; median ms/token tracing off "
+          f"{1e3 * statistics.median(times['off']):.2f}, on {1e3 * statistics.median(times['on']):.2f}; "
+          f"median per-request ratio on/off {statistics.median(ratios):.3f} "
+          f"(p25 {statistics.quantiles(ratios, n=4)[0]:.3f}, p75 {statistics.quantiles(ratios, n=4)[2]:.3f}); "
+          f"{spans} export batches written")
+    return 0
+
+
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     SAMPLING.update(temperature=args.temperature, seed=args.seed)
+    if args.tracing_overhead:
+        return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)
     stack = None
     try:
         if args.gateway:

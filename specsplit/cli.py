@@ -152,6 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--store-tokens", type=int, default=0,
                        help="the retrieval store remembers outputs across requests; the bench runs every prompt "
                             "several times, which the store would simply copy, so it is off unless set")
+    bench.add_argument("--tracing-overhead", action="store_true",
+                       help="instead: spec-on requests alternated between a stack with tracing off and one "
+                            "with tracing on (OTLP-JSON file), and the median cost of tracing per token")
     bench.add_argument("--drafters", default="",
                        help="comma-separated drafters to compare side by side, e.g. ngram,self "
                             "(default: every drafter of the started stack; with --gateway, its default)")
