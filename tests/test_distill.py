@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import write_prompts
 
+from draft_service.drafters.base import Proposal
 from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
 from specsplit.distill import gen
 from specsplit.distill.prompts import builtin_prompts, load_prompts
@@ -75,7 +76,7 @@ def test_exported_head_records_its_target_and_loads(self_head, models):
     proposal = drafter.propose(session, 4)
     assert len(proposal.tokens) == 4 and proposal.source == "self"
     drafter.min_confidence = 1.01  # no chain is that sure: the head drafts nothing rather than guess
-    assert drafter.propose(session, 4) == ([], "")
+    assert drafter.propose(session, 4) == Proposal([], "")
 
 
 def test_a_head_for_other_weights_is_refused(self_head, models):

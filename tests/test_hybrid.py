@@ -24,12 +24,14 @@ class Head:
 def test_long_match_beats_the_head():
     hybrid = HybridDrafter(NgramDrafter(), Head([42]), min_match=2)
     session = hybrid.start([5, 6, 7, 8, 5, 6])
-    assert hybrid.propose(session, 2) == ([7, 8], "ngram")
+    assert hybrid.propose(session, 2) == Proposal([7, 8], "ngram")
 
 
 def test_head_beats_a_short_match_and_the_short_match_fills_in_when_it_is_unsure():
     session_tokens = [5, 6, 7, 9, 7]  # only a 1-token match: (7) -> 9
-    assert HybridDrafter(NgramDrafter(), Head([42, 43]), 2).propose(DraftSession(session_tokens), 3) == \
-        ([42, 43], "self")
-    assert HybridDrafter(NgramDrafter(), Head([]), 2).propose(DraftSession(session_tokens), 3) == ([9, 7], "ngram")
-    assert HybridDrafter(NgramDrafter(), Head([]), 2).propose(DraftSession([1, 2, 3]), 3) == ([], "")
+    def propose(head: list[int], tokens: list[int]) -> Proposal:
+        return HybridDrafter(NgramDrafter(), Head(head), 2).propose(DraftSession(tokens), 3)
+
+    assert propose([42, 43], session_tokens) == Proposal([42, 43], "self")
+    assert propose([], session_tokens) == Proposal([9, 7], "ngram")
+    assert propose([], [1, 2, 3]) == Proposal([], "")

@@ -1,4 +1,4 @@
-from draft_service.drafters.base import DraftSession
+from draft_service.drafters.base import DraftSession, Proposal
 from draft_service.drafters.ngram import NgramDrafter, OutputStore, lookup
 
 
@@ -26,7 +26,7 @@ def test_proposal_is_capped_by_gamma_and_available_tokens():
 def test_session_sync_rolls_back_rejected_guesses():
     drafter = NgramDrafter()
     session = drafter.start([1, 2, 3, 1, 2])
-    assert drafter.propose(session, 2) == ([3, 1], "ngram")
+    assert drafter.propose(session, 2) == Proposal([3, 1], "ngram")
     session.sync(5, [3, 9])  # target accepted 3, then chose 9
     assert session.tokens == [1, 2, 3, 1, 2, 3, 9]
     session.sync(6, [4])  # a later round rewrites from position 6
@@ -68,8 +68,8 @@ def test_store_drafts_from_earlier_outputs_but_not_across_them():
     drafter.end(first)  # remembers the output [10, 11, 12, 13], not the prompt
     assert len(store) == 4
     second = drafter.start([60, 61, 10, 11])  # a new request whose tail repeats that output
-    assert drafter.propose(second, 8) == ([12, 13], "ngram")  # stops at the end of the stored output
-    assert drafter.propose(drafter.start([50, 51]), 4) == ([], "")  # prompts are not stored
+    assert drafter.propose(second, 8) == Proposal([12, 13], "ngram")  # stops at the end of the stored output
+    assert drafter.propose(drafter.start([50, 51]), 4) == Proposal([], "")  # prompts are not stored
 
 
 def test_store_needs_two_matching_tokens_and_prefers_the_longer_match():

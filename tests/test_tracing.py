@@ -10,6 +10,8 @@ from concurrent import futures
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as otlp_metrics
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as otlp_metrics_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
 
@@ -24,6 +26,7 @@ GENERATE = "specsplit.gateway.v1.Gateway/Generate"
 class Collector(otlp_grpc.TraceServiceServicer):
     def __init__(self):
         self.spans: list[Span] = []
+        self.metrics: dict[str, set[str]] = defaultdict(set)  # service -> metric names
         self._lock = threading.Lock()
 
     def Export(self, request, context):
@@ -32,11 +35,29 @@ class Collector(otlp_grpc.TraceServiceServicer):
         return otlp.ExportTraceServiceResponse()
 
 
+class MetricsCollector(otlp_metrics_grpc.MetricsServiceServicer):
+    def __init__(self, sink: Collector):
+        self.sink = sink
+
+    def Export(self, request, context):
+        for resource in request.resource_metrics:
+            service = next(a.value.string_value for a in resource.resource.attributes if a.key == "service.name")
+            for scope in resource.scope_metrics:
+                self.sink.metrics[service] |= {m.name for m in scope.metrics if _has_points(m)}
+        return otlp_metrics.ExportMetricsServiceResponse()
+
+
+def _has_points(metric) -> bool:
+    kind = metric.WhichOneof("data")
+    return bool(kind and getattr(metric, kind).data_points)
+
+
 @pytest.fixture
 def collector():
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     sink = Collector()
     otlp_grpc.add_TraceServiceServicer_to_server(sink, server)
+    otlp_metrics_grpc.add_MetricsServiceServicer_to_server(MetricsCollector(sink), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield sink, port
@@ -61,6 +82,8 @@ def test_one_trace_per_generate_across_three_processes(models, tmp_path, collect
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
     responses = []
     with _stack(models, tmp_path, transport) as stack:
@@ -104,6 +127,10 @@ def test_one_trace_per_generate_across_three_processes(models, tmp_path, collect
         report = next(r for r in requests if r.trace_id == root.trace_id)
         assert report.network_ms >= 0 and report.speculation == ("on" if response.stats.speculation_used else "off")
         assert report.tokens == response.stats.generated_tokens
+    # Metrics went over OTLP too (flushed at shutdown).
+    assert {"specsplit.acceptance_length", "specsplit.request.duration", "specsplit.round.network",
+            "specsplit.speculation.enabled"} <= sink.metrics["specsplit-gateway"]
+    assert "specsplit.draft.memory" in sink.metrics["specsplit-draft"]
 
 
 def test_json_file_exporter_writes_otlp_json_lines(models, tmp_path, monkeypatch):
