@@ -144,3 +144,16 @@ def test_drafter_choice_per_method():
     vocab_ids = torch.tensor([10, 20, 30, 40, 50, 60])
     mapped = choose(session, logits, vocab_ids, 100)
     assert set(mapped.q[0].tolist()) == {10, 20, 60} and mapped.token in {10, 20, 60}
+
+
+def test_nucleus_from_the_top_k_equals_sorting_the_whole_vocabulary():
+    torch.manual_seed(0)
+    for scale, top_p in ((1.0, 0.9), (0.2, 0.99), (5.0, 0.5), (0.01, 0.999)):  # flat to peaked
+        logits = torch.randn(3, 5000) / scale
+        x = logits / 0.8
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, probs.cumsum(-1) - probs >= top_p)
+        expected = x.masked_fill(drop, float("-inf")).softmax(-1)
+        assert torch.equal(warp(logits, SamplingParams(0.8, top_p=top_p)) > 0, expected > 0)
+        assert torch.allclose(warp(logits, SamplingParams(0.8, top_p=top_p)), expected)
