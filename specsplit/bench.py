@@ -98,6 +98,11 @@ def _request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant 
     return req
 
 
+def _warmup(prompts: list[Prompt]) -> Prompt:
+    """The first prompt, labelled so that warm-up requests stay out of per-task figures (traces)."""
+    return Prompt("warmup", prompts[0].prompt)
+
+
 def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant]) -> list[Record]:
     """Speculation off, then on with each variant, back to back (noise hits all alike); one record
     per variant, all compared with the same spec-off runs (coupled sampler at temperature > 0)."""
@@ -239,7 +244,7 @@ def tracing_overhead(prompts: list[Prompt], config: StackConfig, max_new_tokens:
             channels = {k: grpc.insecure_channel(s.start()) for k, s in stacks.items()}
             stubs = {k: pb_grpc.GatewayStub(c) for k, c in channels.items()}
             for stub in stubs.values():
-                stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 16), timeout=600)  # warm up
+                stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
             for i, p in enumerate(prompts, 1):
                 for r in range(repeats):
                     for mode in (("off", "on") if (i + r) % 2 else ("on", "off")):
@@ -284,7 +289,7 @@ def main(args, config: StackConfig) -> int:
             methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
             drafters = [Variant(n, m) for n in names for m in methods]
             for d in drafters:
-                stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 16, d), timeout=600)  # warm up
+                stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
             records = []
             for i, p in enumerate(prompts, 1):
                 for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters):
@@ -294,7 +299,7 @@ def main(args, config: StackConfig) -> int:
                           f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
                           f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
                           file=sys.stderr, flush=True)
-            info = stub.Generate(_request(prompts[0], pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
+            info = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
             memory = _draft_memory(stack.addresses["draft"]) if stack else None
     finally:
         if stack is not None:
