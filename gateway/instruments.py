@@ -20,7 +20,8 @@ def position_bucket(position: int) -> str:
 
 
 class GatewayMetrics:
-    def __init__(self):
+    def __init__(self, controller):
+        self._controller = controller
         m = meter()
         self.acceptance = m.create_histogram(
             "specsplit.acceptance_length", unit="{token}",
@@ -38,9 +39,10 @@ class GatewayMetrics:
         self.latency = m.create_histogram(
             "specsplit.request.duration", unit="s", description="Generate wall time on the gateway",
             explicit_bucket_boundaries_advisory=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
-        self._enabled: dict[str, int] = {}  # task type -> whether its last request speculated
         m.create_observable_gauge("specsplit.speculation.enabled", callbacks=[self._observe_enabled],
-                                  description="1 when the last request of the task type ran with speculation")
+                                  description="1 while the controller speculates for the task type and drafter")
+        m.create_observable_gauge("specsplit.speculation.gamma", callbacks=[self._observe_gamma],
+                                  description="the controller's gamma for the task type and drafter")
 
     def round(self, record: pb.RoundRecord, task_type: str, drafter: str, position: int) -> None:
         attrs = {"task_type": task_type or "unspecified", "drafter": drafter}
@@ -54,7 +56,11 @@ class GatewayMetrics:
         task = stats.task_type or "unspecified"
         self.latency.record(stats.total_ms / 1e3, {"task_type": task,
                                                    "speculation": "on" if stats.speculation_used else "off"})
-        self._enabled[task] = int(stats.speculation_used)
 
     def _observe_enabled(self, _options):
-        return [Observation(v, {"task_type": k}) for k, v in self._enabled.items()]
+        return [Observation(int(st.enabled), {"task_type": task, "drafter": drafter})
+                for (task, drafter), st in self._controller.states().items()]
+
+    def _observe_gamma(self, _options):
+        return [Observation(st.gamma, {"task_type": task, "drafter": drafter})
+                for (task, drafter), st in self._controller.states().items()]

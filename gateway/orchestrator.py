@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from gateway.controller import Controller, Decision
 from gateway.instruments import GatewayMetrics
 from gateway.textstream import TextAssembler
 from specsplit.common.v1 import common_pb2 as cpb
@@ -46,6 +47,7 @@ class Plan:
     task_type: str
     needs_features: bool = False  # the drafter reads target features: the verifier returns them
     sampling: cpb.Sampling = field(default_factory=cpb.Sampling)  # temperature 0: greedy
+    decision: Decision = Decision(True, 4, "forced")  # the controller's, for this request
 
 
 @dataclass
@@ -91,13 +93,14 @@ def _ms(ns: int | float) -> float:
 class Orchestrator:
     def __init__(self, verifier: vpb_grpc.VerifierStub, drafter: dpb_grpc.DrafterStub, tokenizer,
                  target: vpb.InfoResponse, rpc_timeout_s: float, metrics: GatewayMetrics | None = None,
-                 transport: dict[str, str] | None = None):
+                 transport: dict[str, str] | None = None, controller: Controller | None = None):
         self._verifier = verifier
         self._drafter = drafter
         self._tokenizer = tokenizer
         self._target = target
         self._rpc_timeout_s = rpc_timeout_s
-        self._metrics = metrics or GatewayMetrics()
+        self._controller = controller or Controller()
+        self._metrics = metrics or GatewayMetrics(self._controller)
         # Trace attributes: how each backend is reached ("unix" or "tcp").
         self._transport = {f"specsplit.transport.{k}": v for k, v in (transport or {}).items()}
 
@@ -123,6 +126,7 @@ class Orchestrator:
                 if delta.finish:
                     stats = self._stats(plan, tally, started, len(text.token_ids), drafting)
                     self._metrics.request(stats)
+                    self._controller.observe(plan.task_type, plan.drafter, plan.decision, stats)
                     _describe(request_span, stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
                     yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish,
                                            stats=stats)
@@ -221,7 +225,8 @@ class Orchestrator:
             draft_ms=sum(r.draft_ms for r in rounds), verify_ms=sum(r.verify_ms for r in rounds),
             network_ms=sum(r.network_ms for r in rounds), exact=self._target.exact, task_type=plan.task_type,
             round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
-            seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy")
+            seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
+            speculation_reason=plan.decision.reason if drafting == plan.speculate else "drafter-down")
 
     async def _release(self, session_id: str, drafted: bool) -> None:
         calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=session_id), timeout=5)]
@@ -257,7 +262,8 @@ def _describe(span, stats: pb.GenerationStats, common: dict) -> None:
             "specsplit.generated_tokens": stats.generated_tokens, "specsplit.prompt_tokens": stats.prompt_tokens,
             "specsplit.rounds": stats.rounds, "specsplit.drafted": stats.drafted_tokens,
             "specsplit.accepted": stats.accepted_tokens, "specsplit.verify_method": stats.verify_method,
-            "specsplit.mean_acceptance_length": stats.mean_acceptance_length})
+            "specsplit.mean_acceptance_length": stats.mean_acceptance_length,
+            "specsplit.speculation_reason": stats.speculation_reason})
 
 
 class _Caller:

@@ -8,6 +8,8 @@ import secrets
 
 import grpc
 
+from gateway import policy
+from gateway.controller import Controller
 from gateway.instruments import GatewayMetrics
 from gateway.orchestrator import Orchestrator, Plan, UpstreamError
 from specsplit.common.v1 import common_pb2 as cpb
@@ -68,6 +70,7 @@ class Backends:
                                                         interceptors=list(interceptors))
         self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
+        self.controller = Controller(settings.controller)
         self.target: vpb.InfoResponse | None = None
         self.drafters: dict[str, dpb.DrafterInfo] = {}
         self.default_drafter = ""
@@ -87,6 +90,9 @@ class Backends:
         problem = incompatibility(target, drafters, default)
         if problem:
             raise RuntimeError(f"default drafter: {problem}")
+        if self.settings.policy_file:
+            for warning in policy.apply(self.settings.policy_file, self.controller, target, drafters):
+                log.warning("%s", warning)
         self.drafters, self.default_drafter, self.target = drafters, default, target
 
     def incompatibility(self, name: str) -> str:
@@ -100,18 +106,21 @@ class Backends:
 class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(self, backends: Backends):
         self._backends = backends
-        self._metrics = GatewayMetrics()
+        self.controller = backends.controller
+        self._inflight = 0  # Generate calls running now (the controller's concurrency signal)
+        self._metrics = GatewayMetrics(self.controller)
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 
     def _orchestrator(self) -> Orchestrator:
         b = self._backends
         return Orchestrator(b.verifier, b.drafter, b.tokenizer, b.target, b.settings.rpc_timeout_s, self._metrics,
-                            self._transport)
+                            self._transport, self.controller)
 
     async def Generate(self, request, context):
         plan = await self._plan_or_abort(request, context)
         text, ids, last = [], [], None
+        self._inflight += 1
         try:
             async with contextlib.aclosing(self._orchestrator().generate(plan, context.time_remaining)) as chunks:
                 async for chunk in chunks:
@@ -120,17 +129,22 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     last = chunk
         except UpstreamError as e:
             await context.abort(e.code, str(e))
+        finally:
+            self._inflight -= 1
         return pb.GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
                                    stats=last.stats)
 
     async def GenerateStream(self, request, context):
         plan = await self._plan_or_abort(request, context)
+        self._inflight += 1
         try:
             async with contextlib.aclosing(self._orchestrator().generate(plan, context.time_remaining)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except UpstreamError as e:
             await context.abort(e.code, str(e))
+        finally:
+            self._inflight -= 1
 
     async def _plan_or_abort(self, request, context) -> Plan:
         try:
@@ -161,15 +175,16 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if len(stops) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
-        gamma = request.gamma or settings.default_gamma
-        if not 1 <= gamma <= MAX_GAMMA:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {gamma} is not in 1..{MAX_GAMMA}")
+        if request.gamma > MAX_GAMMA:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
         drafter = request.drafter or b.default_drafter
         if drafter not in b.drafters:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         mode = request.speculation or pb.SPECULATION_AUTO
-        speculate = mode != pb.SPECULATION_OFF
+        decision = self.controller.decide(request.task_type, drafter, mode, request.gamma, self._inflight)
+        speculate = decision.speculate
+        gamma = decision.gamma or request.gamma or settings.controller.gamma_start
         problem = b.incompatibility(drafter)
         if speculate and problem:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, problem)
@@ -177,7 +192,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
-                    needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling)
+                    needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
+                    decision=decision)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self._backends.tokenizer

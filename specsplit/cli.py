@@ -12,7 +12,14 @@ import threading
 from pathlib import Path
 
 from specsplit import telemetry
-from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
+from specsplit.settings import (
+    ControllerSettings,
+    DraftSettings,
+    GatewaySettings,
+    ModelSettings,
+    ServerSettings,
+    VerifySettings,
+)
 
 ENV = os.environ.get
 
@@ -85,7 +92,23 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", required=True, help="address of the draft service")
     g.add_argument("--tokenizer", default=ENV("SPECSPLIT_TARGET_MODEL", "default"),
                    help="model dir holding the target's tokenizer ('default': the embedded model)")
-    g.add_argument("--gamma", type=int, default=4, help="default tokens drafted per round")
+    g.add_argument("--gamma", type=int, default=4, help="tokens drafted per round to start from (the "
+                                                        "controller adapts it for AUTO requests)")
+    g.add_argument("--gamma-min", type=int, default=1)
+    g.add_argument("--gamma-max", type=int, default=8)
+    g.add_argument("--no-controller", dest="controller", action="store_false",
+                   help="AUTO requests always speculate with --gamma (no adaptation, no auto-disable)")
+    g.add_argument("--min-acceptance", type=float, default=0.0,
+                   help="switch speculation off below this mean acceptance length (0: the break-even length "
+                        "from the measured costs; the seed's rule is 2)")
+    g.add_argument("--control-share", type=float, default=0.05,
+                   help="share of AUTO requests run without speculation to keep the baseline measured")
+    g.add_argument("--max-inflight", type=int, default=8,
+                   help="above this many concurrent requests, AUTO requests run without speculation")
+    g.add_argument("--probe-every", type=int, default=10,
+                   help="while speculation is off for a task type, every N-th request re-measures it")
+    g.add_argument("--policy", default=ENV("SPECSPLIT_POLICY"),
+                   help="policy file from `specsplit calibrate`: the controller's starting state")
     g.add_argument("--drafter", default="", help="default drafter (empty: the draft service's default)")
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     g.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of each internal call (s)")
@@ -225,9 +248,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     else:
         from gateway.main import run
 
+        controller = ControllerSettings(
+            enabled=a.controller, gamma_min=a.gamma_min, gamma_max=a.gamma_max, gamma_start=a.gamma,
+            min_acceptance=a.min_acceptance, control_share=a.control_share, max_inflight=a.max_inflight,
+            probe_every=a.probe_every)
         settings = GatewaySettings(server=server, verify_address=a.verify, draft_address=a.draft,
-                                   tokenizer=a.tokenizer, default_gamma=a.gamma, default_drafter=a.drafter,
-                                   max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout)
+                                   tokenizer=a.tokenizer, default_drafter=a.drafter,
+                                   max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout,
+                                   controller=controller, policy_file=a.policy)
     try:
         asyncio.run(run(settings))
     except Exception as e:  # a start-up failure: say what it was, not a traceback

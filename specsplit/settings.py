@@ -52,13 +52,41 @@ class DraftSettings:
 
 
 @dataclass(frozen=True)
+class ControllerSettings:
+    enabled: bool = True
+    gamma_min: int = 1
+    gamma_max: int = 8
+    gamma_start: int = 4
+    # Speculation is switched off below this mean acceptance length. 0: the break-even acceptance
+    # length computed from the measured costs (the length at which spec-on time per token equals
+    # spec-off), times `margin`. The seed's fixed rule is 2.0.
+    min_acceptance: float = 0.0
+    margin: float = 1.05
+    control_share: float = 0.05  # AUTO requests that run spec-off to keep the baseline measured (every n-th)
+    max_inflight: int = 8  # above this many requests in flight, no speculation (batching uses the compute)
+    window: int = 48  # requests per task type and mode kept for latency percentiles
+    min_requests: int = 6  # spec-on (and spec-off) requests needed before judging
+    probe_every: int = 10  # while off, one AUTO request in this many speculates to re-measure
+    hysteresis: float = 0.05  # turning back on needs P95 this much better than off and acceptance above threshold
+    decay: float = 0.98  # per round, for the running acceptance and cost estimates
+
+    def check(self) -> None:
+        if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:
+            raise ValueError(f"need 1 <= gamma_min ({self.gamma_min}) <= gamma_start ({self.gamma_start}) "
+                             f"<= gamma_max ({self.gamma_max})")
+        if not 0 <= self.control_share < 1:
+            raise ValueError(f"control_share {self.control_share} is not in [0, 1)")
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     server: ServerSettings
     verify_address: str
     draft_address: str
     tokenizer: str  # model directory holding the target's tokenizer, or "default"
-    default_gamma: int = 4
     default_drafter: str = ""  # empty: the draft service's default
     max_new_tokens_limit: int = 4096
     rpc_timeout_s: float = 60.0  # per internal call, also bounded by the client's deadline
     connect_timeout_s: float = 300.0  # how long to wait for the draft and verify services at start
+    controller: ControllerSettings = ControllerSettings()  # decides AUTO requests
+    policy_file: str | None = None  # from `specsplit calibrate`: the controller's starting state

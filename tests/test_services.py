@@ -412,3 +412,45 @@ async def test_draft_service_returns_what_each_draft_was_sampled_from(models, tm
                 await stub.StartSession(dpb.StartSessionRequest(session_id="bad", prompt_token_ids=prompt,
                                                                 sampling=cpb.Sampling(temperature=-2)))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+
+
+async def test_controller_reasons_policy_and_concurrency(models, tmp_path, caplog):
+    """AUTO requests go through the controller: reasons in stats, a calibrated policy that turns a
+    task type off (applied only for the models it was made with), and the concurrency cut-off."""
+    import json
+
+    from specsplit.settings import ControllerSettings
+
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as v, grpc.aio.insecure_channel(stack.draft) as d:
+            target = await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())
+            drafters = {x.name: x for x in (await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest())).drafters}
+    from gateway import policy
+
+    good, stale = tmp_path / "policy.json", tmp_path / "stale.json"
+    policy.write(good, target, drafters, {"chat": {"model": {"speculate": False, "gamma": 2}},
+                                          "code": {"model": {"speculate": True, "gamma": 3}}})
+    document = json.loads(good.read_text())
+    document["target"]["model_fingerprint"] = "0" * 16
+    stale.write_text(json.dumps(document))
+    for path, applied in ((good, True), (stale, False)):
+        settings = ControllerSettings(max_inflight=1, control_share=0.0)
+        async with running_stack(tmp_path / path.stem, "unix", models["target"], models["draft"],
+                                 controller=settings, policy_file=str(path)) as stack:
+            async with grpc.aio.insecure_channel(stack.gateway) as ch:
+                gw = pb_grpc.GatewayStub(ch)
+                chat = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_AUTO, drafter="model", task_type="chat"))
+                code = await gw.Generate(request(PROMPTS[1], pb.SPECULATION_AUTO, drafter="model", task_type="code"))
+                forced = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_ON, drafter="model", task_type="chat"))
+                assert forced.stats.speculation_used and forced.stats.speculation_reason == "forced"
+                if applied:
+                    assert (chat.stats.speculation_used, chat.stats.speculation_reason) == (False, "disabled")
+                    assert (code.stats.gamma, code.stats.speculation_reason) == (3, "on")
+                else:  # models changed since calibration: warn and adapt live from the defaults
+                    assert chat.stats.speculation_used and chat.stats.gamma == 4
+                    assert "recalibrate" in caplog.text
+                many = await asyncio.gather(*(gw.Generate(request(p, pb.SPECULATION_AUTO, drafter="model",
+                                                                  task_type="code")) for p in PROMPTS))
+                reasons = {r.stats.speculation_reason for r in many}
+                assert "concurrency" in reasons and all(
+                    r.stats.speculation_used == (r.stats.speculation_reason != "concurrency") for r in many)

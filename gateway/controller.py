@@ -1,0 +1,224 @@
+"""When to speculate and how far: live statistics per (task type, drafter), gamma chosen for the
+most tokens per unit time, speculation switched off per task type when it loses (with hysteresis and
+periodic re-probing), off under high concurrency, and a small spec-off control share that keeps the
+baseline measured. Plain Python, no gRPC: the gateway feeds it each request's stats and asks it per
+request (docs/controller.md)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.settings import ControllerSettings
+
+
+class Ewma:
+    """Exponentially decayed mean (weights sum, so early values are not biased towards 0)."""
+
+    def __init__(self, decay: float):
+        self.decay, self.total, self.weight = decay, 0.0, 0.0
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.total = self.total * self.decay + value * weight
+        self.weight = self.weight * self.decay + weight
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight > 1e-9 else None
+
+
+def p95(values) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+def expected_length(alpha: float, gamma: int) -> float:
+    """Tokens per round when each draft token is accepted with probability alpha (independently):
+    1 + alpha + ... + alpha^gamma."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+class TypeState:
+    """What the controller knows about one (task type, drafter)."""
+
+    def __init__(self, settings: ControllerSettings):
+        d = settings.decay
+        self.settings = settings
+        self.enabled, self.gamma, self.reason = True, settings.gamma_start, "starting"
+        self.accepted = Ewma(d)  # draft tokens accepted per round that drafted
+        self.rejected = Ewma(d)  # rounds that ended in a rejection (accepted < drafted)
+        self.tokens_per_round = Ewma(d)  # committed per spec-on round: the mean acceptance length
+        self.draft_ms_per_token = Ewma(d)
+        self.network_on, self.network_off = Ewma(d), Ewma(d)  # per round, spec-on / spec-off
+        self.verify_ms: dict[int, Ewma] = {}  # drafted k -> verify compute
+        self.on_ms_per_token: deque[float] = deque(maxlen=settings.window)  # per request
+        self.off_ms_per_token: deque[float] = deque(maxlen=settings.window)
+        self.since_change = 0  # judged requests since the state last changed
+        self.since_probe = 0
+        self.auto_requests = 0  # AUTO requests decided while enabled (the control share counts them)
+        self.history: list[tuple[int, bool, str]] = []  # (request number, enabled, reason)
+
+    # -- estimates -----------------------------------------------------------------------------
+    @property
+    def alpha(self) -> float | None:
+        """Per-token acceptance probability (geometric model): accepted / (accepted + rejections)."""
+        a, r = self.accepted.value, self.rejected.value
+        if a is None or r is None or a + r <= 0:
+            return None
+        return a / (a + r)
+
+    def verify_cost(self, k: int) -> float | None:
+        """Verify compute for k drafts: measured, else a line through the measured points."""
+        known = {n: e.value for n, e in self.verify_ms.items() if e.value is not None}
+        if k in known:
+            return known[k]
+        if len(known) >= 2:
+            xs, ys = zip(*sorted(known.items()))
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+            return my + max(0.0, slope) * (k - mx)
+        if known:
+            (n, y), = known.items()
+            return y  # one point: assume flat (memory-bound verification)
+        return None
+
+    def time_per_token(self, gamma: int) -> float | None:
+        """Expected spec-on ms per committed token with this gamma."""
+        alpha, draft = self.alpha, self.draft_ms_per_token.value
+        verify = self.verify_cost(gamma)
+        if alpha is None or draft is None or verify is None:
+            return None
+        per_round = verify + gamma * draft + (self.network_on.value or 0.0)
+        return per_round / expected_length(alpha, gamma)
+
+    def off_time_per_token(self) -> float | None:
+        verify = self.verify_cost(0)
+        return None if verify is None else verify + (self.network_off.value or 0.0)
+
+    def best_gamma(self) -> int:
+        s = self.settings
+        costs = {g: self.time_per_token(g) for g in range(s.gamma_min, s.gamma_max + 1)}
+        if any(c is None for c in costs.values()):
+            return self.gamma
+        return min(costs, key=lambda g: (costs[g], g))
+
+    def threshold(self) -> float | None:
+        """The acceptance length below which speculation is switched off."""
+        if self.settings.min_acceptance > 0:
+            return self.settings.min_acceptance
+        off, verify, draft = self.off_time_per_token(), self.verify_cost(self.gamma), self.draft_ms_per_token.value
+        if off is None or verify is None or draft is None:
+            return None
+        drafted = self.gamma
+        on_round = verify + drafted * draft + (self.network_on.value or 0.0)
+        return self.settings.margin * on_round / off  # tokens a round must commit to pay for itself
+
+
+@dataclass(frozen=True)
+class Decision:
+    speculate: bool
+    gamma: int
+    reason: str  # forced | controller-off | concurrency | control | disabled | probe | on
+
+
+class Controller:
+    def __init__(self, settings: ControllerSettings = ControllerSettings()):
+        settings.check()
+        self.settings = settings
+        self._types: dict[tuple[str, str], TypeState] = {}
+        self.requests = 0
+
+    def state(self, task_type: str, drafter: str) -> TypeState:
+        key = (task_type or "unspecified", drafter)
+        if key not in self._types:
+            self._types[key] = TypeState(self.settings)
+        return self._types[key]
+
+    def states(self) -> dict[tuple[str, str], TypeState]:
+        return dict(self._types)
+
+    def seed_policy(self, task_type: str, drafter: str, speculate: bool, gamma: int) -> None:
+        """Start from a calibrated policy instead of the defaults."""
+        st = self.state(task_type, drafter)
+        st.enabled, st.reason = speculate, "policy"
+        st.gamma = min(max(gamma, self.settings.gamma_min), self.settings.gamma_max)
+
+    def decide(self, task_type: str, drafter: str, mode: int, requested_gamma: int, inflight: int) -> Decision:
+        """mode: the request's Speculation. requested_gamma 0: the controller's choice."""
+        s = self.settings
+        st = self.state(task_type, drafter)
+        if mode == pb.SPECULATION_OFF:
+            return Decision(False, 0, "forced")
+        if mode == pb.SPECULATION_ON:
+            return Decision(True, requested_gamma or st.gamma, "forced")
+        if not s.enabled:
+            return Decision(True, requested_gamma or s.gamma_start, "controller-off")
+        self.requests += 1
+        if inflight > s.max_inflight:
+            return Decision(False, 0, "concurrency")
+        gamma = requested_gamma or st.gamma
+        if not st.enabled:
+            st.since_probe += 1
+            if st.since_probe >= s.probe_every:
+                st.since_probe = 0
+                return Decision(True, gamma, "probe")
+            return Decision(False, 0, "disabled")
+        st.auto_requests += 1
+        if s.control_share > 0 and st.auto_requests % max(1, round(1 / s.control_share)) == 0:
+            return Decision(False, 0, "control")  # every n-th request: deterministic, spread evenly
+        return Decision(True, gamma, "on")
+
+    def observe(self, task_type: str, drafter: str, decision: Decision, stats: pb.GenerationStats) -> None:
+        """Learns from a finished request and re-evaluates its task type."""
+        st = self.state(task_type, drafter)
+        for r in stats.round_records:
+            if r.drafted:
+                st.accepted.add(r.accepted)
+                st.rejected.add(1.0 if r.accepted < r.drafted else 0.0)
+                st.tokens_per_round.add(r.accepted + 1)
+                st.draft_ms_per_token.add(r.draft_ms / r.drafted)
+                st.network_on.add(r.network_ms)
+            else:
+                st.network_off.add(r.network_ms)
+            st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)
+        if stats.generated_tokens:
+            per_token = stats.total_ms / stats.generated_tokens
+            (st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token).append(per_token)
+        if decision.reason in ("on", "probe", "disabled", "control"):
+            self._evaluate(st)
+
+    def _evaluate(self, st: TypeState) -> None:
+        s = self.settings
+        st.since_change += 1
+        if len(st.on_ms_per_token) < s.min_requests:
+            return
+        acceptance = st.tokens_per_round.value or 1.0
+        threshold = st.threshold()
+        enough_off = len(st.off_ms_per_token) >= s.min_requests
+        on95 = p95(st.on_ms_per_token)
+        off95 = p95(st.off_ms_per_token) if enough_off else None
+        if st.enabled:
+            st.gamma = st.best_gamma()
+            if st.since_change < s.min_requests:
+                return  # dwell: a new state is judged on fresh requests only
+            if threshold is not None and acceptance < threshold:
+                self._switch(st, False, f"acceptance length {acceptance:.2f} < {threshold:.2f}")
+            elif off95 is not None and on95 > off95:
+                self._switch(st, False, f"P95 {on95:.1f} ms/token with speculation > {off95:.1f} without")
+        else:
+            recent_on = list(st.on_ms_per_token)[-s.min_requests:]
+            if (threshold is None or acceptance >= threshold + 0.1) and off95 is not None \
+                    and p95(recent_on) <= off95 * (1 - s.hysteresis):
+                self._switch(st, True, f"recovered: acceptance length {acceptance:.2f}, "
+                                       f"P95 {p95(recent_on):.1f} <= {off95:.1f} ms/token")
+
+    def _switch(self, st: TypeState, enabled: bool, reason: str) -> None:
+        st.enabled, st.reason, st.since_change, st.since_probe = enabled, reason, 0, 0
+        st.history.append((self.requests, enabled, reason))
+        # The new state is judged on requests made in it alone (probes while off, then fresh runs).
+        st.on_ms_per_token.clear()

@@ -1,0 +1,95 @@
+"""The controller driven by recorded statistics: requests simulated from a cost model (verify cost
+per drafted token, draft cost, network per round, per-token acceptance probability) with noise."""
+
+from __future__ import annotations
+
+import random
+
+from gateway.controller import Controller, expected_length
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.settings import ControllerSettings
+
+AUTO, ON, OFF = pb.SPECULATION_AUTO, pb.SPECULATION_ON, pb.SPECULATION_OFF
+
+
+class Workload:
+    """Target step 50 ms, +1.5 ms per drafted token to verify, 3 ms to draft a token, 4 ms of network
+    per round: the orders of magnitude measured on the default model (docs/metrics.md)."""
+
+    def __init__(self, alpha: float, noise: float = 0.1, seed: int = 0, tokens: int = 64):
+        self.alpha, self.noise, self.tokens = alpha, noise, tokens
+        self.rng = random.Random(seed)
+
+    def _jitter(self, ms: float) -> float:
+        return ms * (1 + self.rng.uniform(-self.noise, self.noise))
+
+    def run(self, speculate: bool, gamma: int) -> pb.GenerationStats:
+        rounds, generated, total = [], 1, 60.0  # prefill
+        while generated < self.tokens:
+            drafted = min(gamma, self.tokens - generated - 1) if speculate else 0
+            accepted = 0
+            while accepted < drafted and self.rng.random() < self.alpha:
+                accepted += 1
+            record = pb.RoundRecord(drafted=drafted, accepted=accepted, draft_ms=self._jitter(3.0 * drafted),
+                                    verify_ms=self._jitter(50 + 1.5 * drafted), network_ms=self._jitter(4.0 if drafted
+                                                                                                      else 1.6))
+            rounds.append(record)
+            total += record.draft_ms + record.verify_ms + record.network_ms
+            generated += accepted + 1
+        return pb.GenerationStats(generated_tokens=generated, total_ms=total, round_records=rounds,
+                                  rounds=len(rounds), speculation_used=speculate)
+
+
+def serve(controller: Controller, workload: Workload, requests: int, task: str = "code") -> list:
+    decisions = []
+    for _ in range(requests):
+        d = controller.decide(task, "hybrid", AUTO, 0, inflight=1)
+        controller.observe(task, "hybrid", d, workload.run(d.speculate, d.gamma))
+        decisions.append(d)
+    return decisions
+
+
+def test_gamma_follows_acceptance():
+    c = Controller(ControllerSettings(control_share=0.1))
+    serve(c, Workload(alpha=0.9), 60)
+    high = c.state("code", "hybrid").gamma
+    serve(c, Workload(alpha=0.45, seed=1), 150)
+    low = c.state("code", "hybrid").gamma
+    assert high >= 6 and low <= 3 and c.state("code", "hybrid").enabled, (high, low)
+    # The choice is the cost model's optimum: check it against brute force at the final estimates.
+    st = c.state("code", "hybrid")
+    assert abs(st.alpha - 0.45) < 0.1
+    best = min(range(1, 9), key=lambda g: (50 + 1.5 * g + 3 * g + 4) / expected_length(st.alpha, g))
+    assert abs(low - best) <= 1
+
+
+def test_switches_off_when_it_loses_and_back_on_when_it_pays_again():
+    c = Controller(ControllerSettings(control_share=0.1))
+    serve(c, Workload(alpha=0.05), 60)  # drafts almost never accepted: slower than off
+    st = c.state("code", "hybrid")
+    assert not st.enabled and st.history[0][1] is False
+    assert "acceptance length" in st.reason or "P95" in st.reason
+    off_reqs = serve(c, Workload(alpha=0.05, seed=3), 40)
+    assert sum(d.speculate for d in off_reqs) <= 40 // c.settings.probe_every + 1  # only probes speculate
+    assert {d.reason for d in off_reqs} <= {"disabled", "probe"}
+    assert not st.enabled
+    back = serve(c, Workload(alpha=0.85, seed=4), 150)  # the drafter got good again (e.g. new traffic)
+    assert st.enabled and st.history[-1][1] is True and "recovered" in st.history[-1][2]
+    assert sum(d.speculate for d in back[-30:]) >= 25  # speculating again, apart from the control share
+
+
+def test_never_flaps_under_noise():
+    for alpha, seed in ((0.75, 5), (0.05, 6)):  # clearly winning, clearly losing, 25 % timing noise
+        c = Controller(ControllerSettings(control_share=0.1))
+        serve(c, Workload(alpha=alpha, noise=0.25, seed=seed), 300)
+        assert len(c.state("code", "hybrid").history) <= 1, c.state("code", "hybrid").history
+
+
+def test_forced_modes_concurrency_and_task_types_are_separate():
+    c = Controller(ControllerSettings(max_inflight=4))
+    serve(c, Workload(alpha=0.05), 60, task="creative")
+    assert not c.state("creative", "hybrid").enabled and c.state("code", "hybrid").enabled
+    assert c.decide("creative", "hybrid", ON, 0, 1).speculate  # the request's own choice wins (A/B)
+    assert not c.decide("code", "hybrid", OFF, 0, 1).speculate
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=5).reason == "concurrency"
+    assert c.decide("code", "hybrid", AUTO, 3, inflight=1).gamma in (0, 3)  # a requested gamma is kept
