@@ -25,6 +25,7 @@ from specsplit.launcher import Stack, StackConfig
 class Prompt:
     task_type: str
     prompt: str
+    temperature: float | None = None  # None: the run's --temperature
 
 
 @dataclass
@@ -52,8 +53,11 @@ class Record:
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
-    text = Path(path).read_text() if path else \
-        resources.files("specsplit.data").joinpath("starter_prompts.jsonl").read_text()
+    """JSONL rows {task_type, prompt[, temperature]}; path None: the starter prompts; "mixed": the
+    controller's mixed workload (code and structured greedy, open prompts sampled at T=1.2 as
+    "creative")."""
+    name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl"}.get(path)
+    text = resources.files("specsplit.data").joinpath(name).read_text() if name else Path(path).read_text()
     prompts = [Prompt(**json.loads(line)) for line in text.splitlines() if line.strip()]
     if limit:
         seen: dict[str, int] = defaultdict(int)
@@ -92,8 +96,8 @@ def _request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant 
     method = cpb.VERIFY_METHOD_REJECTION if variant.method == "rejection" else cpb.VERIFY_METHOD_COUPLED
     req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
                              drafter=variant.drafter,
-                             sampling=pb.SamplingParams(temperature=SAMPLING["temperature"], seed=SAMPLING["seed"],
-                                                        method=method))
+                             sampling=pb.SamplingParams(temperature=SAMPLING["temperature"] if p.temperature is None
+                                                        else p.temperature, seed=SAMPLING["seed"], method=method))
     req.chat.messages.add(role="user", content=p.prompt)
     return req
 
@@ -268,11 +272,54 @@ def tracing_overhead(prompts: list[Prompt], config: StackConfig, max_new_tokens:
     return 0
 
 
+def controlled(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, learn: int) -> int:
+    """The controller at work: `learn` passes of AUTO requests over the workload (it measures and
+    decides per task type), then per prompt spec-off, forced spec-on and AUTO back to back."""
+    for n in range(learn):
+        for i, p in enumerate(prompts, 1):
+            out = stub.Generate(_request(p, pb.SPECULATION_AUTO, max_new_tokens), timeout=600)
+            print(f"learn {n + 1}/{learn} [{i}/{len(prompts)}] {p.task_type:<10} "
+                  f"{out.stats.speculation_reason:<9} gamma {out.stats.gamma}", file=sys.stderr, flush=True)
+    modes = {"off": pb.SPECULATION_OFF, "on": pb.SPECULATION_ON, "auto": pb.SPECULATION_AUTO}
+    totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: {m: [0.0, 0] for m in modes})
+    reasons: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in range(repeats):
+        for i, p in enumerate(prompts, 1):
+            order = list(modes) if (i + r) % 2 else list(reversed(modes))
+            for mode in order:
+                start = time.perf_counter()
+                out = stub.Generate(_request(p, modes[mode], max_new_tokens), timeout=600)
+                for key in (p.task_type, "ALL"):
+                    totals[key][mode][0] += time.perf_counter() - start
+                    totals[key][mode][1] += len(out.token_ids)
+                if mode == "auto":
+                    reasons[p.task_type][f"{out.stats.speculation_reason}/g{out.stats.gamma}"] += 1
+            print(f"measure [{i}/{len(prompts)}] {p.task_type}", file=sys.stderr, flush=True)
+    print(f"specsplit bench --controlled: {len(prompts)} prompts, max_new_tokens={max_new_tokens}, "
+          f"learn passes={learn}, measured repeats={repeats}")
+    print(f"{'task type':<12}{'tok/s off':>10}{'forced on':>10}{'auto':>8}{'on/off':>8}{'auto/off':>9}  auto decisions")
+    for task, t in sorted(totals.items(), key=lambda kv: (kv[0] == "ALL", kv[0])):
+        rate = {m: n / s for m, (s, n) in t.items()}
+        print(f"{task:<12}{rate['off']:>10.1f}{rate['on']:>10.1f}{rate['auto']:>8.1f}{rate['on'] / rate['off']:>7.2f}x"
+              f"{rate['auto'] / rate['off']:>8.2f}x  {dict(reasons.get(task, {})) or ''}")
+    return 0
+
+
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     SAMPLING.update(temperature=args.temperature, seed=args.seed)
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)
+    if args.controlled:
+        stack = Stack(config) if not args.gateway else None
+        try:
+            address = args.gateway or stack.start()
+            with grpc.insecure_channel(address) as channel:
+                return controlled(pb_grpc.GatewayStub(channel), prompts, args.max_new_tokens, args.repeats,
+                                  args.controlled)
+        finally:
+            if stack is not None:
+                stack.stop()
     stack = None
     try:
         if args.gateway:

@@ -163,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
     _stack_flags(bench)
     bench.add_argument("--gateway", help="use this running gateway instead of starting a stack")
-    bench.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
+    bench.add_argument("--prompts", help="JSONL with task_type, prompt and optionally temperature (default: the "
+                                         "starter prompts; 'mixed': the controller's mixed workload)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
@@ -175,12 +176,27 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--store-tokens", type=int, default=0,
                        help="the retrieval store remembers outputs across requests; the bench runs every prompt "
                             "several times, which the store would simply copy, so it is off unless set")
+    bench.add_argument("--controlled", type=int, default=0, metavar="PASSES",
+                       help="instead: the controller at work; PASSES passes of AUTO requests to learn, then per "
+                            "prompt spec-off, forced spec-on and AUTO (try --prompts mixed)")
     bench.add_argument("--tracing-overhead", action="store_true",
                        help="instead: spec-on requests alternated between a stack with tracing off and one "
                             "with tracing on (OTLP-JSON file), and the median cost of tracing per token")
     bench.add_argument("--drafters", default="",
                        help="comma-separated drafters to compare side by side, e.g. ngram,self "
                             "(default: every drafter of the started stack; with --gateway, its default)")
+
+    cal = sub.add_parser("calibrate", help="measure per task type whether speculation pays; write a policy file")
+    _stack_flags(cal)
+    cal.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
+    cal.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
+    cal.add_argument("--max-new-tokens", type=int, default=64)
+    cal.add_argument("--repeats", type=int, default=1)
+    cal.add_argument("--store-tokens", type=int, default=0, help="as for bench")
+    cal.add_argument("--gateway", help="calibrate a running gateway (its default drafter) instead of a new stack")
+    cal.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
+    cal.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
+    cal.add_argument("--policy-out", default="specsplit-policy.json", help="where to write the policy")
 
     rep = sub.add_parser("trace-report", help="time shares, speedup and break-even RTT from Generate traces")
     rep.add_argument("--file", action="append", help="OTLP-JSON lines (e.g. from --trace-file); repeatable")
@@ -365,6 +381,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a, _stack_config(a))
 
 
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from specsplit.calibrate import main as calibrate_main
+
+    return calibrate_main(a, _stack_config(a))
+
+
 def cmd_trace_report(a: argparse.Namespace) -> int:
     from specsplit.tracereport import main as report_main
 
@@ -400,7 +422,8 @@ def cmd_fetch_model(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "trace-report": cmd_trace_report}[a.command]
+               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "trace-report": cmd_trace_report,
+               "calibrate": cmd_calibrate}[a.command]
     try:
         return command(a)
     except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as e:  # bad flags, a service that died
