@@ -203,7 +203,10 @@ class Controller:
         on95 = p95(st.on_ms_per_token)
         off95 = p95(st.off_ms_per_token) if enough_off else None
         if st.enabled:
-            st.gamma = st.best_gamma()
+            best = st.best_gamma()
+            now, then = st.time_per_token(best), st.time_per_token(st.gamma)
+            if now is not None and then is not None and now < (1 - s.gamma_gain) * then:
+                st.gamma = best  # only for a real gain: noise in the estimates must not move gamma
             if st.since_change < s.min_requests:
                 return  # dwell: a new state is judged on fresh requests only
             if threshold is not None and acceptance < threshold:

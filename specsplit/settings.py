@@ -69,6 +69,7 @@ class ControllerSettings:
     probe_every: int = 10  # while off, one AUTO request in this many speculates to re-measure
     hysteresis: float = 0.05  # turning back on needs P95 this much better than off and acceptance above threshold
     decay: float = 0.98  # per round, for the running acceptance and cost estimates
+    gamma_gain: float = 0.02  # gamma changes only when the model expects at least this gain per token
 
     def check(self) -> None:
         if not 1 <= self.gamma_min <= self.gamma_start <= self.gamma_max:

@@ -81,8 +81,10 @@ def test_switches_off_when_it_loses_and_back_on_when_it_pays_again():
 def test_never_flaps_under_noise():
     for alpha, seed in ((0.75, 5), (0.05, 6)):  # clearly winning, clearly losing, 25 % timing noise
         c = Controller(ControllerSettings(control_share=0.1))
-        serve(c, Workload(alpha=alpha, noise=0.25, seed=seed), 300)
+        decisions = serve(c, Workload(alpha=alpha, noise=0.25, seed=seed), 300)
         assert len(c.state("code", "hybrid").history) <= 1, c.state("code", "hybrid").history
+        gammas = [d.gamma for d in decisions[100:] if d.speculate]  # after learning, gamma holds still
+        assert sum(a != b for a, b in zip(gammas, gammas[1:])) <= 2, gammas
 
 
 def test_forced_modes_concurrency_and_task_types_are_separate():
