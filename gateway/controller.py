@@ -186,8 +186,10 @@ class Controller:
             else:
                 st.network_off.add(r.network_ms)
             st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)
-        if stats.generated_tokens:
-            per_token = stats.total_ms / stats.generated_tokens
+        if stats.generated_tokens > 1:
+            # Decode time per token: prefill depends on the prompt's length, not on speculation, and
+            # would make the comparison one of prompt mixes rather than of on vs off.
+            per_token = stats.decode_ms / (stats.generated_tokens - 1)
             (st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token).append(per_token)
         if decision.reason in ("on", "probe", "disabled", "control"):
             self._evaluate(st)
