@@ -19,7 +19,7 @@ from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
 from specsplit.sampling import SamplingParams
-from specsplit.serving import CHANNEL_OPTIONS, unix_path
+from specsplit.serving import aio_channel, unix_path
 from specsplit.settings import GatewaySettings
 from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
@@ -64,10 +64,8 @@ class Backends:
     def __init__(self, settings: GatewaySettings, tokenizer, interceptors=()):
         self.settings = settings
         self.tokenizer = tokenizer
-        self._verify_channel = grpc.aio.insecure_channel(settings.verify_address, options=CHANNEL_OPTIONS,
-                                                         interceptors=list(interceptors))
-        self._draft_channel = grpc.aio.insecure_channel(settings.draft_address, options=CHANNEL_OPTIONS,
-                                                        interceptors=list(interceptors))
+        self._verify_channel = aio_channel(settings.verify_address, settings.upstream_tls, interceptors)
+        self._draft_channel = aio_channel(settings.draft_address, settings.upstream_tls, interceptors)
         self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
         self.controller = Controller(settings.controller)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specsplit import telemetry
 from specsplit.settings import (
+    ClientTLS,
     ControllerSettings,
     DraftSettings,
     GatewaySettings,
@@ -32,11 +33,16 @@ def _server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on shutdown")
     p.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0: none)")
+    p.add_argument("--tls-cert", default=ENV("SPECSPLIT_TLS_CERT"), help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=ENV("SPECSPLIT_TLS_KEY"), help="the certificate's private key (PEM)")
+    p.add_argument("--tls-client-ca", default=ENV("SPECSPLIT_TLS_CLIENT_CA"),
+                   help="require client certificates signed by this CA (mutual TLS)")
 
 
 def _server_settings(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace,
-                          metrics_port=a.metrics_port)
+                          metrics_port=a.metrics_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
+                          tls_client_ca=a.tls_client_ca)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="above this many concurrent requests, AUTO requests run without speculation")
     g.add_argument("--probe-every", type=int, default=10,
                    help="while speculation is off for a task type, every N-th request re-measures it")
+    g.add_argument("--upstream-ca", default=ENV("SPECSPLIT_UPSTREAM_CA"),
+                   help="reach the draft and verify services over TLS, trusting this CA (PEM)")
+    g.add_argument("--upstream-cert", default=ENV("SPECSPLIT_UPSTREAM_CERT"),
+                   help="the gateway's client certificate for mutual TLS (PEM)")
+    g.add_argument("--upstream-key", default=ENV("SPECSPLIT_UPSTREAM_KEY"), help="its private key (PEM)")
     g.add_argument("--policy", default=ENV("SPECSPLIT_POLICY"),
                    help="policy file from `specsplit calibrate`: the controller's starting state")
     g.add_argument("--drafter", default="", help="default drafter (empty: the draft service's default)")
@@ -271,7 +282,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         settings = GatewaySettings(server=server, verify_address=a.verify, draft_address=a.draft,
                                    tokenizer=a.tokenizer, default_drafter=a.drafter,
                                    max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout,
-                                   controller=controller, policy_file=a.policy)
+                                   controller=controller, policy_file=a.policy,
+                                   upstream_tls=ClientTLS(a.upstream_ca, a.upstream_cert, a.upstream_key)
+                                   if a.upstream_ca else None)
     try:
         asyncio.run(run(settings))
     except Exception as e:  # a start-up failure: say what it was, not a traceback

@@ -16,16 +16,58 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.sessions import SessionTable
-from specsplit.settings import ServerSettings
+from specsplit.settings import ClientTLS, ServerSettings
 
 log = logging.getLogger("specsplit")
 
 # Token ids and stats only; 64 MiB leaves room for long prompts without allowing abuse.
 MESSAGE_LIMIT = 64 * 1024 * 1024
+# Keepalive: a split deployment notices a dead peer (or a NAT that dropped the connection) within
+# ~40 s instead of at the next call's deadline; servers accept the clients' pings.
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    *KEEPALIVE,
 ]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS (and with a client CA, mutual TLS) from the settings' PEM files; None: plaintext."""
+    if not settings.tls_cert and not settings.tls_key:
+        if settings.tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (settings.tls_cert and settings.tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials([(_read(settings.tls_key), _read(settings.tls_cert))],
+                                       root_certificates=_read(settings.tls_client_ca),
+                                       require_client_auth=bool(settings.tls_client_ca))
+
+
+def aio_channel(address: str, tls: ClientTLS | None = None, interceptors=()) -> grpc.aio.Channel:
+    """A channel to a specsplit service: plaintext, or TLS/mTLS with `tls`; keepalive either way."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    if bool(tls.cert) != bool(tls.key):
+        raise ValueError("a client certificate needs its key, and the key its certificate")
+    credentials = grpc.ssl_channel_credentials(_read(tls.ca), _read(tls.key), _read(tls.cert))
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
 
 
 def unix_path(address: str) -> Path | None:
@@ -66,7 +108,8 @@ async def serve(
     NOT_SERVING until `warmup` finished, writes the bound address to `settings.address_file`, sweeps
     idle `sessions`, and on SIGINT/SIGTERM (or `stop_event`) flips health to NOT_SERVING, gives
     in-flight calls `settings.grace_s`, then stops the `worker`."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    credentials = server_credentials(settings)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -83,7 +126,7 @@ async def serve(
         sock.parent.mkdir(parents=True, exist_ok=True)
         if sock.exists():
             sock.unlink()  # a socket left by a killed predecessor; bind would fail on it
-    port = server.add_insecure_port(listen)
+    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
     if sock is None and port == 0:
         raise RuntimeError(f"could not bind {listen}")
     bound = listen if sock is not None else f"{listen.rsplit(':', 1)[0]}:{port}"

@@ -20,6 +20,20 @@ class ServerSettings:
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     grace_s: float = 5.0  # in-flight calls get this long on shutdown
     metrics_port: int = 0  # Prometheus scrape endpoint (0: none; see specsplit.telemetry)
+    # TLS: PEM files. With tls_client_ca the server also requires a client certificate signed by it (mTLS).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How the gateway reaches TLS backends: the CA that signed their certificates and, for mTLS,
+    the gateway's own certificate and key (PEM files)."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,3 +105,4 @@ class GatewaySettings:
     connect_timeout_s: float = 300.0  # how long to wait for the draft and verify services at start
     controller: ControllerSettings = ControllerSettings()  # decides AUTO requests
     policy_file: str | None = None  # from `specsplit calibrate`: the controller's starting state
+    upstream_tls: ClientTLS | None = None  # None: plaintext to the draft and verify services

@@ -111,7 +111,8 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
-                        default_drafter: str = "ngram", draft_kw: dict | None = None, **gateway_kw):
+                        default_drafter: str = "ngram", draft_kw: dict | None = None, tls: dict | None = None,
+                        **gateway_kw):
     """The three real services in this process, on temp UNIX sockets or loopback TCP ports."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
@@ -120,7 +121,9 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
 
     def server(name: str) -> ServerSettings:
         listen = f"unix://{tmp_path / f'{name}.sock'}" if transport == "unix" else "127.0.0.1:0"
-        return ServerSettings(listen=listen, address_file=str(tmp_path / f"{name}.address"), grace_s=1.0)
+        backend_tls = (tls or {}) if name != "gateway" else {}  # tls: the draft and verify services'
+        return ServerSettings(listen=listen, address_file=str(tmp_path / f"{name}.address"), grace_s=1.0,
+                              **backend_tls)
 
     async def address(name: str, task: asyncio.Task) -> str:
         path = tmp_path / f"{name}.address"
@@ -128,8 +131,9 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
             if task.done():
                 task.result()  # raises the start-up error
             await asyncio.sleep(0.02)
-        addr = path.read_text().strip()
-        await asyncio.to_thread(wait_serving, addr, 30)
+        addr = path.read_text().strip()  # written once the service reports SERVING
+        if not tls or name == "gateway":
+            await asyncio.to_thread(wait_serving, addr, 30)
         return addr
 
     stop = asyncio.Event()
