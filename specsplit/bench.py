@@ -310,6 +310,12 @@ def main(args, config: StackConfig) -> int:
     SAMPLING.update(temperature=args.temperature, seed=args.seed)
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)
+    if args.topology:
+        from specsplit import topology
+
+        rtts = tuple(float(x) for x in args.rtts.split(",")) if args.rtts else topology.RTTS_MS
+        topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
+        return 0
     if args.controlled:
         stack = Stack(config) if not args.gateway else None
         try:

@@ -190,6 +190,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--controlled", type=int, default=0, metavar="PASSES",
                        help="instead: the controller at work; PASSES passes of AUTO requests to learn, then per "
                             "prompt spec-off, forced spec-on and AUTO (try --prompts mixed)")
+    bench.add_argument("--topology", action="store_true",
+                       help="instead: co-located (UNIX, TCP) and split with an emulated RTT between gateway+verifier "
+                            "and drafter (a userspace delaying proxy); speedup, overhead per round, break-even RTT")
+    bench.add_argument("--rtts", default="", help="with --topology: comma-separated RTTs in ms "
+                                                  "(default 0,0.5,1,2,5,10,20,40)")
+    bench.add_argument("--plot", default="specsplit-topology.png", help="with --topology: PNG of the curve")
     bench.add_argument("--tracing-overhead", action="store_true",
                        help="instead: spec-on requests alternated between a stack with tracing off and one "
                             "with tracing on (OTLP-JSON file), and the median cost of tracing per token")

@@ -100,8 +100,9 @@ class Stack:
         path = self.run_dir / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
-    def start(self, timeout_s: float = 600.0) -> str:
-        """Returns the gateway address once all three report SERVING."""
+    def start(self, timeout_s: float = 600.0, draft_via=None) -> str:
+        """Returns the gateway address once all three report SERVING. draft_via(address) -> address
+        lets the gateway reach the draft service through something (the bench's delaying proxy)."""
         c = self.config
         try:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
@@ -112,7 +113,8 @@ class Stack:
                 draft_flags += ["--draft-model", c.draft_model, "--draft-dtype", c.draft_dtype]
             self._spawn("draft", draft_flags)
             self._await(["verify", "draft"], timeout_s)
-            self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
+            draft = draft_via(self.addresses["draft"]) if draft_via else self.addresses["draft"]
+            self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", draft,
                                     "--tokenizer", c.target_model, "--gamma", str(c.gamma)])
             self._await(["gateway"], timeout_s)
         except BaseException:
