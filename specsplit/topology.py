@@ -32,21 +32,16 @@ class Point:
     on_rounds: int = 0
     accepted: int = 0
     overhead_ms: list = None  # per spec-on round: round wall time - draft compute - verify compute
-    net_on_ms: float = 0.0  # sum over spec-on rounds
-    net_off_ms: float = 0.0  # sum over spec-off rounds
-    off_rounds: int = 0
 
     @property
     def speedup(self) -> float:
         return (self.on_tokens / self.on_s) / (self.off_tokens / self.off_s)
 
     def predicted_break_even(self) -> float:
-        """RTT at which a split drafter's round trip eats the gain (trace-report's formula), from
-        this run: each round's Propose pays the RTT instead of its measured network time."""
+        """RTT at which a split drafter's round trips eat the gain (trace-report's formula), from
+        this run: each round's Propose pays the RTT on top of what was measured."""
         t_on, t_off = 1e3 * self.on_s / self.on_tokens, 1e3 * self.off_s / self.off_tokens
-        rho = self.on_rounds / self.on_tokens
-        propose_net = self.net_on_ms / self.on_rounds - self.net_off_ms / max(1, self.off_rounds)
-        return max(0.0, (t_off - (t_on - rho * propose_net)) / rho)
+        return max(0.0, (t_off - t_on) / (self.on_rounds / self.on_tokens))
 
 
 def measure(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, point: Point) -> Point:
@@ -64,13 +59,10 @@ def measure(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, poin
                     point.on_tokens += len(out.token_ids)
                     point.on_rounds += s.rounds
                     point.accepted += s.accepted_tokens
-                    point.net_on_ms += s.network_ms
                     point.overhead_ms += [x.round_ms - x.draft_ms - x.verify_ms for x in s.round_records]
                 else:
                     point.off_s += wall
                     point.off_tokens += len(out.token_ids)
-                    point.net_off_ms += s.network_ms
-                    point.off_rounds += s.rounds
     return point
 
 

@@ -188,7 +188,7 @@ class Pricing:
     speedup: float  # off / on, as measured
     speedup_zero_network: float  # network removed from both
     rounds_per_token: float
-    break_even_rtt_ms: float  # Propose RTT at which spec-on time per token equals spec-off
+    break_even_rtt_ms: float  # RTT added to each Propose at which spec-on time per token equals spec-off
 
 
 def price(label: str, on: list[RequestReport], off_ms_per_token: float, off_network_per_token: float) -> Pricing:
@@ -199,9 +199,10 @@ def price(label: str, on: list[RequestReport], off_ms_per_token: float, off_netw
     rounds_per_token = sum(r.rounds for r in on) / tokens
     zero_on = (total - parts["network"]) / tokens
     zero_off = off_ms_per_token - off_network_per_token
-    # A split drafter: every round's Propose pays the RTT instead of the local transport measured here.
-    local = on_per_token - sum(r.propose_network_ms for r in on) / tokens
-    rtt = (off_ms_per_token - local) / rounds_per_token if rounds_per_token else 0.0
+    # A split drafter: every round's Propose pays the RTT on top of what was measured here (the local
+    # serialization and transport costs remain; bench --topology confirms the overhead per round grows
+    # by the RTT).
+    rtt = (off_ms_per_token - on_per_token) / rounds_per_token if rounds_per_token else 0.0
     return Pricing(label, len(on), tokens, {k: v / total for k, v in parts.items()}, off_ms_per_token, on_per_token,
                    off_ms_per_token / on_per_token, zero_off / zero_on, rounds_per_token, max(0.0, rtt))
 

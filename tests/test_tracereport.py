@@ -48,8 +48,8 @@ def test_shares_speedup_and_break_even_rtt():
     t_off, t_on = (8 * 11 + 2) / 8, 62 / 8
     assert code.speedup == pytest.approx(t_off / t_on)
     assert code.speedup_zero_network == pytest.approx((t_off - 8 / 8) / ((62 - 8) / 8))
-    # RTT*: T_on - N_p + rho * RTT = T_off, rho = 4 rounds / 8 tokens.
-    assert code.break_even_rtt_ms == pytest.approx((t_off - (t_on - 4 / 8)) / 0.5)
+    # RTT*: T_on + rho * RTT = T_off, rho = 4 rounds / 8 tokens.
+    assert code.break_even_rtt_ms == pytest.approx((t_off - t_on) / 0.5)
     assert per_request[0].break_even_rtt_ms == pytest.approx(code.break_even_rtt_ms) and not notes
     slow = _request("slow", "on", [(30, 2, 12, 10)] * 8, tokens=8, digest="p2")  # loses: RTT* is 0
     _, tasks, _, _ = report(off + slow)
