@@ -262,6 +262,9 @@ def _last_gateway_file() -> Path:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    from specsplit.launcher import die_with_launcher
+
+    die_with_launcher()
     server = _server_settings(a)
     if a.role == "verify":
         from verify_service.main import run

@@ -19,12 +19,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Child side of fork: get SIGTERM when the launcher dies, even by SIGKILL."""
+PARENT_ENV = "SPECSPLIT_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """Called by `specsplit serve` at start: when started by a Stack, get SIGTERM once the launcher
+    dies, even by SIGKILL. The child sets this itself rather than in a preexec_fn: a preexec_fn
+    forces fork() instead of vfork(), and fork() in a process using gRPC runs gRPC's fork handlers,
+    which can crash the child with an epoll EBADF before exec (grpc/grpc#43055; seen here once)."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # the launcher died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,8 @@ class Stack:
         env = dict(os.environ)
         if self.config.trace_file:
             env["SPECSPLIT_OTLP_FILE"] = str(Path(self.config.trace_file).resolve())
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                                            env=env)
+        env[PARENT_ENV] = str(os.getpid())
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
 
     def _await(self, names: list[str], timeout_s: float) -> None:

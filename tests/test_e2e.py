@@ -117,5 +117,5 @@ def test_up_generate_and_stop_as_a_process_group(default_model, tmp_path, transp
         proc.wait(timeout=30)
     assert proc.returncode == 0, proc.stderr.read()
     assert not list(tmp_path.glob("*.sock")), "sockets left behind"
-    children = subprocess.run(["pgrep", "-f", f"--address-file {tmp_path}"], capture_output=True, text=True)
+    children = subprocess.run(["pgrep", "-f", "--", f"--address-file {tmp_path}"], capture_output=True, text=True)
     assert children.stdout == "", "service processes left behind"
