@@ -83,8 +83,7 @@ class TypeState:
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
             return my + max(0.0, slope) * (k - mx)
         if known:
-            (n, y), = known.items()
-            return y  # one point: assume flat (memory-bound verification)
+            return next(iter(known.values()))  # one point: assume flat (memory-bound verification)
         return None
 
     def time_per_token(self, gamma: int) -> float | None:
@@ -114,8 +113,7 @@ class TypeState:
         off, verify, draft = self.off_time_per_token(), self.verify_cost(self.gamma), self.draft_ms_per_token.value
         if off is None or verify is None or draft is None:
             return None
-        drafted = self.gamma
-        on_round = verify + drafted * draft + (self.network_on.value or 0.0)
+        on_round = verify + self.gamma * draft + (self.network_on.value or 0.0)
         return self.settings.margin * on_round / off  # tokens a round must commit to pay for itself
 
 

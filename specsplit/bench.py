@@ -3,6 +3,7 @@ services, summarised per task type."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -305,6 +306,23 @@ def controlled(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, l
     return 0
 
 
+@contextlib.contextmanager
+def gateway_stub(address: str | None, config: StackConfig):
+    """(stub, stack): a stub for the gateway at `address`, or for a stack started here from
+    `config` (stack None otherwise); the stack is stopped on exit."""
+    stack = None
+    try:
+        if not address:
+            stack = Stack(config)
+            print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
+            address = stack.start()
+        with grpc.insecure_channel(address) as channel:
+            yield pb_grpc.GatewayStub(channel), stack
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     SAMPLING.update(temperature=args.temperature, seed=args.seed)
@@ -317,50 +335,31 @@ def main(args, config: StackConfig) -> int:
         topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
         return 0
     if args.controlled:
-        stack = Stack(config) if not args.gateway else None
-        try:
-            address = args.gateway or stack.start()
-            with grpc.insecure_channel(address) as channel:
-                return controlled(pb_grpc.GatewayStub(channel), prompts, args.max_new_tokens, args.repeats,
-                                  args.controlled)
-        finally:
-            if stack is not None:
-                stack.stop()
-    stack = None
-    try:
-        if args.gateway:
-            address = args.gateway
-        else:
-            stack = Stack(config)
-            print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
-            address = stack.start()
-        with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.GatewayStub(channel)
-            names = [d for d in (args.drafters or "").split(",") if d]
-            if not names:  # every drafter the stack's draft service hosts; else the gateway's default
-                names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
-            methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
-            drafters = [Variant(n, m) for n in names for m in methods]
-            for d in drafters:
-                stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
-            records = []
-            for i, p in enumerate(prompts, 1):
-                for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters):
-                    records.append(r)
-                    print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
-                          f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
-                          f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
-                          f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
-                          file=sys.stderr, flush=True)
-            info = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
-            memory = _draft_memory(stack.addresses["draft"]) if stack else None
-    finally:
-        if stack is not None:
-            stack.stop()
+        with gateway_stub(args.gateway, config) as (stub, _):
+            return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+    with gateway_stub(args.gateway, config) as (stub, stack):
+        names = [d for d in (args.drafters or "").split(",") if d]
+        if not names:  # every drafter the stack's draft service hosts; else the gateway's default
+            names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
+        methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
+        drafters = [Variant(n, m) for n in names for m in methods]
+        for d in drafters:
+            stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
+        records = []
+        for i, p in enumerate(prompts, 1):
+            for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters):
+                records.append(r)
+                print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
+                      f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
+                      f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
+                      f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
+                      file=sys.stderr, flush=True)
+        info = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
+        memory = _draft_memory(stack.addresses["draft"]) if stack else None
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
     where = (f"transport={config.transport}, target dtype={config.dtype}, output store={config.store_tokens} tokens"
-             if stack else f"gateway={address}")
+             if stack else f"gateway={args.gateway}")
     sampling = f"temperature={args.temperature}, seed={args.seed}" if args.temperature > 0 else "greedy"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
               f"repeats={args.repeats}, gamma={info.gamma}, {sampling}, {where}, {exact}")

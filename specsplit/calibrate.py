@@ -12,12 +12,11 @@ import grpc
 
 from gateway import policy
 from gateway.controller import Controller, Decision
-from specsplit.bench import Prompt, _request, _warmup, load_prompts
+from specsplit.bench import Prompt, _request, _warmup, gateway_stub, load_prompts
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.launcher import Stack, StackConfig
+from specsplit.launcher import StackConfig
 from specsplit.settings import ControllerSettings
 from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
@@ -69,23 +68,10 @@ def recommend(controller: Controller, walls: dict, drafter: str, gamma: int) -> 
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     controller = Controller(ControllerSettings(gamma_start=args.gamma))
-    stack = None
-    try:
-        if args.gateway:
-            address = args.gateway
-        else:
-            stack = Stack(config)
-            print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
-            address = stack.start()
-        with grpc.insecure_channel(address) as channel:
-            stub = pb_grpc.GatewayStub(channel)
-            info = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats
-            drafter = info.drafter
-            walls = measure(stub, prompts, drafter, args.gamma, args.max_new_tokens, args.repeats, controller)
+    with gateway_stub(args.gateway, config) as (stub, stack):
+        drafter = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats.drafter
+        walls = measure(stub, prompts, drafter, args.gamma, args.max_new_tokens, args.repeats, controller)
         target, drafters = _describe(stack.addresses if stack else None, args)
-    finally:
-        if stack is not None:
-            stack.stop()
     table = recommend(controller, walls, drafter, args.gamma)
     print(f"specsplit calibrate: {len(prompts)} prompts, drafter {drafter}, gamma {args.gamma}, "
           f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}")
