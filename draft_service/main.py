@@ -42,7 +42,8 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     default = settings.default_drafter
     if default == "auto":
         default = "hybrid" if "hybrid" in drafters else "ngram"
-    servicer = DrafterServicer(drafters, default, sessions, worker, settings.proposal_top_k)
+    servicer = DrafterServicer(drafters, default, sessions, worker, settings.proposal_top_k,
+                               settings.server.shared_memory)
     telemetry.meter().create_observable_gauge(
         "specsplit.draft.memory", unit="By", description="bytes each drafter holds (DrafterInfo.memory_bytes)",
         callbacks=[lambda _: [Observation(d.memory_bytes, {"drafter": name}) for name, d in drafters.items()]])

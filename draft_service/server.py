@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
 from specsplit import features as wire
+from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
@@ -19,6 +21,7 @@ from specsplit.serving import ModelWorker
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.telemetry import record_compute
 
+log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 MAX_GAMMA = 64
 
@@ -27,11 +30,16 @@ MAX_GAMMA = 64
 class Entry:
     drafter: Drafter
     session: DraftSession
+    segment: shm.Segment | None = None  # the gateway's shared-memory segment, when mapped
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, drafters: dict[str, Drafter], default: str, sessions: SessionTable[Entry],
-                 worker: ModelWorker, proposal_top_k: int = 16):
+                 worker: ModelWorker, proposal_top_k: int = 16, shared_memory: bool = True):
         if proposal_top_k < 1:
             raise ValueError(f"proposal_top_k {proposal_top_k} must be >= 1")
         if default not in drafters:
@@ -41,6 +49,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._sessions = sessions
         self._worker = worker
         self._proposal_top_k = proposal_top_k
+        self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
 
     async def Info(self, request, context):
@@ -77,13 +86,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
         prefill_ns = time.perf_counter_ns() - start
+        entry = Entry(drafter, session, shm.try_attach(request.shm_segment, self._shared_memory))
         try:
-            self._sessions.put(request.session_id, Entry(drafter, session))
+            self._sessions.put(request.session_id, entry)
         except SessionExists:
+            entry.close()
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
+            entry.close()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        return pb.StartSessionResponse(drafter=name, prefill_ns=prefill_ns)
+        return pb.StartSessionResponse(drafter=name, prefill_ns=prefill_ns,
+                                       shm_nonce=entry.segment.nonce if entry.segment else b"")
 
     async def Propose(self, request, context):
         if not 1 <= request.gamma <= MAX_GAMMA:
@@ -92,7 +105,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             entry = self._sessions.get(request.session_id)
             features = None
             if request.HasField("features"):
-                features = (request.features.start, wire.decode(request.features))
+                inline = shm.fetch_features(entry.segment, request.features)
+                features = (inline.start, wire.decode(inline))
                 width, name = features[1].shape[1], entry.drafter.description.name
                 if width != entry.session.feature_dim:
                     raise ValueError(f"features of width {width}; drafter {name!r} reads "
@@ -107,12 +121,24 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         record_compute(draft_ns)
-        return pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source,
-                                  draft_probs=_draft_probs(entry.session, proposal))
+        response = pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source)
+        dists = _draft_probs(entry.session, proposal)
+        where = entry.segment.write_proposal(dists) if dists and entry.segment is not None else None
+        if where is not None:
+            response.draft_probs_shm.offset, response.draft_probs_shm.length = where
+        elif dists:
+            response.draft_probs.extend(cpb.SparseProbs(token_ids=ids, probs=probs) for ids, probs in dists)
+        return response
 
     async def EndSession(self, request, context):
         entry = self._sessions.pop(request.session_id)
         if entry is not None:
+            if request.new_token_ids:
+                try:  # the final sync: a retrieval store remembers the whole committed output
+                    entry.session.sync(request.base_length, list(request.new_token_ids))
+                except ValueError as e:
+                    log.warning("EndSession %s: final sync skipped: %s", request.session_id, e)
+            entry.close()
             entry.drafter.end(entry.session)
         return pb.EndSessionResponse(ended=entry is not None)
 
@@ -125,12 +151,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 def _measure(drafter: Drafter, gamma: int = 4, calls: int = 5) -> int:
     session = drafter.start([1] * 8)
     if session.feature_dim:
-        session.add_features(0, torch.zeros(7, session.feature_dim))
+        session.add_features(0, torch.zeros(7, session.feature_dim, dtype=torch.float32))
     times = []
     for i in range(calls + 1):
         entry = Entry(drafter, session)
         new = [1] if i else []
-        feats = (len(session.tokens) - 1, torch.zeros(1, session.feature_dim)) if i and session.feature_dim else None
+        feats = None
+        if i and session.feature_dim:
+            feats = (len(session.tokens) - 1, torch.zeros(1, session.feature_dim, dtype=torch.float32))
         proposal, ns = _sync_and_propose(entry, len(session.tokens), new, feats, gamma)
         if i:  # the first call warms up lazy init
             times.append(ns / gamma)
@@ -147,14 +175,14 @@ def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], fea
     return proposal, time.perf_counter_ns() - start
 
 
-def _draft_probs(session: DraftSession, proposal: Proposal) -> list[cpb.SparseProbs]:
+def _draft_probs(session: DraftSession, proposal: Proposal) -> list[tuple[list[int], list[float]]]:
     """Rejection sessions get the distribution of every draft token: the drafter's sampled q, or a
     point mass for a token it chose deterministically (exact: such a token has q = 1)."""
     if session.sampling.temperature == 0 or session.method != "rejection":
         return []
     if proposal.probs is None:
-        return [cpb.SparseProbs(token_ids=[t], probs=[1.0]) for t in proposal.tokens]
-    return [cpb.SparseProbs(token_ids=ids.tolist(), probs=q.tolist()) for ids, q in proposal.probs]
+        return [([t], [1.0]) for t in proposal.tokens]
+    return [(ids.tolist(), q.tolist()) for ids, q in proposal.probs]
 
 
 def register(server: grpc.aio.Server, servicer: DrafterServicer) -> None:

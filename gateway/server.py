@@ -12,6 +12,7 @@ from gateway import policy
 from gateway.controller import Controller
 from gateway.instruments import GatewayMetrics
 from gateway.orchestrator import Orchestrator, Plan, UpstreamError
+from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
@@ -69,6 +70,8 @@ class Backends:
         self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
         self.controller = Controller(settings.controller)
+        # The co-located fast path: this gateway's shared-memory segments (None: off or no /dev/shm).
+        self.segments = shm.Creator() if settings.server.shared_memory and shm.available() else None
         self.target: vpb.InfoResponse | None = None
         self.drafters: dict[str, dpb.DrafterInfo] = {}
         self.default_drafter = ""
@@ -99,6 +102,8 @@ class Backends:
     async def close(self) -> None:
         await self._verify_channel.close()
         await self._draft_channel.close()
+        if self.segments is not None:
+            self.segments.close()
 
 
 class GatewayServicer(pb_grpc.GatewayServicer):
@@ -113,7 +118,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     def _orchestrator(self) -> Orchestrator:
         b = self._backends
         return Orchestrator(b.verifier, b.drafter, b.tokenizer, b.target, b.settings.rpc_timeout_s, self._metrics,
-                            self._transport, self.controller)
+                            self._transport, self.controller, b.segments, b.settings.shm_segment_bytes)
 
     async def Generate(self, request, context):
         plan = await self._plan_or_abort(request, context)
@@ -191,7 +196,12 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
-                    decision=decision)
+                    decision=decision, predraft=speculate and self._predraft(request.predraft))
+
+    def _predraft(self, asked: int) -> bool:
+        if asked == pb.PREDRAFT_DEFAULT:
+            return self._backends.settings.predraft == "on"
+        return asked == pb.PREDRAFT_ON
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self._backends.tokenizer

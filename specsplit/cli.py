@@ -37,12 +37,14 @@ def _server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--tls-key", default=ENV("SPECSPLIT_TLS_KEY"), help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", default=ENV("SPECSPLIT_TLS_CLIENT_CA"),
                    help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--no-shm", dest="shared_memory", action="store_false",
+                   help="never offer or map shared memory: every payload goes over gRPC")
 
 
 def _server_settings(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace,
                           metrics_port=a.metrics_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
-                          tls_client_ca=a.tls_client_ca)
+                          tls_client_ca=a.tls_client_ca, shared_memory=a.shared_memory)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,6 +125,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="", help="default drafter (empty: the draft service's default)")
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     g.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of each internal call (s)")
+    g.add_argument("--predraft", choices=["on", "off"], default=ENV("SPECSPLIT_PREDRAFT", "off"),
+                   help="asynchronous drafting: draft the next block while Verify is in flight, for requests "
+                        "that do not choose (see docs/protocol.md#pre-drafting for when it pays)")
+    g.add_argument("--shm-segment-mib", type=float, default=4.0,
+                   help="size of each speculative session's shared-memory segment (feature ring + proposals)")
 
     up = sub.add_parser("up", help="start verify, draft and gateway co-located; Ctrl-C stops all three")
     _stack_flags(up)
@@ -244,6 +251,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-file", help="the three services append their traces here as OTLP-JSON lines "
                                         "(read them with `specsplit trace-report --file`)")
     p.add_argument("--run-dir", help="directory for sockets and logs (default: a fresh temp dir)")
+    p.add_argument("--no-shm", dest="shared_memory", action="store_false",
+                   help="no shared-memory fast path: every payload goes over the sockets")
 
 
 def _stack_config(a: argparse.Namespace):
@@ -252,7 +261,8 @@ def _stack_config(a: argparse.Namespace):
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, drafter=a.drafter, gamma=a.gamma,
                        self_head=a.self_head, store_tokens=a.store_tokens,
-                       threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file)
+                       threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
+                       shared_memory=a.shared_memory)
 
 
 def _last_gateway_file() -> Path:
@@ -293,7 +303,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                    max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout,
                                    controller=controller, policy_file=a.policy,
                                    upstream_tls=ClientTLS(a.upstream_ca, a.upstream_cert, a.upstream_key)
-                                   if a.upstream_ca else None)
+                                   if a.upstream_ca else None, predraft=a.predraft,
+                                   shm_segment_bytes=int(a.shm_segment_mib * 2**20))
     try:
         asyncio.run(run(settings))
     except Exception as e:  # a start-up failure: say what it was, not a traceback

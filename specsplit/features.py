@@ -28,6 +28,6 @@ def decode(message: pb.Features) -> torch.Tensor:
     if len(message.data) != expected:
         raise ValueError(f"features: {len(message.data)} bytes for {message.rows} x {message.dim} {message.dtype}")
     if not message.rows:
-        return torch.zeros(0, message.dim)
+        return torch.zeros(0, message.dim, dtype=torch.float32)
     flat = torch.frombuffer(bytearray(message.data), dtype=carrier).view(dtype)
     return flat.reshape(message.rows, message.dim).float()

@@ -54,6 +54,7 @@ class StackConfig:
     threads: int = 0
     run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
     trace_file: str | None = None  # the services export traces here as OTLP-JSON lines (else OTEL_* decides)
+    shared_memory: bool = True  # False: --no-shm for all three
 
 
 class Stack:
@@ -81,6 +82,8 @@ class Stack:
                "--address-file", str(address_file), *args]
         if self.config.threads:
             cmd += ["--threads", str(self.config.threads)]
+        if not self.config.shared_memory:
+            cmd.append("--no-shm")
         log = open(self.run_dir / f"{name}.log", "ab")
         env = dict(os.environ)
         if self.config.trace_file:

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specsplit import shm
 from specsplit.sessions import SessionTable
 from specsplit.settings import ClientTLS, ServerSettings
 
@@ -108,6 +109,8 @@ async def serve(
     NOT_SERVING until `warmup` finished, writes the bound address to `settings.address_file`, sweeps
     idle `sessions`, and on SIGINT/SIGTERM (or `stop_event`) flips health to NOT_SERVING, gives
     in-flight calls `settings.grace_s`, then stops the `worker`."""
+    if settings.shared_memory:
+        shm.reclaim_stale()  # segments of a gateway that died (SIGKILL) before it could remove them
     credentials = server_credentials(settings)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     register(server)

@@ -24,6 +24,9 @@ class ServerSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Co-located fast path (specsplit.shm): the gateway offers a segment per speculative session,
+    # the services map it when it is on their host. False: plain gRPC only.
+    shared_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,3 +109,5 @@ class GatewaySettings:
     controller: ControllerSettings = ControllerSettings()  # decides AUTO requests
     policy_file: str | None = None  # from `specsplit calibrate`: the controller's starting state
     upstream_tls: ClientTLS | None = None  # None: plaintext to the draft and verify services
+    shm_segment_bytes: int = 4 * 1024 * 1024  # per speculative session, when shared memory is on
+    predraft: str = "off"  # asynchronous drafting for requests that do not say: on | off

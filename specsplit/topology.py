@@ -1,14 +1,15 @@
-"""`specsplit bench --topology`: the same workload co-located (UNIX socket, TCP loopback) and split
-with an emulated network between the gateway (next to the verifier) and the drafter, over a sweep of
-round-trip times; speedup vs spec-off, per-round overhead, and the break-even RTT measured (where the
-speedup crosses 1) next to the one predicted from the RTT-0 run (docs/metrics.md)."""
+"""`specsplit bench --topology`: the same workload co-located (shared memory, UNIX socket only, TCP
+loopback) and split with an emulated network between the gateway (next to the verifier) and the
+drafter, over a sweep of round-trip times, each with and without pre-drafting; speedup vs spec-off,
+per-round overhead, pre-draft hit rate, and the break-even RTT measured (where the speedup crosses 1)
+next to the one predicted from the RTT-0 run (docs/metrics.md)."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -21,61 +22,82 @@ from specsplit.netem import DelayProxy
 RTTS_MS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0)  # 40: past the break-even on this CPU
 
 
+MODES = {"off": (pb.SPECULATION_OFF, pb.PREDRAFT_OFF), "on": (pb.SPECULATION_ON, pb.PREDRAFT_OFF),
+         "async": (pb.SPECULATION_ON, pb.PREDRAFT_ON)}
+
+
+@dataclass
+class Tally:
+    seconds: float = 0.0
+    tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0
+    attempts: int = 0  # pre-drafts started
+    hits: int = 0  # pre-drafts used
+    shared_memory: int = 0  # requests whose payloads went through shared memory
+    requests: int = 0
+    overhead_ms: list = field(default_factory=list)  # per round: wall - verify compute - drafting on the critical path
+
+    def add(self, wall: float, out: pb.GenerateResponse) -> None:
+        s = out.stats
+        self.seconds += wall
+        self.tokens += len(out.token_ids)
+        self.rounds += s.rounds
+        self.accepted += s.accepted_tokens
+        self.attempts += s.predraft_attempts
+        self.hits += s.predraft_hits
+        self.shared_memory += s.shared_memory
+        self.requests += 1
+        self.overhead_ms += [r.round_ms - r.verify_ms - (0 if r.predrafted else r.draft_ms) for r in s.round_records]
+
+
 @dataclass
 class Point:
     label: str
     rtt_ms: float | None
-    off_s: float = 0.0
-    on_s: float = 0.0
-    off_tokens: int = 0
-    on_tokens: int = 0
-    on_rounds: int = 0
-    accepted: int = 0
-    overhead_ms: list = None  # per spec-on round: round wall time - draft compute - verify compute
+    modes: dict = field(default_factory=lambda: {m: Tally() for m in MODES})
 
-    @property
-    def speedup(self) -> float:
-        return (self.on_tokens / self.on_s) / (self.off_tokens / self.off_s)
+    def speedup(self, mode: str = "on") -> float:
+        on, off = self.modes[mode], self.modes["off"]
+        return (on.tokens / on.seconds) / (off.tokens / off.seconds)
 
     def predicted_break_even(self) -> float:
         """RTT at which a split drafter's round trips eat the gain (trace-report's formula), from
         this run: each round's Propose pays the RTT on top of what was measured."""
-        t_on, t_off = 1e3 * self.on_s / self.on_tokens, 1e3 * self.off_s / self.off_tokens
-        return max(0.0, (t_off - t_on) / (self.on_rounds / self.on_tokens))
+        on, off = self.modes["on"], self.modes["off"]
+        t_on, t_off = 1e3 * on.seconds / on.tokens, 1e3 * off.seconds / off.tokens
+        return max(0.0, (t_off - t_on) / (on.rounds / on.tokens))
 
 
 def measure(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, point: Point) -> Point:
-    point.overhead_ms = []
+    """Every prompt in every mode, back to back, the order rotating so that drift hits all alike."""
+    names = list(MODES)
     for r in range(repeats):
         for i, p in enumerate(prompts):
-            for mode in ((pb.SPECULATION_OFF, pb.SPECULATION_ON) if (i + r) % 2 else
-                         (pb.SPECULATION_ON, pb.SPECULATION_OFF)):
+            k = (i + r) % len(names)
+            for mode in names[k:] + names[:k]:
+                speculation, predraft = MODES[mode]
+                request = _request(p, speculation, max_new_tokens)
+                request.predraft = predraft
                 start = time.perf_counter()
-                out = stub.Generate(_request(p, mode, max_new_tokens), timeout=600)
-                wall = time.perf_counter() - start
-                s = out.stats
-                if mode == pb.SPECULATION_ON:
-                    point.on_s += wall
-                    point.on_tokens += len(out.token_ids)
-                    point.on_rounds += s.rounds
-                    point.accepted += s.accepted_tokens
-                    point.overhead_ms += [x.round_ms - x.draft_ms - x.verify_ms for x in s.round_records]
-                else:
-                    point.off_s += wall
-                    point.off_tokens += len(out.token_ids)
+                out = stub.Generate(request, timeout=600)
+                point.modes[mode].add(time.perf_counter() - start, out)
     return point
+
+
+COLOCATED = (("shared memory", "unix", True), ("unix socket", "unix", False), ("tcp loopback", "tcp", False))
 
 
 def run(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats: int,
         rtts: tuple[float, ...] = RTTS_MS, plot: str | None = None) -> list[Point]:
     points = []
-    for transport in ("unix", "tcp"):
-        with Stack(replace(config, transport=transport)) as stack:
-            print(f"co-located, {transport} ...", file=sys.stderr, flush=True)
+    for label, transport, shared in COLOCATED:
+        with Stack(replace(config, transport=transport, shared_memory=shared)) as stack:
+            print(f"co-located, {label} ...", file=sys.stderr, flush=True)
             with grpc.insecure_channel(stack.start()) as channel:
                 stub = pb_grpc.GatewayStub(channel)
                 stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
-                points.append(measure(stub, prompts, max_new_tokens, repeats, Point(f"co-located {transport}", None)))
+                points.append(measure(stub, prompts, max_new_tokens, repeats, Point(label, None)))
     proxy: DelayProxy | None = None
 
     def via(address: str) -> str:
@@ -83,7 +105,7 @@ def run(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats
         proxy = DelayProxy(address)
         return proxy.start()
 
-    stack = Stack(replace(config, transport="tcp"))
+    stack = Stack(replace(config, transport="tcp", shared_memory=False))
     try:
         with grpc.insecure_channel(stack.start(draft_via=via)) as channel:
             stub = pb_grpc.GatewayStub(channel)
@@ -100,34 +122,44 @@ def run(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats
     return points
 
 
-def measured_break_even(points: list[Point]) -> float | None:
+def measured_break_even(points: list[Point], mode: str = "on") -> float | None:
     """Where the split sweep's speedup crosses 1, by linear interpolation; None if it never does."""
-    split = [p for p in points if p.rtt_ms is not None]
-    for a, b in zip(split, split[1:]):
-        if a.speedup >= 1 > b.speedup:
-            return a.rtt_ms + (a.speedup - 1) / (a.speedup - b.speedup) * (b.rtt_ms - a.rtt_ms)
-    return 0.0 if split and split[0].speedup < 1 else None
+    split = [(p.rtt_ms, p.speedup(mode)) for p in points if p.rtt_ms is not None]
+    for (r0, s0), (r1, s1) in zip(split, split[1:]):
+        if s0 >= 1 > s1:
+            return r0 + (s0 - 1) / (s0 - s1) * (r1 - r0)
+    return 0.0 if split and split[0][1] < 1 else None
 
 
 def report(points: list[Point], plot: str | None) -> None:
-    print(f"{'topology':<18}{'RTT ms':>7}{'on/off':>8}{'acc.len':>8}{'overhead/round ms':>19}")
+    print(f"{'topology':<15}{'RTT ms':>7}{'on/off':>8}{'async/off':>10}{'hit rate':>9}{'acc.len':>8}"
+          f"{'overhead/round ms (on, async)':>31}{'shm':>5}")
     for p in points:
+        on, ahead = p.modes["on"], p.modes["async"]
         rtt = "-" if p.rtt_ms is None else f"{p.rtt_ms:g}"
-        print(f"{p.label:<18}{rtt:>7}{p.speedup:>7.2f}x{(p.accepted + p.on_rounds) / p.on_rounds:>8.2f}"
-              f"{statistics.median(p.overhead_ms):>19.2f}")
+        hit = f"{ahead.hits / ahead.attempts:.0%}" if ahead.attempts else "-"
+        shm = f"{on.shared_memory}/{on.requests}"
+        print(f"{p.label:<15}{rtt:>7}{p.speedup('on'):>7.2f}x{p.speedup('async'):>9.2f}x{hit:>9}"
+              f"{(on.accepted + on.rounds) / on.rounds:>8.2f}"
+              f"{statistics.median(on.overhead_ms):>19.2f}{statistics.median(ahead.overhead_ms):>12.2f}{shm:>5}")
     base = next((p for p in points if p.rtt_ms == 0), None)
-    measured = measured_break_even(points)
     predicted = base.predicted_break_even() if base else None
-    print(f"break-even RTT: measured {'beyond the sweep' if measured is None else f'{measured:.1f} ms'}, "
-          f"predicted from the RTT-0 run {predicted:.1f} ms" if predicted is not None else "")
-    print("overhead/round = round wall time - draft compute - verify compute (median); the split drafter sits "
-          "behind a userspace delaying proxy (specsplit/netem.py), the gateway next to the verifier")
+    for mode in ("on", "async"):
+        measured = measured_break_even(points, mode)
+        said = "beyond the sweep" if measured is None else f"{measured:.1f} ms"
+        also = f", predicted from the RTT-0 run {predicted:.1f} ms" if predicted is not None and mode == "on" else ""
+        print(f"break-even RTT ({mode}): measured {said}{also}")
+    print("on: speculation; async: speculation with pre-drafting (the next block drafted while Verify is in flight); "
+          "hit rate: pre-drafts used / started. overhead/round = round wall time - verify compute - drafting on the "
+          "critical path (median). shm: spec-on requests whose payloads went through shared memory. The split "
+          "drafter sits behind a userspace delaying proxy (specsplit/netem.py), the gateway next to the verifier.")
     if plot:
-        _plot(points, predicted, measured, plot)
+        _plot(points, predicted, measured_break_even(points, "on"), measured_break_even(points, "async"), plot)
         print(f"plot: {plot}")
 
 
-def _plot(points: list[Point], predicted: float | None, measured: float | None, path: str) -> None:
+def _plot(points: list[Point], predicted: float | None, measured: float | None, measured_async: float | None,
+          path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,14 +167,18 @@ def _plot(points: list[Point], predicted: float | None, measured: float | None, 
 
     split = [p for p in points if p.rtt_ms is not None]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([p.rtt_ms for p in split], [p.speedup for p in split], "o-", label="split (drafter behind RTT)")
-    for p, style in zip([p for p in points if p.rtt_ms is None], ("--", ":")):
-        ax.axhline(p.speedup, linestyle=style, color="gray", label=f"{p.label}: {p.speedup:.2f}x")
+    ax.plot([p.rtt_ms for p in split], [p.speedup("on") for p in split], "o-", label="split (drafter behind RTT)")
+    ax.plot([p.rtt_ms for p in split], [p.speedup("async") for p in split], "s-", label="split, pre-drafting")
+    for p, style in zip([p for p in points if p.rtt_ms is None], ("--", ":", "-.")):
+        ax.axhline(p.speedup(), linestyle=style, color="gray", label=f"co-located, {p.label}: {p.speedup():.2f}x")
     ax.axhline(1.0, color="black", linewidth=0.8)
     if predicted is not None:
         ax.axvline(predicted, color="tab:red", linestyle="--", label=f"predicted break-even {predicted:.1f} ms")
     if measured:
         ax.axvline(measured, color="tab:green", linestyle=":", label=f"measured break-even {measured:.1f} ms")
+    if measured_async:
+        ax.axvline(measured_async, color="tab:orange", linestyle=":",
+                   label=f"measured break-even, pre-drafting {measured_async:.1f} ms")
     ax.set_xlabel("drafter round-trip time (ms)")
     ax.set_ylabel("speedup vs spec-off (tok/s)")
     ax.set_title("specsplit: speculation vs network RTT")

@@ -32,6 +32,7 @@ class TargetSession:
     with_features: bool = False  # return the features of newly committed positions
     sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
     method: str = "coupled"  # with temperature > 0: coupled | rejection
+    segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.shm)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     worker = ModelWorker("verify")
     lm = await worker.run(runtime.load, settings.model)
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
-    servicer = VerifierServicer(lm, sessions, worker)
+    servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
                 interceptors=tel.server_interceptors())

@@ -8,6 +8,7 @@ import grpc
 import torch
 
 from specsplit import features as wire
+from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.modeling import LoadedModel
 from specsplit.sampling import from_proto
@@ -23,8 +24,10 @@ MAX_DRAFT = 64
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker):
+    def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker,
+                 shared_memory: bool = True):
         self._lm = lm
+        self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._target = Target(lm)
         self._sessions = sessions
         self._worker = worker
@@ -57,17 +60,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             sampling.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        segment = shm.try_attach(request.shm_segment, self._shared_memory)
         try:
             session, result = await self._worker.run(self._target.prefill, prompt, request.return_features,
                                                      sampling, method)
+            session.segment = segment
             self._sessions.put(request.session_id, session)
         except SessionExists:
+            _close(segment)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
+            _close(segment)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except BaseException:
+            _close(segment)
+            raise
         record_compute(result.forward_ns)
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
-                                  forward_ns=result.forward_ns, features=_features(result, 0))
+                                  forward_ns=result.forward_ns, features=_features(result, 0, segment),
+                                  shm_nonce=segment.nonce if segment else b"")
 
     async def Verify(self, request, context):
         if len(request.draft_token_ids) > MAX_DRAFT:
@@ -75,7 +86,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                 f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
         try:
             session = self._sessions.get(request.session_id)
-            proposals = [sparse_from(d) for d in request.draft_probs]
+            dists = request.draft_probs
+            if request.HasField("draft_probs_shm"):
+                if session.segment is None:
+                    raise ValueError("draft_probs_shm given but this session has no shared-memory segment")
+                ref = request.draft_probs_shm
+                dists = [cpb.SparseProbs(token_ids=ids, probs=probs)
+                         for ids, probs in session.segment.read_proposal(ref.offset, ref.length)]
+            proposals = [sparse_from(d) for d in dists]
             result = await self._worker.run(
                 self._target.verify, session, request.length, list(request.draft_token_ids), proposals)
         except SessionNotFound:
@@ -89,10 +107,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         record_compute(result.forward_ns)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
-                                 features=_features(result, request.length - 1))
+                                 features=_features(result, request.length - 1, session.segment))
 
     async def Release(self, request, context):
-        return pb.ReleaseResponse(released=self._sessions.pop(request.session_id) is not None)
+        session = self._sessions.pop(request.session_id)
+        if session is not None:
+            _close(session.segment)
+        return pb.ReleaseResponse(released=session is not None)
 
     async def warmup(self) -> None:
         """One prefill and one 4-token verify, so the first request does not pay for lazy init."""
@@ -112,8 +133,13 @@ def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(probs, dtype=torch.float32)
 
 
-def _features(result, start: int):
-    return None if result.features is None else wire.encode(result.features, start)
+def _features(result, start: int, segment: shm.Segment | None):
+    return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
+
+
+def _close(segment: shm.Segment | None) -> None:
+    if segment is not None:
+        segment.close()
 
 
 def first_id(lm: LoadedModel) -> int:

@@ -21,7 +21,7 @@ class SelfSession(DraftSession):
     def __init__(self, prompt: list[int], dim: int):
         super().__init__(prompt)
         self.feature_dim = dim
-        self.features = torch.zeros(0, dim)  # committed positions [0, len(tokens) - 1)
+        self.features = torch.zeros(0, dim, dtype=torch.float32)  # committed positions [0, len(tokens) - 1)
         self.cache = HeadCache()
         self.cached = 0  # leading positions whose head cache entries came from true features
         self.last = None  # the head's prediction at position cached - 1
@@ -94,7 +94,9 @@ class SelfDrafter:
                              "retrain it with `specsplit distill` for this target")
         from safetensors.torch import load_file
 
-        self.head = FeatureHead(HeadConfig(**card["config"]))
+        # float32 explicitly: the default dtype is process-wide, and a model loading in another
+        # thread (transformers switches it while it builds) must not decide this head's dtype.
+        self.head = FeatureHead(HeadConfig(**card["config"])).float()
         self.head.load_state_dict({k: v.float() for k, v in load_file(str(head_dir / "head.safetensors")).items()})
         embed, lm_head = target_tensors(target_dir, card.get("tied_embeddings", True))
         self.head.attach(embed.to(torch.bfloat16), lm_head.float())
@@ -118,16 +120,20 @@ class SelfDrafter:
 
     @torch.inference_mode()
     def propose(self, session: SelfSession, gamma: int) -> Proposal:
-        n = len(session.tokens)
-        if len(session.features) != n - 1:
-            return Proposal([], "")  # features missing: nothing to draft from
+        n, have = len(session.tokens), len(session.features)
+        if not have:
+            return Proposal([], "")  # no features yet: nothing to draft from
         head, cache = self.head, session.cache
         cache.truncate(session.cached)  # drop last round's drafted steps
-        if session.cached < n - 1:
-            feats = session.features[session.cached:n - 1].to(self.device)
-            out = head_step(head, cache, feats, session.tokens[session.cached + 1:n])
-            session.cached, session.last = n - 1, out[-1]
-        pred = session.last
+        if session.cached < have:
+            feats = session.features[session.cached:have].to(self.device)
+            out = head_step(head, cache, feats, session.tokens[session.cached + 1:have + 1])
+            session.cached, session.last = have, out[-1]
+        pred = session.last  # the head's prediction of the feature at position `have`
+        # Positions [have, n - 1) have no target features yet: tokens a pre-drafting gateway assumed
+        # while their Verify is in flight. Go on from the head's own predictions, as drafting does.
+        for token in session.tokens[have + 1:n]:
+            pred = head_step(head, cache, pred[None], [token])[-1]
         choices = []
         confidence = 1.0
         for k in range(gamma):

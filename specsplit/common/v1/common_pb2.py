@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specsplit/common/v1/common.proto\x12\x13specsplit.common.v1\"Q\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"~\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\x06method\x18\x05 \x01(\x0e\x32!.specsplit.common.v1.VerifyMethod\"/\n\x0bSparseProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02*e\n\x0cVerifyMethod\x12\x1d\n\x19VERIFY_METHOD_UNSPECIFIED\x10\x00\x12\x19\n\x15VERIFY_METHOD_COUPLED\x10\x01\x12\x1b\n\x17VERIFY_METHOD_REJECTION\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specsplit/common/v1/common.proto\x12\x13specsplit.common.v1\"a\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06in_shm\x18\x06 \x01(\x08\"(\n\x06ShmRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\r\"~\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\x06method\x18\x05 \x01(\x0e\x32!.specsplit.common.v1.VerifyMethod\"/\n\x0bSparseProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02*e\n\x0cVerifyMethod\x12\x1d\n\x19VERIFY_METHOD_UNSPECIFIED\x10\x00\x12\x19\n\x15VERIFY_METHOD_COUPLED\x10\x01\x12\x1b\n\x17VERIFY_METHOD_REJECTION\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYMETHOD']._serialized_start=317
-  _globals['_VERIFYMETHOD']._serialized_end=418
+  _globals['_VERIFYMETHOD']._serialized_start=375
+  _globals['_VERIFYMETHOD']._serialized_end=476
   _globals['_FEATURES']._serialized_start=57
-  _globals['_FEATURES']._serialized_end=138
-  _globals['_SAMPLING']._serialized_start=140
-  _globals['_SAMPLING']._serialized_end=266
-  _globals['_SPARSEPROBS']._serialized_start=268
-  _globals['_SPARSEPROBS']._serialized_end=315
+  _globals['_FEATURES']._serialized_end=154
+  _globals['_SHMREF']._serialized_start=156
+  _globals['_SHMREF']._serialized_end=196
+  _globals['_SAMPLING']._serialized_start=198
+  _globals['_SAMPLING']._serialized_end=324
+  _globals['_SPARSEPROBS']._serialized_start=326
+  _globals['_SPARSEPROBS']._serialized_end=373
 # @@protoc_insertion_point(module_scope)

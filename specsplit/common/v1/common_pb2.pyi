@@ -17,18 +17,28 @@ VERIFY_METHOD_COUPLED: VerifyMethod
 VERIFY_METHOD_REJECTION: VerifyMethod
 
 class Features(_message.Message):
-    __slots__ = ("start", "rows", "dim", "dtype", "data")
+    __slots__ = ("start", "rows", "dim", "dtype", "data", "in_shm")
     START_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    IN_SHM_FIELD_NUMBER: _ClassVar[int]
     start: int
     rows: int
     dim: int
     dtype: str
     data: bytes
-    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    in_shm: bool
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., in_shm: _Optional[bool] = ...) -> None: ...
+
+class ShmRef(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "method")

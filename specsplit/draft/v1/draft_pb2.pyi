@@ -50,28 +50,32 @@ class InfoResponse(_message.Message):
     def __init__(self, drafters: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., default_drafter: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint", "sampling")
+    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint", "sampling", "shm_segment")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     target_tokenizer_fingerprint: str
     target_model_fingerprint: str
     sampling: _common_pb2.Sampling
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ...) -> None: ...
+    shm_segment: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
-    __slots__ = ("drafter", "prefill_ns")
+    __slots__ = ("drafter", "prefill_ns", "shm_nonce")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     prefill_ns: int
-    def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ...) -> None: ...
+    shm_nonce: bytes
+    def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("session_id", "base_length", "new_token_ids", "gamma", "features")
@@ -88,22 +92,28 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_ns", "source", "draft_probs")
+    __slots__ = ("draft_token_ids", "draft_ns", "source", "draft_probs", "draft_probs_shm")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_SHM_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_ns: int
     source: str
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseProbs]
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ...) -> None: ...
+    draft_probs_shm: _common_pb2.ShmRef
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "base_length", "new_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    base_length: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EndSessionResponse(_message.Message):
     __slots__ = ("ended",)

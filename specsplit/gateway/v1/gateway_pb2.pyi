@@ -15,6 +15,12 @@ class Speculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_ON: _ClassVar[Speculation]
     SPECULATION_OFF: _ClassVar[Speculation]
 
+class Predraft(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREDRAFT_DEFAULT: _ClassVar[Predraft]
+    PREDRAFT_ON: _ClassVar[Predraft]
+    PREDRAFT_OFF: _ClassVar[Predraft]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -26,6 +32,9 @@ SPECULATION_UNSPECIFIED: Speculation
 SPECULATION_AUTO: Speculation
 SPECULATION_ON: Speculation
 SPECULATION_OFF: Speculation
+PREDRAFT_DEFAULT: Predraft
+PREDRAFT_ON: Predraft
+PREDRAFT_OFF: Predraft
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -69,7 +78,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., method: _Optional[_Union[_common_pb2.VerifyMethod, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "max_new_tokens", "stop", "sampling", "speculation", "gamma", "drafter", "task_type")
+    __slots__ = ("text", "chat", "max_new_tokens", "stop", "sampling", "speculation", "gamma", "drafter", "task_type", "predraft")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +88,7 @@ class GenerateRequest(_message.Message):
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     max_new_tokens: int
@@ -88,10 +98,11 @@ class GenerateRequest(_message.Message):
     gamma: int
     drafter: str
     task_type: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., gamma: _Optional[int] = ..., drafter: _Optional[str] = ..., task_type: _Optional[str] = ...) -> None: ...
+    predraft: Predraft
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., gamma: _Optional[int] = ..., drafter: _Optional[str] = ..., task_type: _Optional[str] = ..., predraft: _Optional[_Union[Predraft, str]] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes")
+    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +112,7 @@ class RoundRecord(_message.Message):
     DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     drafted: int
     accepted: int
     draft_ms: float
@@ -110,10 +122,11 @@ class RoundRecord(_message.Message):
     draft_source: str
     feature_bytes: int
     proposal_bytes: int
-    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ...) -> None: ...
+    predrafted: bool
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason")
+    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +150,9 @@ class GenerationStats(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_METHOD_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_REASON_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     prefill_ms: float
@@ -160,7 +176,10 @@ class GenerationStats(_message.Message):
     seed: int
     verify_method: str
     speculation_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ...) -> None: ...
+    shared_memory: bool
+    predraft_attempts: int
+    predraft_hits: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

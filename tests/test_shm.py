@@ -1,0 +1,251 @@
+"""The co-located fast path: shared-memory segments, the same-host proof, fallback to plain gRPC,
+and cleanup (normal exit, session end, cancelled request, SIGKILL and restart)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specsplit import shm
+from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.launcher import wait_serving
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
+    return d
+
+
+def _segments(d: Path) -> list[str]:
+    return sorted(n for n in os.listdir(d) if not n.endswith(".lock"))
+
+
+def test_segment_is_private_bounded_and_round_trips(shm_dir):
+    creator = shm.Creator()
+    seg = creator.create("ab" * 16, row_bytes=96, budget=200_000, max_rows=1000)
+    path = shm_dir / seg.name
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert seg.ring_rows == (200_000 - shm.HEADER_BYTES - shm.SLOTS * shm.SLOT_BYTES) // 96
+    mapped = shm.Segment.attach(seg.name)
+    assert mapped.nonce == seg.nonce and len(seg.nonce) == 16
+    # Feature rows by position, across the ring's end.
+    data = os.urandom(96 * 5)
+    start = seg.ring_rows - 2
+    msg = shm.stash_features(seg, cpb.Features(start=start, rows=5, dim=24, dtype="float32", data=data))
+    assert msg.in_shm and not msg.data
+    assert shm.fetch_features(mapped, msg).data == data
+    rows = seg.ring_rows + 1
+    too_many = cpb.Features(start=0, rows=rows, dim=24, dtype="float32", data=b"\0" * 96 * rows)
+    assert not shm.stash_features(seg, too_many).in_shm  # does not fit: stays inline
+    # Proposals alternate between two slots, so one can be verified while the next is drafted.
+    dists = [([1, 2, 3], [0.5, 0.25, 0.25]), ([7], [1.0])]
+    first, second = mapped.write_proposal(dists), mapped.write_proposal(dists[:1])
+    assert first[0] != second[0]
+    assert seg.read_proposal(*first) == dists and seg.read_proposal(*second) == dists[:1]
+    assert seg.proposal_prefix(*first, 1) == second[1]
+    with pytest.raises(shm.ShmError):
+        seg.read_proposal(first[0] - 8, 16)  # not inside a slot
+    mapped.close()
+    creator.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_attach_refuses_what_is_not_a_private_segment(shm_dir):
+    for name in ("../etc/passwd", "specsplit-zz-00", "other"):
+        with pytest.raises(shm.ShmError):
+            shm.Segment.attach(name)
+    assert shm.try_attach("specsplit-0123456789abcdef-00000000") is None  # not on this "host"
+    creator = shm.Creator()
+    seg = creator.create("cd" * 16, 0, 1 << 20, 0)
+    os.chmod(shm_dir / seg.name, 0o644)
+    with pytest.raises(PermissionError):
+        shm.Segment.attach(seg.name)
+    os.chmod(shm_dir / seg.name, 0o600)
+    with pytest.raises(shm.ShmError):
+        shm.Segment.attach(seg.name, max_bytes=1024)
+    assert shm.try_attach(seg.name, enabled=False) is None
+    creator.close()
+
+
+def test_segments_of_a_killed_creator_are_reclaimed_and_a_live_ones_are_not(shm_dir):
+    live = shm.Creator()
+    kept = live.create("11" * 16, 0, 1 << 20, 0)
+    child = subprocess.run([sys.executable, "-c", (
+        "import os, signal\nfrom specsplit import shm\nc = shm.Creator()\nc.create('22' * 16, 0, 1 << 20, 0)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)")], env=os.environ)
+    assert child.returncode == -signal.SIGKILL
+    assert len(_segments(shm_dir)) == 2
+    reclaimed = shm.reclaim_stale()
+    assert len(reclaimed) == 1 and reclaimed[0].endswith("22" * 16)
+    assert _segments(shm_dir) == [kept.name]
+    live.close()
+
+
+# Three real service processes. The draft service may get its own SPECSPLIT_SHM_DIR: it then cannot
+# see the gateway's segments, exactly like a service on another host.
+
+
+class Services:
+    def __init__(self, models, self_head, run_dir: Path, shm_dir: Path, draft_shm_dir: Path | None = None):
+        self.run_dir, self.shm_dir = run_dir, shm_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addresses: dict[str, str] = {}
+        target = str(models["target"])
+        self.args = {
+            "verify": ["--target-model", target, "--dtype", "float32"],
+            "draft": ["--target-model", target, "--draft-model", str(models["draft"]), "--draft-dtype", "float32",
+                      "--self-head", str(self_head), "--default-drafter", "ngram"],
+        }
+        self.env = {"verify": shm_dir, "draft": draft_shm_dir or shm_dir, "gateway": shm_dir}
+        self.start("verify")
+        self.start("draft")
+        self.args["gateway"] = ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
+                                "--tokenizer", target]
+        self.start("gateway")
+
+    def start(self, name: str) -> None:
+        address_file = self.run_dir / f"{name}.address"
+        address_file.unlink(missing_ok=True)
+        env = {**os.environ, "SPECSPLIT_SHM_DIR": str(self.env[name])}
+        log = open(self.run_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "specsplit.cli", "serve", name, "--listen", f"unix://{self.run_dir / name}.sock",
+             "--address-file", str(address_file), *self.args[name]], stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        deadline = time.monotonic() + 120
+        while not address_file.exists():
+            assert self.procs[name].poll() is None, (self.run_dir / f"{name}.log").read_text()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        self.addresses[name] = address_file.read_text().strip()
+        wait_serving(self.addresses[name], 60)
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait(10)
+
+    def mapped(self, name: str) -> list[str]:
+        """Segments the service still maps (an unlinked segment keeps its memory while mapped)."""
+        maps = Path(f"/proc/{self.procs[name].pid}/maps").read_text()
+        return [line for line in maps.splitlines() if shm.PREFIX in line]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _request(prompt: str, drafter: str, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=prompt, max_new_tokens=kw.pop("max_new_tokens", 24), drafter=drafter, gamma=3,
+                              speculation=kw.pop("speculation", pb.SPECULATION_ON),
+                              stop=pb.StopConditions(ignore_eos=True), **kw)
+
+
+REJECTION = pb.SamplingParams(temperature=0.9, seed=5, method=cpb.VERIFY_METHOD_REJECTION)
+
+
+def _succeeds(gw) -> bool:
+    try:
+        return gw.Generate(_request("def add(a, b):", "self", max_new_tokens=4)).stats.shared_memory
+    except grpc.RpcError:
+        return False
+
+
+def _poll(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_shared_memory_is_used_only_when_both_ends_prove_the_same_host(models, self_head, tmp_path, shm_dir,
+                                                                       colocated):
+    other = None if colocated else tmp_path / "other-host-shm"
+    if other is not None:
+        other.mkdir()
+    services = Services(models, self_head, tmp_path, shm_dir, other)
+    try:
+        with grpc.insecure_channel(services.addresses["gateway"]) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            for drafter, sampling in (("self", None), ("model", REJECTION), ("hybrid", REJECTION)):
+                kw = {"sampling": sampling} if sampling else {}
+                off = gw.Generate(_request("def add(a, b):", drafter, speculation=pb.SPECULATION_OFF, **kw))
+                on = gw.Generate(_request("def add(a, b):", drafter, **kw))
+                assert not off.stats.shared_memory
+                assert on.stats.shared_memory is colocated, drafter
+                if sampling is None or drafter == "self":
+                    assert list(on.token_ids) == list(off.token_ids), drafter  # greedy: identical either way
+                records = on.stats.round_records
+                if drafter in ("self", "hybrid"):
+                    assert all(r.feature_bytes > 0 for r in records)
+                if sampling is not None:
+                    assert sum(r.proposal_bytes for r in records) > 0
+                assert on.stats.accepted_tokens <= on.stats.drafted_tokens
+            # Rejection sampling is reproducible for a seed whichever path the payloads took.
+            again = gw.Generate(_request("The quick brown fox", "model", sampling=REJECTION))
+            assert again.stats.shared_memory is colocated
+        assert _poll(lambda: _segments(shm_dir) == [])  # each removed when its session ended
+        assert _poll(lambda: services.mapped("verify") == [] and services.mapped("draft") == [])
+    finally:
+        services.stop()
+    assert os.listdir(shm_dir) == []  # the gateway's lock file goes at exit too
+
+
+def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, shm_dir):
+    services = Services(models, self_head, tmp_path, shm_dir)
+    try:
+        ch = grpc.insecure_channel(services.addresses["gateway"])
+        gw = pb_grpc.GatewayStub(ch)
+        # A streaming request cancelled after its first chunk.
+        stream = gw.GenerateStream(_request("Once upon a time", "self", max_new_tokens=200))
+        next(stream)
+        assert len(_segments(shm_dir)) == 1
+        stream.cancel()
+        assert _poll(lambda: _segments(shm_dir) == [])
+        assert _poll(lambda: services.mapped("verify") == [] and services.mapped("draft") == [])
+
+        # The verify service killed mid-request: the request fails, the gateway still removes the segment.
+        future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))
+        assert _poll(lambda: len(_segments(shm_dir)) == 1)
+        services.kill("verify")
+        with pytest.raises(grpc.RpcError):
+            future.result(60)
+        assert _poll(lambda: _segments(shm_dir) == [])
+        services.start("verify")  # same socket path: the gateway reconnects (after its backoff)
+        assert _poll(lambda: _succeeds(gw), 30)
+
+        # The gateway killed mid-request: its segment and lock are left behind until something starts.
+        future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))
+        assert _poll(lambda: len(_segments(shm_dir)) == 1)
+        services.kill("gateway")
+        with pytest.raises(grpc.RpcError):
+            future.result(60)
+        ch.close()
+        assert len(_segments(shm_dir)) == 1
+        services.start("gateway")
+        assert _segments(shm_dir) == []  # reclaimed on start
+        with grpc.insecure_channel(services.addresses["gateway"]) as ch2:
+            ok = pb_grpc.GatewayStub(ch2).Generate(_request("def add(a, b):", "self"))
+            assert ok.stats.shared_memory
+        assert _poll(lambda: _segments(shm_dir) == [])
+    finally:
+        services.stop()
+    assert os.listdir(shm_dir) == []
