@@ -7,6 +7,7 @@ request (docs/controller.md)."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,6 +62,20 @@ class TypeState:
         self.since_probe = 0
         self.auto_requests = 0  # AUTO requests decided while enabled (the control share counts them)
         self.history: list[tuple[int, bool, str]] = []  # (request number, enabled, reason)
+        # Pre-drafting, an A/B within speculation: decode ms per token of spec-on requests by arm.
+        self.predraft_ms: dict[bool, deque[float]] = {arm: deque(maxlen=settings.window) for arm in (True, False)}
+        self.predraft_turns = 0
+
+    def predraft(self) -> bool:
+        """Whether the next spec-on request pre-drafts: the arms alternate until each has
+        min_requests, then the one with the lower median ms per token wins, and every probe_every-th
+        request runs the other so a change (load, network) is noticed."""
+        s, with_, without = self.settings, self.predraft_ms[True], self.predraft_ms[False]
+        if len(with_) < s.min_requests or len(without) < s.min_requests:
+            return len(with_) < len(without)
+        better = statistics.median(with_) < statistics.median(without)
+        self.predraft_turns += 1
+        return better if self.predraft_turns % s.probe_every else not better
 
     # -- estimates -----------------------------------------------------------------------------
     @property
@@ -171,8 +186,13 @@ class Controller:
             return Decision(False, 0, "control")  # every n-th request: deterministic, spread evenly
         return Decision(True, gamma, "on")
 
-    def observe(self, task_type: str, drafter: str, decision: Decision, stats: pb.GenerationStats) -> None:
-        """Learns from a finished request and re-evaluates its task type."""
+    def predraft(self, task_type: str, drafter: str) -> bool:
+        return self.state(task_type, drafter).predraft()
+
+    def observe(self, task_type: str, drafter: str, decision: Decision, stats: pb.GenerationStats,
+                predraft: bool = False) -> None:
+        """Learns from a finished request (`predraft`: whether it pre-drafted) and re-evaluates its
+        task type."""
         st = self.state(task_type, drafter)
         for r in stats.round_records:
             if r.drafted:
@@ -189,6 +209,8 @@ class Controller:
             # would make the comparison one of prompt mixes rather than of on vs off.
             per_token = stats.decode_ms / (stats.generated_tokens - 1)
             (st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token).append(per_token)
+            if stats.speculation_used:
+                st.predraft_ms[predraft].append(per_token)
         if decision.reason in ("on", "probe", "disabled", "control"):
             self._evaluate(st)
 

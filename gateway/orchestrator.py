@@ -158,7 +158,7 @@ class Orchestrator:
                 if delta.finish:
                     stats = self._stats(plan, tally, started, len(text.token_ids), state)
                     self._metrics.request(stats)
-                    self._controller.observe(plan.task_type, plan.drafter, plan.decision, stats)
+                    self._controller.observe(plan.task_type, plan.drafter, plan.decision, stats, plan.predraft)
                     _describe(request_span, stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
                     yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish,
                                            stats=stats)

@@ -196,12 +196,14 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
-                    decision=decision, predraft=speculate and self._predraft(request.predraft))
+                    decision=decision, predraft=speculate and self._predraft(request, drafter))
 
-    def _predraft(self, asked: int) -> bool:
-        if asked == pb.PREDRAFT_DEFAULT:
-            return self._backends.settings.predraft == "on"
-        return asked == pb.PREDRAFT_ON
+    def _predraft(self, request: pb.GenerateRequest, drafter: str) -> bool:
+        """The request's choice, else the gateway's setting; `auto`: the controller's measurement."""
+        if request.predraft != pb.PREDRAFT_DEFAULT:
+            return request.predraft == pb.PREDRAFT_ON
+        setting = self._backends.settings.predraft
+        return self.controller.predraft(request.task_type, drafter) if setting == "auto" else setting == "on"
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         tokenizer = self._backends.tokenizer

@@ -90,15 +90,17 @@ class Variant:
         return f"{self.drafter}/{self.method}" if self.method else self.drafter
 
 
-SAMPLING = {"temperature": 0.0, "seed": 0}  # set by main from --temperature / --seed
+# What every bench request says, set by main from --temperature / --seed / --predraft. Pre-drafting
+# is pinned (off by default) so that a run measures one protocol, not the controller's A/B.
+REQUEST = {"temperature": 0.0, "seed": 0, "predraft": pb.PREDRAFT_OFF}
 
 
 def _request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant = Variant("")) -> pb.GenerateRequest:
     method = cpb.VERIFY_METHOD_REJECTION if variant.method == "rejection" else cpb.VERIFY_METHOD_COUPLED
     req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
-                             drafter=variant.drafter,
-                             sampling=pb.SamplingParams(temperature=SAMPLING["temperature"] if p.temperature is None
-                                                        else p.temperature, seed=SAMPLING["seed"], method=method))
+                             drafter=variant.drafter, predraft=REQUEST["predraft"],
+                             sampling=pb.SamplingParams(temperature=REQUEST["temperature"] if p.temperature is None
+                                                        else p.temperature, seed=REQUEST["seed"], method=method))
     req.chat.messages.add(role="user", content=p.prompt)
     return req
 
@@ -325,7 +327,8 @@ def gateway_stub(address: str | None, config: StackConfig):
 
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
-    SAMPLING.update(temperature=args.temperature, seed=args.seed)
+    REQUEST.update(temperature=args.temperature, seed=args.seed,
+                   predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)
     if args.topology:

@@ -125,9 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--drafter", default="", help="default drafter (empty: the draft service's default)")
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
     g.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of each internal call (s)")
-    g.add_argument("--predraft", choices=["on", "off"], default=ENV("SPECSPLIT_PREDRAFT", "off"),
-                   help="asynchronous drafting: draft the next block while Verify is in flight, for requests "
-                        "that do not choose (see docs/protocol.md#pre-drafting for when it pays)")
+    g.add_argument("--predraft", choices=["auto", "on", "off"], default=ENV("SPECSPLIT_PREDRAFT", "auto"),
+                   help="asynchronous drafting (draft the next block while Verify is in flight) for requests that "
+                        "do not choose; auto: measured per task type, the faster arm wins (docs/controller.md)")
     g.add_argument("--shm-segment-mib", type=float, default=4.0,
                    help="size of each speculative session's shared-memory segment (feature ring + proposals)")
 
@@ -189,6 +189,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json-out", help="also write every record and the summary here")
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded)")
     bench.add_argument("--seed", type=int, default=0, help="sampler seed at temperature > 0")
+    bench.add_argument("--predraft", choices=["off", "on", "auto"], default="off",
+                       help="pre-drafting in spec-on requests (auto: the gateway decides); --topology runs both")
     bench.add_argument("--methods", default="coupled,rejection",
                        help="verify methods compared at temperature > 0")
     bench.add_argument("--store-tokens", type=int, default=0,

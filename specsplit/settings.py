@@ -110,4 +110,6 @@ class GatewaySettings:
     policy_file: str | None = None  # from `specsplit calibrate`: the controller's starting state
     upstream_tls: ClientTLS | None = None  # None: plaintext to the draft and verify services
     shm_segment_bytes: int = 4 * 1024 * 1024  # per speculative session, when shared memory is on
-    predraft: str = "off"  # asynchronous drafting for requests that do not say: on | off
+    # Asynchronous drafting for requests that do not say: on | off | auto (the controller measures
+    # both per task type and keeps the faster; docs/controller.md).
+    predraft: str = "auto"

@@ -96,3 +96,43 @@ def test_forced_modes_concurrency_and_task_types_are_separate():
     assert not c.decide("code", "hybrid", OFF, 0, 1).speculate
     assert c.decide("code", "hybrid", AUTO, 0, inflight=5).reason == "concurrency"
     assert c.decide("code", "hybrid", AUTO, 3, inflight=1).gamma in (0, 3)  # a requested gamma is kept
+
+
+class PredraftWorkload(Workload):
+    """Pre-drafting hides the Propose (draft + network) of a round on a hit; every pre-drafting round
+    pays `extra` ms (the guess drafted on the critical path, CPU contention when co-located)."""
+
+    def __init__(self, alpha: float, network_ms: float, extra_ms: float, seed: int = 0):
+        super().__init__(alpha, seed=seed)
+        self.network_ms, self.extra_ms = network_ms, extra_ms
+
+    def run_arm(self, gamma: int, predraft: bool) -> pb.GenerationStats:
+        stats = self.run(True, gamma)
+        total, hit_before = 0.0, False
+        for r in stats.round_records:
+            r.network_ms = self._jitter(self.network_ms)
+            ms = r.verify_ms + (0.0 if hit_before else r.draft_ms + r.network_ms)
+            if predraft:
+                ms += self.extra_ms
+                r.predrafted = hit_before
+                hit_before = r.accepted == r.drafted and self.rng.random() < self.alpha  # the guess too
+            total += ms
+        stats.decode_ms = total
+        return stats
+
+
+def test_predrafting_is_kept_where_it_pays_and_dropped_where_it_does_not():
+    # Split (20 ms RTT to the drafter, little extra cost): hiding Proposes wins. Co-located on few
+    # cores (4 ms network, drafting alongside the verifier slows it by 8 ms a round): it loses.
+    for network, extra, wins in ((20.0, 1.0, True), (4.0, 8.0, False)):
+        c = Controller(ControllerSettings(control_share=0.0))
+        work = PredraftWorkload(alpha=0.8, network_ms=network, extra_ms=extra, seed=7)
+        arms = []
+        for _ in range(120):
+            d = c.decide("code", "hybrid", AUTO, 0, inflight=1)
+            arm = c.predraft("code", "hybrid")
+            c.observe("code", "hybrid", d, work.run_arm(d.gamma, arm), arm)
+            arms.append(arm)
+        late = arms[40:]
+        assert sum(a == wins for a in late) >= 0.85 * len(late), (network, extra, arms)
+        assert any(a != wins for a in late)  # the other arm is still probed now and then

@@ -1,0 +1,25 @@
+"""The topology bench's arithmetic on hand-made points: speedups per mode and where they cross 1."""
+
+from __future__ import annotations
+
+from specsplit.topology import Point, Tally, measured_break_even
+
+
+def _point(rtt, off_s, on_s, async_s, tokens=100, rounds=50) -> Point:
+    p = Point("split", rtt)
+    p.modes["off"] = Tally(seconds=off_s, tokens=tokens, rounds=tokens)
+    p.modes["on"] = Tally(seconds=on_s, tokens=tokens, rounds=rounds)
+    p.modes["async"] = Tally(seconds=async_s, tokens=tokens, rounds=rounds)
+    return p
+
+
+def test_break_even_is_interpolated_per_mode():
+    # spec-on loses 1 s per 10 ms of RTT, pre-drafting half as much.
+    points = [_point(rtt, 5.0, 4.0 + rtt / 10, 4.0 + rtt / 20) for rtt in (0.0, 5.0, 10.0, 20.0, 40.0)]
+    assert points[0].speedup("on") == 1.25
+    assert measured_break_even(points, "on") == 10.0
+    assert measured_break_even(points, "async") == 20.0
+    # Predicted from the RTT-0 point: (T_off - T_on) / rounds-per-token = (50 - 40) ms / 0.5.
+    assert points[0].predicted_break_even() == 20.0
+    assert measured_break_even(points[:2], "async") is None  # never crosses within the sweep
+    assert measured_break_even([_point(0.0, 4.0, 5.0, 5.0)], "on") == 0.0  # loses already at RTT 0
