@@ -51,13 +51,14 @@ class Record:
     target_step_ms: float = 0.0  # verify forward per token with speculation off (one target step)
     by_source: dict = None  # draft source -> [rounds, drafted, accepted] (which part of a hybrid drafted)
     proposal_bytes: int = 0  # draft distributions sent (rejection sampling), all rounds
+    predraft: tuple[int, int] = (0, 0)  # pre-drafts started, used (--predraft on)
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
     """JSONL rows {task_type, prompt[, temperature]}; path None: the starter prompts; "mixed": the
     controller's mixed workload (code and structured greedy, open prompts sampled at T=1.2 as
-    "creative")."""
-    name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl"}.get(path)
+    "creative"); "copy": four prompts to repeat text verbatim (drafts almost always right)."""
+    name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl", "copy": "copy_prompts.jsonl"}.get(path)
     text = resources.files("specsplit.data").joinpath(name).read_text() if name else Path(path).read_text()
     prompts = [Prompt(**json.loads(line)) for line in text.splitlines() if line.strip()]
     if limit:
@@ -140,7 +141,8 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
                               div < 0, div, off_times, on_times[d], step_ms, dict(by_source),
-                              sum(r.proposal_bytes for r in s.round_records)))
+                              sum(r.proposal_bytes for r in s.round_records),
+                              (s.predraft_attempts, s.predraft_hits)))
     return records
 
 
@@ -185,6 +187,7 @@ def summarise(records: list[Record]) -> list[dict]:
             "draft_cost_ratio": draft_ms_per_token / statistics.median(steps) if steps else 0.0,
             "by_source": _merge_sources(rs),
             "proposal_bytes_per_round": sum(r.proposal_bytes for r in rs) / rounds if rounds else 0.0,
+            "predraft_attempts": sum(r.predraft[0] for r in rs), "predraft_hits": sum(r.predraft[1] for r in rs),
         })
     return rows
 
@@ -219,6 +222,10 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
         if r["task_type"] == "ALL" and r["proposal_bytes_per_round"]:
             print(f"{r['drafter']}: draft distributions sent {r['proposal_bytes_per_round']:.0f} bytes per round",
                   file=out)
+    hits = [f"{r['task_type']} {r['predraft_hits']}/{r['predraft_attempts']} "
+            f"({r['predraft_hits'] / r['predraft_attempts']:.0%})" for r in rows if r["predraft_attempts"]]
+    if hits:
+        print("pre-drafts used/started per round that could pre-draft: " + ", ".join(hits), file=out)
     if any(r["drafter"].endswith("/rejection") for r in rows):
         print("rejection verification samples a different (equally distributed) text: 'identical' "
               "applies to greedy and coupled", file=out)
