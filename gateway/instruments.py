@@ -39,6 +39,9 @@ class GatewayMetrics:
         self.latency = m.create_histogram(
             "specsplit.request.duration", unit="s", description="Generate wall time on the gateway",
             explicit_bucket_boundaries_advisory=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
+        self.predrafts = m.create_counter(
+            "specsplit.predraft", unit="{pre-draft}",
+            description="pre-drafts started while a Verify was in flight, by outcome (hit: used by the next round)")
         m.create_observable_gauge("specsplit.speculation.enabled", callbacks=[self._observe_enabled],
                                   description="1 while the controller speculates for the task type and drafter")
         m.create_observable_gauge("specsplit.speculation.gamma", callbacks=[self._observe_gamma],
@@ -56,6 +59,9 @@ class GatewayMetrics:
         task = stats.task_type or "unspecified"
         self.latency.record(stats.total_ms / 1e3, {"task_type": task,
                                                    "speculation": "on" if stats.speculation_used else "off"})
+        if stats.predraft_attempts:
+            self.predrafts.add(stats.predraft_hits, {"task_type": task, "outcome": "hit"})
+            self.predrafts.add(stats.predraft_attempts - stats.predraft_hits, {"task_type": task, "outcome": "miss"})
 
     def _observe_enabled(self, _options):
         return [Observation(int(st.enabled), {"task_type": task, "drafter": drafter})

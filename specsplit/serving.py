@@ -31,10 +31,18 @@ KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Reconnect backoff: gRPC's default grows to 120 s, so a backend that was down for a minute could
+# stay unreachable for two more after it is back (calls fail fast with UNAVAILABLE meanwhile).
+RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
     *KEEPALIVE,
+    *RECONNECT,
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
