@@ -411,7 +411,8 @@ def _describe_round(span, record: pb.RoundRecord) -> None:
             ("bonus" if record.accepted == record.drafted else "recovered"),
             "specsplit.draft_source": record.draft_source, "specsplit.draft_ms": record.draft_ms,
             "specsplit.verify_ms": record.verify_ms, "specsplit.network_ms": record.network_ms,
-            "specsplit.feature_bytes": record.feature_bytes, "specsplit.proposal_bytes": record.proposal_bytes})
+            "specsplit.feature_bytes": record.feature_bytes, "specsplit.proposal_bytes": record.proposal_bytes,
+            "specsplit.predrafted": record.predrafted})
 
 
 def _describe(span, stats: pb.GenerationStats, common: dict) -> None:
@@ -424,7 +425,9 @@ def _describe(span, stats: pb.GenerationStats, common: dict) -> None:
             "specsplit.rounds": stats.rounds, "specsplit.drafted": stats.drafted_tokens,
             "specsplit.accepted": stats.accepted_tokens, "specsplit.verify_method": stats.verify_method,
             "specsplit.mean_acceptance_length": stats.mean_acceptance_length,
-            "specsplit.speculation_reason": stats.speculation_reason})
+            "specsplit.speculation_reason": stats.speculation_reason,
+            "specsplit.predraft_attempts": stats.predraft_attempts, "specsplit.predraft_hits": stats.predraft_hits,
+            "specsplit.shared_memory": stats.shared_memory})
 
 
 class _Caller:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 GENERATE = "specsplit.gateway.v1.Gateway/Generate"
 PROPOSE = "specsplit.draft.v1.Drafter/Propose"
+VERIFY = "specsplit.verify.v1.Verifier/Verify"
 KINDS = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 
 
@@ -133,6 +134,7 @@ class RequestReport:
     network_ms: float  # every upstream call: client duration - server duration
     propose_network_ms: float  # the part spent on Propose calls (what a split drafter pays per round)
     gateway_ms: float = 0.0  # the rest: gateway work, tokenising, queueing
+    predraft_hits: int = 0  # rounds served by a pre-draft: no Propose on their critical path
 
     @property
     def ms_per_token(self) -> float:
@@ -150,29 +152,45 @@ def requests_from(spans: list[Span]) -> list[RequestReport]:
         if root is None:
             continue
         ids = {s.span_id: s for s in members}
+        verifies = [s for s in members if s.kind == "client" and s.name == VERIFY]
         draft = verify = network = propose_network = 0.0
         for server in members:
             if server.kind != "server" or server is root:
                 continue
-            compute = float(server.attributes.get("specsplit.compute_ms", 0.0) or 0.0)
+            client = ids.get(server.parent_id)
+            if client is None or client.kind != "client":
+                continue
+            share = _critical_share(client, root, verifies)
+            compute = float(server.attributes.get("specsplit.compute_ms", 0.0) or 0.0) * share
             if ".draft." in server.name:
                 draft += compute
             else:
                 verify += compute
-            client = ids.get(server.parent_id)
-            if client is not None and client.kind == "client":
-                gap = max(0.0, client.ms - server.ms)
-                network += gap
-                if server.name == PROPOSE:
-                    propose_network += gap
+            gap = max(0.0, client.ms - server.ms) * share
+            network += gap
+            if server.name == PROPOSE:
+                propose_network += gap
         a = root.attributes
         report = RequestReport(
             trace_id, str(a.get("specsplit.task_type", "unspecified")), str(a.get("specsplit.speculation", "?")),
             str(a.get("specsplit.prompt_digest", "")), int(a.get("specsplit.generated_tokens", 0) or 0),
             int(a.get("specsplit.rounds", 0) or 0), root.ms, draft, verify, network, propose_network)
         report.gateway_ms = max(0.0, report.total_ms - draft - verify - network)
+        report.predraft_hits = int(a.get("specsplit.predraft_hits", 0) or 0)
         reports.append(report)
     return sorted(reports, key=lambda r: (r.task_type, r.trace_id))
+
+
+def _critical_share(client: Span, root: Span, verifies: list[Span]) -> float:
+    """The share of a call that delayed the answer: the part inside the Generate span (sessions are
+    released after it), and for a pre-draft (a Propose started while a Verify was in flight) only
+    the part after that Verify returned."""
+    start, end = max(client.start_ns, root.start_ns), min(client.end_ns, root.end_ns)
+    if client.name == PROPOSE:
+        for v in verifies:
+            if v.start_ns <= client.start_ns < v.end_ns:
+                start = max(start, v.end_ns)
+    return max(0, end - start) / (client.end_ns - client.start_ns) if client.end_ns > client.start_ns else 1.0
 
 
 @dataclass
@@ -196,7 +214,8 @@ def price(label: str, on: list[RequestReport], off_ms_per_token: float, off_netw
     total = sum(r.total_ms for r in on)
     parts = {k: sum(getattr(r, f"{k}_ms") for r in on) for k in ("draft", "verify", "network", "gateway")}
     on_per_token = total / tokens
-    rounds_per_token = sum(r.rounds for r in on) / tokens
+    # Rounds whose Propose a split drafter's RTT would delay (a pre-draft hit hides it).
+    rounds_per_token = sum(r.rounds - r.predraft_hits for r in on) / tokens
     zero_on = (total - parts["network"]) / tokens
     zero_off = off_ms_per_token - off_network_per_token
     # A split drafter: every round's Propose pays the RTT on top of what was measured here (the local

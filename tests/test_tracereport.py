@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.tracereport import GENERATE, PROPOSE, Span, load_jaeger_json, load_otlp_json, report, requests_from
-
-VERIFY = "specsplit.verify.v1.Verifier/Verify"
+from specsplit.tracereport import (
+    GENERATE,
+    PROPOSE,
+    VERIFY,
+    Span,
+    load_jaeger_json,
+    load_otlp_json,
+    report,
+    requests_from,
+)
 
 
 def _request(trace: str, speculation: str, rounds: list[tuple[float, float, float, float]], tokens: int,
@@ -54,6 +61,34 @@ def test_shares_speedup_and_break_even_rtt():
     slow = _request("slow", "on", [(30, 2, 12, 10)] * 8, tokens=8, digest="p2")  # loses: RTT* is 0
     _, tasks, _, _ = report(off + slow)
     assert tasks[0].speedup < 1 and tasks[0].break_even_rtt_ms == 0
+
+
+def test_only_the_critical_path_counts_pre_drafts_and_late_releases():
+    """A pre-draft overlapping a Verify costs the answer nothing until that Verify returns, and a
+    Release after the answer costs it nothing at all."""
+    spans = _request("on", "on", [(3, 2, 12, 10)], tokens=2)
+    t0 = 3_000_000  # the Verify runs [3, 15) ms
+    # A pre-draft from 4 to 17 ms (2 ms past the Verify), 12 ms of it on the server, 8 ms compute.
+    spans += [Span("on", "cpre", "r0", PROPOSE, "client", "specsplit-gateway", t0 + 1_000_000, t0 + 14_000_000),
+              Span("on", "spre", "cpre", PROPOSE, "server", "specsplit-draft", t0 + 1_500_000, t0 + 13_500_000,
+                   {"specsplit.compute_ms": 8.0})]
+    end = spans[0].end_ns
+    spans += [Span("on", "crel", "root", "specsplit.verify.v1.Verifier/Release", "client", "specsplit-gateway",
+                   end - 1_000_000, end + 3_000_000),
+              Span("on", "srel", "crel", "specsplit.verify.v1.Verifier/Release", "server", "specsplit-verify",
+                   end, end + 2_000_000, {"specsplit.compute_ms": 0.0})]
+    (r,) = requests_from(spans)
+    pre = 2 / 13  # of the pre-draft's 13 ms, the 2 after the Verify returned
+    assert r.draft_ms == pytest.approx(2 + 8 * pre)
+    assert r.propose_network_ms == pytest.approx(1 + 1 * pre)
+    assert r.network_ms == pytest.approx(1 + 1 + 1 * pre + 2 * 0.25)  # a quarter of the Release is inside
+    # Rounds served by a pre-draft hit do not pay a split drafter's RTT: break-even uses the others.
+    off = _request("off", "off", [(0, 0, 11, 10)] * 8, tokens=8)
+    on = _request("on", "on", [(3, 2, 12, 10)] * 4, tokens=8)
+    on[0].attributes["specsplit.predraft_hits"] = 2
+    code = next(p for p in report(off + on)[1] if p.label == "code")
+    assert code.rounds_per_token == pytest.approx(2 / 8)
+    assert code.break_even_rtt_ms == pytest.approx(((8 * 11 + 2) / 8 - 62 / 8) / (2 / 8))
 
 
 def _to_otlp_json(spans: list[Span]) -> dict:
