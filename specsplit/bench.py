@@ -57,8 +57,10 @@ class Record:
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
     """JSONL rows {task_type, prompt[, temperature]}; path None: the starter prompts; "mixed": the
     controller's mixed workload (code and structured greedy, open prompts sampled at T=1.2 as
-    "creative"); "copy": four prompts to repeat text verbatim (drafts almost always right)."""
-    name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl", "copy": "copy_prompts.jsonl"}.get(path)
+    "creative"); "copy": four prompts to repeat text verbatim (drafts almost always right); "long": two
+    summaries of ~1,300-token notes (large first-round payloads for feature-reading drafters)."""
+    name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl", "copy": "copy_prompts.jsonl",
+            "long": "long_prompts.jsonl"}.get(path)
     text = resources.files("specsplit.data").joinpath(name).read_text() if name else Path(path).read_text()
     prompts = [Prompt(**json.loads(line)) for line in text.splitlines() if line.strip()]
     if limit:

@@ -183,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--gateway", help="use this running gateway instead of starting a stack")
     bench.add_argument("--prompts", help="JSONL with task_type, prompt and optionally temperature (default: the "
                                          "starter prompts; 'mixed': the controller's mixed workload; 'copy': "
-                                         "verbatim repetition, where drafts are almost always right)")
+                                         "verbatim repetition, where drafts are almost always right; 'long': "
+                                         "~1,300-token prompts, whose features make a large first round)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
