@@ -118,6 +118,12 @@ def _ms(ns: int | float) -> float:
 _BACKGROUND: set[asyncio.Task] = set()  # session releases still running after their request answered
 
 
+async def drain_releases(timeout_s: float) -> None:
+    """Lets the releases still running finish (graceful shutdown, before the channels close)."""
+    if _BACKGROUND:
+        await asyncio.wait(set(_BACKGROUND), timeout=timeout_s)
+
+
 class Orchestrator:
     def __init__(self, verifier: vpb_grpc.VerifierStub, drafter: dpb_grpc.DrafterStub, tokenizer,
                  target: vpb.InfoResponse, rpc_timeout_s: float, metrics: GatewayMetrics | None = None,

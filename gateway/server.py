@@ -11,7 +11,7 @@ import grpc
 from gateway import policy
 from gateway.controller import Controller
 from gateway.instruments import GatewayMetrics
-from gateway.orchestrator import Orchestrator, Plan, UpstreamError
+from gateway.orchestrator import Orchestrator, Plan, UpstreamError, drain_releases
 from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
@@ -100,6 +100,7 @@ class Backends:
         return incompatibility(self.target, self.drafters, name)
 
     async def close(self) -> None:
+        await drain_releases(timeout_s=5)
         await self._verify_channel.close()
         await self._draft_channel.close()
         if self.segments is not None:
