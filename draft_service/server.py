@@ -86,15 +86,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
         prefill_ns = time.perf_counter_ns() - start
-        entry = Entry(drafter, session, shm.try_attach(request.shm_segment, self._shared_memory))
+        entry = Entry(drafter, session)
         try:
             self._sessions.put(request.session_id, entry)
         except SessionExists:
-            entry.close()
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
-            entry.close()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        # Mapped once the session is held, so the EndSession (or eviction) that drops it unmaps it.
+        entry.segment = shm.try_attach(request.shm_segment, self._shared_memory)
         return pb.StartSessionResponse(drafter=name, prefill_ns=prefill_ns,
                                        shm_nonce=entry.segment.nonce if entry.segment else b"")
 

@@ -197,7 +197,7 @@ class Orchestrator:
             return None
         row_bytes = 0
         if plan.needs_features:
-            row_bytes = self._target.hidden_size * (4 if self._target.dtype not in ("bfloat16", "float16") else 2)
+            row_bytes = self._target.hidden_size * _ELEMENT_BYTES.get(self._target.dtype, 4)
         try:
             return self._segments.create(session_id, row_bytes, self._segment_bytes, self._target.max_context)
         except OSError as e:
@@ -398,9 +398,7 @@ class _Predraft:
             if hit and not isinstance(outcome, (UpstreamError, asyncio.CancelledError)):
                 raise outcome
             self._state.features = _join(self._sent, self._state.features, self._state.segment)
-            self._sent = None
             return None
-        self._sent = None
         return outcome if hit else None
 
 

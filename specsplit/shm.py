@@ -76,12 +76,11 @@ class Segment:
         name = f"{PREFIX}{creator}-{session_id}"
         if not _NAME.match(name):
             raise ShmError(f"session id {session_id!r} cannot name a segment")
-        slot_offset_min = HEADER_BYTES
         rows = 0
         if row_bytes:
             rows = max(0, min(max_rows, (budget - HEADER_BYTES - SLOTS * SLOT_BYTES) // row_bytes))
         ring_offset = HEADER_BYTES
-        slot_offset = max(slot_offset_min, ring_offset + rows * row_bytes)
+        slot_offset = ring_offset + rows * row_bytes
         size = slot_offset + SLOTS * SLOT_BYTES
         path = shm_dir() / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)

@@ -60,21 +60,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             sampling.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        segment = shm.try_attach(request.shm_segment, self._shared_memory)
         try:
             session, result = await self._worker.run(self._target.prefill, prompt, request.return_features,
                                                      sampling, method)
-            session.segment = segment
             self._sessions.put(request.session_id, session)
         except SessionExists:
-            _close(segment)
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
-            _close(segment)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except BaseException:
-            _close(segment)
-            raise
+        # Mapped once the session is held, so the Release (or eviction) that drops it unmaps it.
+        session.segment = segment = shm.try_attach(request.shm_segment, self._shared_memory)
         record_compute(result.forward_ns)
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
                                   forward_ns=result.forward_ns, features=_features(result, 0, segment),
@@ -111,8 +106,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Release(self, request, context):
         session = self._sessions.pop(request.session_id)
-        if session is not None:
-            _close(session.segment)
+        if session is not None and session.segment is not None:
+            session.segment.close()
         return pb.ReleaseResponse(released=session is not None)
 
     async def warmup(self) -> None:
@@ -136,10 +131,6 @@ def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
 def _features(result, start: int, segment: shm.Segment | None):
     return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
 
-
-def _close(segment: shm.Segment | None) -> None:
-    if segment is not None:
-        segment.close()
 
 
 def first_id(lm: LoadedModel) -> int:
