@@ -31,6 +31,7 @@ class Ewma:
 
 
 def p95(values) -> float:
+    """Nearest-rank 95th percentile (the controller's and the bench's)."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import statistics
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from gateway.controller import p95
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -146,12 +146,6 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               sum(r.proposal_bytes for r in s.round_records),
                               (s.predraft_attempts, s.predraft_hits)))
     return records
-
-
-def p95(values: list[float]) -> float:
-    """Nearest-rank 95th percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
 def summarise(records: list[Record]) -> list[dict]:
