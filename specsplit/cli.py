@@ -1,4 +1,4 @@
-"""The `specsplit` command: fetch-model, up, serve, generate, bench, distill."""
+"""The `specsplit` command: fetch-model (and the native kernels), up, serve, generate, bench, distill."""
 
 from __future__ import annotations
 
@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--no-exact", dest="exact", action="store_false",
                    help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
     v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument("--kv-cache-mib", type=int, default=0,
+                   help="KV cache of all sessions together; 0: max sessions at the full context, "
+                        "at most a quarter of memory")
     v.add_argument("--idle-timeout", type=float, default=600.0, help="evict sessions idle this long (s)")
 
     d = roles.add_parser("draft", help="the drafters")
@@ -284,7 +287,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         from verify_service.main import run
 
         settings = VerifySettings(server=server, model=ModelSettings(a.target_model, a.dtype, a.device, a.exact),
-                                  max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout)
+                                  max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
+                                  kv_cache_mib=a.kv_cache_mib)
     elif a.role == "draft":
         from draft_service.main import run
 
@@ -453,7 +457,25 @@ def cmd_fetch_model(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(ensure_default_model())
+    _build_native()
     return 0
+
+
+def _build_native() -> None:
+    """Builds the native kernels once (cached), so services do not each wait for the compiler."""
+    import time
+
+    import torch
+
+    from specsplit import native
+
+    reason = native.unavailable(torch.float32, torch.device("cpu"))
+    if reason:
+        print(f"native kernels: not used here ({reason})", file=sys.stderr)
+        return
+    started = time.perf_counter()
+    native.module()
+    print(f"native kernels: ready in {time.perf_counter() - started:.1f} s ({native.cache_dir()})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 """Load a local HF causal LM and run it with a per-sequence KV cache that rolls back by position.
 
-Exact mode (the default) makes a token's logits independent of how many tokens share its forward,
+Where the model and machine allow it (specsplit.fastllama: Llama-family, AVX-512 CPU), sequences
+run on the native kernels, which are exact by construction; otherwise on transformers' forward,
+made exact as follows. Exact mode (the default) makes a token's logits independent of how many tokens share its forward,
 so verifying k drafted tokens in one call gives bit-identical logits to decoding them one by one.
 What it takes was measured on this project's CPUs (docs/architecture.md, "Exactness"):
 - attention: torch's SDPA gives a query row a result that depends on the number of query rows and
@@ -16,6 +18,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +183,18 @@ class LoadedModel:
     param_bytes: int
     model_fingerprint: str
     hidden_size: int
+    native: object = None  # the FastLlama its sequences run on; None: transformers' forward
+    kernels: str = "transformers"  # what runs the forward, for logs and Info
+
+    def set_kv_budget(self, budget_bytes: int) -> str:
+        """Bounds the KV cache of all sequences together; returns a line saying what it holds."""
+        if self.native is None:
+            return "KV cache: transformers' dynamic cache, not bounded by a budget"
+        self.native.pool.budget_bytes = budget_bytes
+        per_token = self.native.token_bytes
+        tokens = budget_bytes // per_token
+        return (f"KV cache budget {budget_bytes / 2**20:.0f} MiB = {tokens} tokens at {per_token} B/token "
+                f"({tokens // self.max_context} sessions at the full context of {self.max_context})")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -196,8 +211,11 @@ class LoadedModel:
 _LOAD_LOCK = threading.Lock()
 
 
-def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", exact: bool = True) -> LoadedModel:
-    """Load a local HF causal-LM directory (config, weights, tokenizer). Never touches a model hub."""
+def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", exact: bool = True,
+               native: bool = True) -> LoadedModel:
+    """Load a local HF causal-LM directory (config, weights, tokenizer). Never touches a model hub.
+    Sequences run on the native kernels when `native` and the model and machine allow it; `exact`
+    chooses how transformers' forward runs otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -211,6 +229,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         model.to(device).eval()
     model.requires_grad_(False)
     swap_linears(model, RowInvariantLinear if exact else FlatLinear)
+    native, kernels = _native(model) if native else (None, "transformers (native off)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     config = model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
@@ -227,11 +246,56 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         model_fingerprint=weights_fingerprint(path),
         hidden_size=int(config.hidden_size),
+        native=native,
+        kernels=kernels,
     )
 
 
-class KVSequence:
-    """One sequence's KV cache. The cache holds keys/values for the first `length` tokens fed to it;
+def _native(model: nn.Module):
+    """(FastLlama, "native") when the native kernels can run `model` here, else (None, why not)."""
+    import logging
+
+    from specsplit import fastllama
+
+    reason = fastllama.unsupported_reason(model)
+    if reason is None:
+        try:
+            native = fastllama.FastLlama(model)
+        except (RuntimeError, OSError) as e:  # no compiler, a failed build
+            reason = f"the native kernels did not build: {e}"
+        else:
+            model.specsplit_native = native  # KVSequence(model) runs on it
+            return native, "native"
+    logging.getLogger("specsplit").info("forward: transformers (%s)", reason)
+    return None, f"transformers ({reason})"
+
+
+class Sequence(Protocol):
+    """One sequence's KV cache: tokens fed are appended at positions [length, length + n);
+    truncate(length) rolls back by position."""
+
+    @property
+    def length(self) -> int: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor: ...
+
+    def hidden(self, token_ids: list[int]) -> torch.Tensor: ...
+
+    def forward_with_features(self, token_ids: list[int],
+                              last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def KVSequence(model: nn.Module) -> Sequence:
+    """A new KV-cached sequence on `model`: on the native kernels when load_model prepared them,
+    else on transformers' forward (HFSequence). Both have the same interface."""
+    native = getattr(model, "specsplit_native", None)
+    return native.sequence() if native is not None else HFSequence(model)
+
+
+class HFSequence:
+    """One sequence's KV cache on transformers' forward. The cache holds keys/values for the first `length` tokens fed to it;
     rolling back is truncation by position."""
 
     def __init__(self, model: nn.Module):

@@ -45,6 +45,9 @@ class VerifySettings:
     model: ModelSettings
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
+    # KV cache of all sessions together (native forward); 0: max_sessions at the full context,
+    # capped at a quarter of physical memory.
+    kv_cache_mib: int = 0
 
 
 @dataclass(frozen=True)

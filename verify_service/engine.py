@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specsplit.modeling import KVSequence, LoadedModel
+from specsplit.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.sampling import SamplingParams, warp
 from verify_service.acceptance import coupled_accept, greedy_accept, rejection_accept
 
@@ -27,7 +27,7 @@ class TargetSession:
     """Committed tokens of one sequence. The KV cache always holds tokens[:-1]: the last committed
     token (the target's own latest choice) is fed at the head of the next verify call."""
 
-    kv: KVSequence
+    kv: Sequence
     tokens: list[int] = field(default_factory=list)
     with_features: bool = False  # return the features of newly committed positions
     sampling: SamplingParams = SamplingParams()  # temperature 0: greedy

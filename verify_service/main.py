@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import time
 
 from specsplit import runtime, telemetry
 from specsplit.serving import ModelWorker, serve
@@ -10,12 +13,27 @@ from specsplit.sessions import SessionTable
 from specsplit.settings import VerifySettings
 from verify_service.server import SERVICE_NAME, VerifierServicer, register
 
+log = logging.getLogger("specsplit")
+
+
+def kv_budget(settings: VerifySettings, lm) -> int:
+    """Bytes for all sessions' KV caches: the setting, or max_sessions at the full context capped at a
+    quarter of physical memory."""
+    if settings.kv_cache_mib > 0:
+        return settings.kv_cache_mib << 20
+    per_token = lm.native.token_bytes if lm.native is not None else 0
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(settings.max_sessions * lm.max_context * per_token, physical // 4)
+
 
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     runtime.configure_process(settings.server.threads)
     tel = telemetry.configure("specsplit-verify", settings.server.metrics_port)
     worker = ModelWorker("verify")
+    started = time.perf_counter()
     lm = await worker.run(runtime.load, settings.model)
+    log.info("target %s loaded in %.1f s; forward: %s", lm.model_id, time.perf_counter() - started, lm.kernels)
+    log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,

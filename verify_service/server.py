@@ -10,6 +10,7 @@ import torch
 from specsplit import features as wire
 from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.fastllama import CacheFull
 from specsplit.modeling import LoadedModel
 from specsplit.sampling import from_proto
 from specsplit.serving import ModelWorker
@@ -66,7 +67,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._sessions.put(request.session_id, session)
         except SessionExists:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
-        except TableFull as e:
+        except (TableFull, CacheFull) as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         # Mapped once the session is held, so the Release (or eviction) that drops it unmaps it.
         session.segment = segment = shm.try_attach(request.shm_segment, self._shared_memory)
@@ -97,6 +98,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ContextFull as e:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        except CacheFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         record_compute(result.forward_ns)

@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from draft_service.drafters.base import Choice, DrafterDescription, DraftSession, Proposal, choose, sampled_from
-from specsplit.modeling import KVSequence, LoadedModel
+from specsplit.modeling import KVSequence, LoadedModel, Sequence
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `specsplit distill --kind model`
 
 
 class ModelSession(DraftSession):
-    def __init__(self, prompt: list[int], kv: KVSequence):
+    def __init__(self, prompt: list[int], kv: Sequence):
         super().__init__(prompt)
         self.kv = kv
         self.fed: list[int] = []  # the tokens whose keys/values kv holds, in order

@@ -1,0 +1,168 @@
+"""The target's fast, exact forward: Llama-family decoders (llama, mistral without a sliding
+window, qwen2) on the native kernels (specsplit/native/decoder.cpp), with a static KV cache per
+sequence written by position, so rolling back is a length change.
+
+Exact: a row's logits do not depend on the other rows in the call (nor on the thread count), so
+verifying k drafted tokens gives bit-identical logits to decoding them one by one; the kernels
+are built that way (docs/architecture.md, "Target forward"). The caches are plain tensors owned
+by their sequences and accounted against one budget (KVPool), which leaves room for a batching
+verifier that runs several sequences' rows in one call.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from specsplit import native
+
+SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+class CacheFull(RuntimeError):
+    """The KV budget cannot hold what a sequence needs (the service answers RESOURCE_EXHAUSTED)."""
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """None if `model` can run on the native forward here, else why not (it then runs on
+    transformers' own, exact but slower)."""
+    config = model.config
+    arch = type(model).__name__
+    if arch not in SUPPORTED:
+        return f"{arch} is not one of {sorted(SUPPORTED)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    if getattr(config, "mlp_bias", False) or getattr(model.model.layers[0].self_attn.o_proj, "bias", None) is not None:
+        return "biases outside the QKV projection"
+    if getattr(config, "sliding_window", None) and (arch == "MistralForCausalLM"
+                                                    or getattr(config, "use_sliding_window", False)):
+        return "sliding-window attention"
+    if config.intermediate_size % 16:
+        return "intermediate size not a multiple of 16"
+    weight = model.get_input_embeddings().weight
+    return native.unavailable(weight.dtype, weight.device)
+
+
+class KVPool:
+    """Accounts the bytes every sequence's cache holds against one budget. Thread-safe."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, what: str) -> None:
+        with self._lock:
+            if self.used_bytes + nbytes > self.budget_bytes:
+                raise CacheFull(f"{what} needs {nbytes / 2**20:.1f} MiB more KV cache; "
+                                f"{self.used_bytes / 2**20:.1f} of {self.budget_bytes / 2**20:.1f} MiB are in use")
+            self.used_bytes += nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used_bytes -= nbytes
+
+
+class FastLlama:
+    """The packed weights of one model (the native decoder) and the KV budget of its sequences."""
+
+    def __init__(self, model: nn.Module, kv_budget_bytes: int | None = None):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"no native forward for this model: {reason}")
+        config, base = model.config, model.model
+        embed = base.embed_tokens.weight.detach()
+        self.dtype, self.device = embed.dtype, embed.device
+        self.layers = config.num_hidden_layers
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        with torch.no_grad():  # cos/sin for every position, as transformers computes them
+            cos, sin = base.rotary_emb(embed[:1].float(), torch.arange(self.max_context)[None])
+        self.decoder = native.module().Decoder(
+            config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
+            cos[0], sin[0], base.norm.weight.detach(), model.get_output_embeddings().weight.detach())
+        empty = torch.empty(0)
+        for layer in base.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            bias = empty if att.q_proj.bias is None else torch.cat([att.q_proj.bias, att.k_proj.bias,
+                                                                     att.v_proj.bias]).detach()
+            self.decoder.add_layer(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
+                                   bias, att.o_proj.weight.detach(), mlp.gate_proj.weight.detach(),
+                                   mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach(),
+                                   layer.input_layernorm.weight.detach(),
+                                   layer.post_attention_layernorm.weight.detach())
+        self.token_bytes = 2 * self.layers * self.kv_heads * self.head_dim * embed.element_size()
+        self.pool = KVPool(kv_budget_bytes if kv_budget_bytes is not None else 1 << 62)
+
+    def sequence(self) -> FastSequence:
+        return FastSequence(self)
+
+
+_CHUNK = 256  # a cache grows by at least this many positions (and at least doubles)
+
+
+class FastSequence:
+    """One sequence's static KV cache: keys and values of the first `length` tokens fed to it,
+    written by position. The bytes it holds are taken from the pool and given back when it is
+    collected."""
+
+    def __init__(self, lm: FastLlama):
+        self._lm = lm
+        self._length = 0
+        self._cache = torch.zeros(lm.layers, 2, 0, lm.kv_heads, lm.head_dim, dtype=lm.dtype)
+        self._held = [0]
+        weakref.finalize(self, _give_back, lm.pool, self._held)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        return self._cache.shape[2]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
+        self._length = length
+
+    def _reserve(self, end: int) -> None:
+        lm = self._lm
+        if end > lm.max_context:
+            raise ValueError(f"{end} positions exceed the model's context of {lm.max_context}")
+        if end <= self.capacity:
+            return
+        capacity = min(lm.max_context, max(end, 2 * self.capacity, _CHUNK))
+        extra = (capacity - self.capacity) * lm.token_bytes
+        lm.pool.take(extra, f"a sequence of {end} tokens")
+        self._held[0] += extra
+        cache = torch.zeros(lm.layers, 2, capacity, lm.kv_heads, lm.head_dim, dtype=lm.dtype)
+        cache[:, :, :self._length] = self._cache[:, :, :self._length]
+        self._cache = cache
+
+    def _run(self, token_ids: list[int], head: int):
+        self._reserve(self._length + len(token_ids))
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        logits, hidden = self._lm.decoder.forward(ids, self._cache, self._length, head)
+        self._length += len(token_ids)
+        return logits, hidden
+
+    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+        """Append `token_ids` at positions [length, length+n) and return float32 logits
+        [n, vocab] (or [1, vocab] with last_only)."""
+        return self._run(token_ids, 1 if last_only else 2)[0]
+
+    def hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """Append `token_ids` and return their features (final-norm hidden states) [n, hidden]."""
+        return self._run(token_ids, 0)[1]
+
+    def forward_with_features(self, token_ids: list[int], last_only: bool = False):
+        return self._run(token_ids, 1 if last_only else 2)
+
+
+def _give_back(pool: KVPool, held: list[int]) -> None:
+    pool.give(held[0])

@@ -1,0 +1,65 @@
+"""Builds (once per machine, cached) and loads the native decoder kernels in decoder.cpp.
+
+The build needs a C++ compiler and ninja and takes about a minute; the result is cached under
+~/.cache/specsplit/native/<digest of source, torch version and flags>, so later starts load it in
+well under a second. `available()` says why not when the kernels cannot run here."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specsplit")
+SOURCE = Path(__file__).with_name("decoder.cpp")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+_LOCK = threading.Lock()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
+    """None if the kernels can run a model of `dtype` on `device` here, else why not."""
+    if device.type != "cpu":
+        return f"the native kernels are for CPUs, not {device.type}"
+    if os.environ.get("SPECSPLIT_NATIVE", "1") == "0":
+        return "SPECSPLIT_NATIVE=0"
+    flags = cpu_flags()
+    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} | ({"avx512_bf16"} if dtype == torch.bfloat16 else set())
+    missing = sorted(need - flags)
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"the native kernels run bfloat16 or float32, not {dtype}"
+    return None
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("SPECSPLIT_CACHE", Path.home() / ".cache" / "specsplit"))
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    return root / "native" / digest.hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
+def module():
+    """The compiled extension (built on first use). Raises if it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    build = cache_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    with _LOCK:  # torch's own file lock guards against other processes
+        return load(name=f"specsplit_decoder_{build.name}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)

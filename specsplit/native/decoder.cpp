@@ -1,0 +1,415 @@
+// A Llama-family decoder forward for x86 CPUs with AVX-512 (bf16 weights need AVX512_BF16).
+//
+// Why it exists: transformers' CPU step spends most of its time in per-op overhead and in GEMM
+// kernels that are far from the memory bandwidth for 1-9 rows; and those kernels give a row other
+// bits depending on how many rows share the call, which breaks exact speculation.
+//
+// Exactness by construction: every output element (row r, feature o) is computed by the same
+// instruction sequence whatever the number of rows in the call or the number of threads: GEMMs
+// parallelise over output panels only and keep one accumulator per (row, panel); attention for a
+// row at position p reads exactly keys [0, p] and nothing else.
+//
+// Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
+// vdpbf16ps) or [N/16][K][16] fp32; activations between ops are fp32 [rows][features]; the KV
+// cache is the model dtype, [layers][2][capacity][kv_heads][head_dim].
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 8;  // rows per register block of a GEMM
+constexpr int kPrefetch = 32;  // input pairs ahead (2 KiB of a bf16 panel)
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// exp for x in [-87, 88] (clamped): Cody-Waite range reduction and a degree-6
+// polynomial; relative error ~2e-7. Deterministic, lane by lane.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// A packed weight matrix and how to multiply rows by it.
+struct Packed {
+  torch::Tensor data;  // uint16 pairs (bf16) or fp32 panels
+  int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even
+  bool bf16 = true;
+  int64_t panels() const { return (n + kLanes - 1) / kLanes; }
+};
+
+Packed pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
+  Packed p;
+  p.n = weight.size(0);
+  p.k = weight.size(1);
+  p.bf16 = weight.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(p.bf16 || weight.scalar_type() == torch::kFloat32, "weights must be bfloat16 or float32");
+  auto w = weight.contiguous();
+  const int64_t panels = p.panels();
+  if (p.bf16) {
+    p.k2 = (p.k + 1) / 2 * 2;
+    p.data = torch::zeros({panels * p.k2 * kLanes}, torch::kInt16);
+    auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr<int16_t>());
+    const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    for (int64_t o = 0; o < p.n; ++o)
+      for (int64_t i = 0; i < p.k; ++i)
+        dst[((o / kLanes) * (p.k2 / 2) + i / 2) * 2 * kLanes + (o % kLanes) * 2 + (i % 2)] = src[o * p.k + i];
+  } else {
+    p.k2 = p.k;
+    p.data = torch::zeros({panels * p.k * kLanes}, torch::kFloat32);
+    float* dst = p.data.data_ptr<float>();
+    const float* src = w.data_ptr<float>();
+    for (int64_t o = 0; o < p.n; ++o)
+      for (int64_t i = 0; i < p.k; ++i) dst[((o / kLanes) * p.k + i) * kLanes + (o % kLanes)] = src[o * p.k + i];
+  }
+  return p;
+}
+
+// Activation rows as the GEMM reads them: bf16 pairs or fp32, `stride` elements apart.
+struct Rows {
+  std::vector<uint16_t> h;
+  std::vector<float> f;
+  int64_t stride = 0;
+};
+
+void to_rows(const float* x, int64_t rows, int64_t k, bool bf16, Rows& out) {
+  if (bf16) {
+    out.stride = (k + 1) / 2 * 2;
+    out.h.assign(rows * out.stride, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) out.h[r * out.stride + i] = f32_to_bf16(x[r * k + i]);
+  } else {
+    out.stride = k;
+    out.f.assign(x, x + rows * k);
+  }
+}
+
+// Two accumulators per row (even and odd input pairs), summed at the end: twice the independent
+// dependency chains (vdpbf16ps has a latency of several cycles), the same order for every row count.
+template <int R>
+void panel_bf16(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data.data_ptr<int16_t>()) + panel * w.k2 * kLanes;
+  const int64_t pairs = w.k2 / 2;
+  int64_t kp = 0;
+  for (; kp + 2 <= pairs; kp += 2) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * kLanes);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + (kp + 1) * 2 * kLanes);
+    // Stream ahead: with several rows the panel's compute outlasts its load, and the hardware
+    // prefetcher alone leaves DRAM idle meanwhile.
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (kp + kPrefetch) * 2 * kLanes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (kp + kPrefetch + 1) * 2 * kLanes), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      int32_t p0, p1;
+      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
+      std::memcpy(&p1, x + r * stride + 2 * kp + 2, 4);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(p1), w1);
+    }
+  }
+  if (kp < pairs) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * kLanes);
+    for (int r = 0; r < R; ++r) {
+      int32_t p0;
+      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
+    }
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+template <int R>
+void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const float* wp = w.data.data_ptr<float>() + panel * w.k * kLanes;
+  for (int64_t i = 0; i < w.k; ++i) {
+    __m512 wv = _mm512_loadu_ps(wp + i * kLanes);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * stride + i]), wv, acc[r]);
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
+}
+
+template <int R>
+void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
+  if (w.bf16)
+    panel_bf16<R>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy);
+  else
+    panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy);
+}
+
+using PanelFn = void (*)(const Packed&, int64_t, const Rows&, int64_t, float*, int64_t);
+constexpr PanelFn kPanel[kMaxRows + 1] = {nullptr, panel_any<1>, panel_any<2>, panel_any<3>, panel_any<4>,
+                                          panel_any<5>, panel_any<6>, panel_any<7>, panel_any<8>};
+
+// y[rows][w.n] = x @ W^T, parallel over output panels.
+void gemm(const Packed& w, const Rows& x, int64_t rows, float* y) {
+  const int64_t panels = w.panels();
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        const int64_t block = std::min<int64_t>(kMaxRows, rows - r);
+        kPanel[block](w, p, x, r, y, w.n);
+      }
+  });
+}
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    double ss = 0;  // sequential sum: the same order for every row
+    for (int64_t i = 0; i < width; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / width) + eps);
+    for (int64_t i = 0; i < width; ++i) y[r * width + i] = xr[i] * inv * weight[i];
+  }
+}
+
+struct Layer {
+  Packed qkv, o, gate_up, down;
+  torch::Tensor qkv_bias, norm_in, norm_post;  // fp32
+};
+
+class Decoder {
+ public:
+  Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed, torch::Tensor cos,
+          torch::Tensor sin, torch::Tensor norm, torch::Tensor head)
+      : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
+        embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
+        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()),
+        head_(pack(head)) {
+    hidden_ = embed_.size(1);
+    bf16_ = embed_.scalar_type() == torch::kBFloat16;
+  }
+
+  void add_layer(torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o, torch::Tensor gate,
+                 torch::Tensor up, torch::Tensor down, torch::Tensor norm_in, torch::Tensor norm_post) {
+    Layer l;
+    l.qkv = pack(qkv);
+    l.o = pack(o);
+    // gate and up interleaved by panel: panel 2j holds gate outputs 16j.., panel 2j+1 the up ones,
+    // so one GEMM yields both and SiLU(gate) * up pairs up panel by panel.
+    const int64_t inter = gate.size(0);
+    TORCH_CHECK(inter % kLanes == 0, "intermediate size must be a multiple of 16");
+    auto g = gate.reshape({inter / kLanes, kLanes, gate.size(1)});
+    auto u = up.reshape({inter / kLanes, kLanes, up.size(1)});
+    l.gate_up = pack(torch::stack({g, u}, 1).reshape({2 * inter, gate.size(1)}));
+    l.down = pack(down);
+    l.qkv_bias = qkv_bias.defined() && qkv_bias.numel() ? qkv_bias.to(torch::kFloat32).contiguous() : torch::Tensor();
+    l.norm_in = norm_in.to(torch::kFloat32).contiguous();
+    l.norm_post = norm_post.to(torch::kFloat32).contiguous();
+    layers_.push_back(std::move(l));
+  }
+
+  // ids [n] at positions [start, start + n); cache [layers, 2, capacity, kv_heads, head_dim].
+  // head: 0 none, 1 last row, 2 every row. Returns (logits fp32 or empty, hidden in model dtype).
+  std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor cache, int64_t start, int64_t head) {
+    const int64_t n = ids.size(0), width = hidden_;
+    TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
+    TORCH_CHECK(start + n <= cache.size(2), "cache too small");
+    std::vector<float> x(n * width), a(n * width);
+    const auto* id = ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t i = 0; i < width; ++i)
+        x[r * width + i] = bf16_ ? bf16_to_f32(reinterpret_cast<const uint16_t*>(embed_.data_ptr<at::BFloat16>())[id[r] * width + i])
+                                 : embed_.data_ptr<float>()[id[r] * width + i];
+    }
+    for (size_t li = 0; li < layers_.size(); ++li) layer(layers_[li], cache[li], x.data(), n, start);
+    rms_norm(x.data(), norm_.data_ptr<float>(), n, width, eps_, a.data());
+    auto hidden = torch::from_blob(a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
+    torch::Tensor logits;
+    if (head) {
+      const int64_t first = head == 1 ? n - 1 : 0, rows = n - first;
+      Rows in;
+      to_rows(a.data() + first * width, rows, width, bf16_, in);
+      logits = torch::empty({rows, head_.n}, torch::kFloat32);
+      gemm(head_, in, rows, logits.data_ptr<float>());
+    }
+    return {logits, hidden};
+  }
+
+ private:
+  void layer(const Layer& l, torch::Tensor kv, float* x, int64_t n, int64_t start) {
+    const int64_t width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_;
+    std::vector<float> a(n * width);
+    Rows in;
+    // attention block
+    rms_norm(x, l.norm_in.data_ptr<float>(), n, width, eps_, a.data());
+    to_rows(a.data(), n, width, bf16_, in);
+    std::vector<float> qkv(n * l.qkv.n);
+    gemm(l.qkv, in, n, qkv.data());
+    if (l.qkv_bias.defined()) {
+      const float* b = l.qkv_bias.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < l.qkv.n; ++i) qkv[r * l.qkv.n + i] += b[i];
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      rope(qkv.data() + r * l.qkv.n, heads_ + kv_heads_, start + r);
+      store_kv(kv, qkv.data() + r * l.qkv.n + qw, qkv.data() + r * l.qkv.n + qw + kw, start + r);
+    }
+    std::vector<float> att(n * qw);
+    attend(kv, qkv.data(), l.qkv.n, n, start, att.data());
+    to_rows(att.data(), n, qw, bf16_, in);
+    std::vector<float> y(n * width);
+    gemm(l.o, in, n, y.data());
+    for (int64_t i = 0; i < n * width; ++i) x[i] += y[i];
+    // MLP block
+    rms_norm(x, l.norm_post.data_ptr<float>(), n, width, eps_, a.data());
+    to_rows(a.data(), n, width, bf16_, in);
+    const int64_t inter = l.gate_up.n / 2;
+    std::vector<float> gu(n * 2 * inter), h(n * inter);
+    gemm(l.gate_up, in, n, gu.data());
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < inter; j += kLanes) {  // SiLU(gate) * up, 16 features at a time
+        const float* pair = gu.data() + r * 2 * inter + 2 * j;
+        const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(h.data() + r * inter + j, _mm512_mul_ps(silu, u));
+      }
+    to_rows(h.data(), n, inter, bf16_, in);
+    gemm(l.down, in, n, y.data());
+    for (int64_t i = 0; i < n * width; ++i) x[i] += y[i];
+  }
+
+  // Rotary embedding of `count` heads of one row (rotate-half convention, transformers' tables).
+  void rope(float* v, int64_t count, int64_t pos) const {
+    const float* c = cos_.data_ptr<float>() + pos * d_;
+    const float* s = sin_.data_ptr<float>() + pos * d_;
+    const int64_t half = d_ / 2;
+    for (int64_t h = 0; h < count; ++h) {
+      float* q = v + h * d_;
+      for (int64_t i = 0; i < half; ++i) {
+        const float lo = q[i], hi = q[i + half];
+        q[i] = lo * c[i] - hi * s[i];
+        q[i + half] = hi * c[i + half] + lo * s[i + half];
+      }
+    }
+  }
+
+  void store_kv(torch::Tensor kv, const float* k, const float* v, int64_t pos) const {
+    const int64_t kw = kv_heads_ * d_, cap = kv.size(1);
+    if (bf16_) {
+      auto* base = reinterpret_cast<uint16_t*>(kv.data_ptr<at::BFloat16>());
+      for (int64_t i = 0; i < kw; ++i) {
+        base[pos * kw + i] = f32_to_bf16(k[i]);
+        base[(cap + pos) * kw + i] = f32_to_bf16(v[i]);
+      }
+    } else {
+      float* base = kv.data_ptr<float>();
+      std::memcpy(base + pos * kw, k, kw * 4);
+      std::memcpy(base + (cap + pos) * kw, v, kw * 4);
+    }
+  }
+
+  // One task per (row, head): the row at position p attends keys [0, p] exactly.
+  void attend(torch::Tensor kv, const float* qkv, int64_t ld, int64_t n, int64_t start, float* out) const {
+    const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_, cap = kv.size(1);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
+    TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of 16, at most 256");
+    at::parallel_for(0, n * heads_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(start + n);
+      std::vector<float> kf(d_);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t r = t / heads_, h = t % heads_, g = h / group, len = start + r + 1;
+        const float* q = qkv + r * ld + h * d_;
+        float best = -INFINITY;
+        for (int64_t j = 0; j < len; ++j) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(kv, j, g, i, kw, 0), acc);
+          const float s = _mm512_reduce_add_ps(acc) * scale;
+          scores[j] = s;
+          best = std::max(best, s);
+        }
+        __m512 total = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + kLanes <= len; j += kLanes) {
+          __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), _mm512_set1_ps(best)));
+          _mm512_storeu_ps(scores.data() + j, e);
+          total = _mm512_add_ps(total, e);
+        }
+        if (j < len) {
+          const __mmask16 m = static_cast<__mmask16>((1u << (len - j)) - 1);
+          __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j), _mm512_set1_ps(best)));
+          e = _mm512_maskz_mov_ps(m, e);
+          _mm512_mask_storeu_ps(scores.data() + j, m, e);
+          total = _mm512_add_ps(total, e);
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(total);
+        __m512 acc[16];
+        const int64_t chunks = d_ / kLanes;
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+        for (int64_t jj = 0; jj < len; ++jj) {
+          const __m512 p = _mm512_set1_ps(scores[jj]);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(kv, jj, g, c * kLanes, kw, cap), acc[c]);
+        }
+        float* o = out + r * heads_ * d_ + h * d_;
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+      }
+    });
+  }
+
+  // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
+  inline __m512 key(const torch::Tensor& kv, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {
+    const int64_t off = (plane + j) * kw + g * d_ + i;
+    if (bf16_) return load_bf16x16(reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()) + off);
+    return _mm512_loadu_ps(kv.data_ptr<float>() + off);
+  }
+
+  int64_t heads_, kv_heads_, d_, hidden_ = 0;
+  float eps_;
+  bool bf16_ = true;
+  torch::Tensor embed_, cos_, sin_, norm_;
+  Packed head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
