@@ -113,9 +113,11 @@ def _warmup(prompts: list[Prompt]) -> Prompt:
     return Prompt("warmup", prompts[0].prompt)
 
 
-def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant]) -> list[Record]:
-    """Speculation off, then on with each variant, back to back (noise hits all alike); one record
-    per variant, all compared with the same spec-off runs (coupled sampler at temperature > 0)."""
+def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant],
+               also=lambda: None) -> list[Record]:
+    """Speculation off, then on with each variant, then `also()` (the anchor), back to back (noise
+    hits all alike); one record per variant, all compared with the same spec-off runs (coupled
+    sampler at temperature > 0)."""
     off_times: list[float] = []
     on_times: dict[Variant, list[float]] = {d: [] for d in drafters}
     last: dict[Variant, pb.GenerateResponse] = {}
@@ -127,6 +129,7 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
             start = time.perf_counter()
             last[d] = stub.Generate(_request(p, pb.SPECULATION_ON, max_new_tokens, d), timeout=600)
             on_times[d].append(time.perf_counter() - start)
+        also()
     step_ms = off.stats.verify_ms / off.stats.rounds if off.stats.rounds else 0.0
     records = []
     for d in drafters:
@@ -343,6 +346,18 @@ def main(args, config: StackConfig) -> int:
     if args.controlled:
         with gateway_stub(args.gateway, config) as (stub, _):
             return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+    anchor, anchored, profile = None, [], None
+    if args.anchor and args.temperature > 0:
+        print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
+    elif args.anchor:
+        from specsplit import anchor as anchoring
+        from specsplit import default_model
+
+        model_dir = str(default_model.resolve(config.target_model))
+        print("measuring the target step, loading transformers' own model ...", file=sys.stderr, flush=True)
+        profile = anchoring.step_profile(model_dir, config.dtype)
+        anchor = anchoring.Anchor(model_dir, config.dtype)
+        anchor.warmup(prompts[0].prompt)
     with gateway_stub(args.gateway, config) as (stub, stack):
         names = [d for d in (args.drafters or "").split(",") if d]
         if not names:  # every drafter the stack's draft service hosts; else the gateway's default
@@ -353,7 +368,11 @@ def main(args, config: StackConfig) -> int:
             stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
         records = []
         for i, p in enumerate(prompts, 1):
-            for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters):
+            also = lambda: None  # noqa: E731
+            if anchor is not None:
+                anchored.append(anchoring.AnchorRecord(p.task_type))
+                also = lambda: anchor.run(anchored[-1], p.prompt, args.max_new_tokens)  # noqa: E731
+            for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters, also):
                 records.append(r)
                 print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
                       f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
@@ -369,7 +388,13 @@ def main(args, config: StackConfig) -> int:
     sampling = f"temperature={args.temperature}, seed={args.seed}" if args.temperature > 0 else "greedy"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
               f"repeats={args.repeats}, gamma={info.gamma}, {sampling}, {where}, {exact}")
+    if profile:
+        header += (f"\ntarget forward ({profile['kernels']}): 1-row step {profile['rows1_ms']:.2f} ms, "
+                   f"5-row verify {profile['rows5_ms']:.2f} ms ({profile['rows5_ms'] / profile['rows1_ms']:.2f}x), "
+                   "128-token context")
     print_table(rows, header, memory)
+    if anchor is not None:
+        anchoring.print_table(anchor, anchored, rows)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,
                                                    "records": [asdict(r) for r in records]}, indent=1))

@@ -189,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
                                          "verbatim repetition, where drafts are almost always right; 'long': "
                                          "~1,300-token prompts, whose features make a large first round)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--anchor", action="store_true",
+                       help="also run transformers in-process (generate plain and with prompt lookup) on the same "
+                            "prompts, interleaved, and print the ratios against it")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--json-out", help="also write every record and the summary here")

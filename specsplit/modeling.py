@@ -295,8 +295,8 @@ def KVSequence(model: nn.Module) -> Sequence:
 
 
 class HFSequence:
-    """One sequence's KV cache on transformers' forward. The cache holds keys/values for the first `length` tokens fed to it;
-    rolling back is truncation by position."""
+    """One sequence's KV cache on transformers' forward. The cache holds keys/values for the first
+    `length` tokens fed to it; rolling back is truncation by position."""
 
     def __init__(self, model: nn.Module):
         from transformers import DynamicCache

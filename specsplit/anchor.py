@@ -1,0 +1,117 @@
+"""`specsplit bench --anchor`: what a user would otherwise run, measured in the same run.
+
+Hugging Face transformers in-process on the same model, dtype, chat template and token budget:
+`model.generate` plain and with prompt lookup (`prompt_lookup_num_tokens=3`), greedy, timed like
+the bench's own requests (wall time per request, prefill included, after a warm-up), interleaved
+with them prompt by prompt so that machine noise hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+LOOKUP_TOKENS = 3
+
+
+@dataclass
+class AnchorRecord:
+    task_type: str
+    plain_s: list[float] = field(default_factory=list)
+    lookup_s: list[float] = field(default_factory=list)
+    plain_tokens: int = 0
+    lookup_tokens: int = 0
+    lookup_identical: bool = False  # prompt lookup's output equals plain generate's
+
+
+class Anchor:
+    """transformers' own model (its default attention and kernels), loaded as a user would."""
+
+    def __init__(self, model_dir: str, dtype: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from specsplit.modeling import parse_dtype
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype), local_files_only=True)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.version = __import__("transformers").__version__
+
+    def _generate(self, ids: list[int], max_new_tokens: int, lookup: bool) -> tuple[list[int], float]:
+        inputs = torch.tensor([ids])
+        extra = {"prompt_lookup_num_tokens": LOOKUP_TOKENS} if lookup else {}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                      do_sample=False, pad_token_id=self.tokenizer.eos_token_id, **extra)
+        return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+    def warmup(self, prompt: str) -> None:
+        for lookup in (False, True):
+            self._generate(self._ids(prompt), 8, lookup)
+
+    def _ids(self, prompt: str) -> list[int]:
+        from specsplit.modeling import chat_prompt_ids
+
+        return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
+
+    def run(self, record: AnchorRecord, prompt: str, max_new_tokens: int) -> None:
+        """One plain and one prompt-lookup request for `prompt`, added to `record`."""
+        ids = self._ids(prompt)
+        plain, t = self._generate(ids, max_new_tokens, lookup=False)
+        record.plain_s.append(t)
+        record.plain_tokens = len(plain)
+        lookup, t = self._generate(ids, max_new_tokens, lookup=True)
+        record.lookup_s.append(t)
+        record.lookup_tokens = len(lookup)
+        record.lookup_identical = lookup == plain
+
+
+def step_profile(model_dir: str, dtype: str, context: int = 128, repeats: int = 30) -> dict[str, float]:
+    """Our target forward in this process (the verify service's code): median ms of a 1-row step
+    and of a 5-row verify at a `context`-token prefix, interleaved."""
+    from specsplit.modeling import KVSequence, load_model
+
+    lm = load_model(model_dir, dtype)
+    seq = KVSequence(lm.model)
+    seq.forward([(i * 7 + 3) % lm.vocab_size for i in range(context)])
+    times: dict[int, list[float]] = {1: [], 5: []}
+    for i in range(repeats + 3):
+        for rows in times:
+            start = time.perf_counter()
+            seq.forward(list(range(10, 10 + rows)))
+            if i >= 3:
+                times[rows].append(time.perf_counter() - start)
+            seq.truncate(context)
+    return {"kernels": lm.kernels, **{f"rows{r}_ms": 1e3 * statistics.median(t) for r, t in times.items()}}
+
+
+def print_table(anchor: Anchor, records: list[AnchorRecord], ours: list[dict], out=sys.stdout) -> None:
+    """Per task type: transformers' tok/s next to ours, and the ratios the goals are stated in."""
+    groups: dict[str, list[AnchorRecord]] = defaultdict(list)
+    for r in records:
+        groups[r.task_type].append(r)
+    groups["ALL"] = list(records)
+    drafters = list(dict.fromkeys(row["drafter"] for row in ours))
+    print(f"anchor: transformers {anchor.version} in-process, {anchor.model.dtype}, same prompts, chat template and "
+          f"token budget, greedy, interleaved with the requests above (tok/s = tokens / wall time incl. prefill)",
+          file=out)
+    head = f"{'task type':<11}{'HF plain':>9}{'HF lookup':>10}{'lookup=plain':>13}{'ours off':>9}{'off/HF':>8}"
+    head += "".join(f"{d + ' on':>{max(10, len(d) + 4)}}{'/HF lookup':>11}" for d in drafters)
+    print(head, file=out)
+    by_key = {(row["drafter"], row["task_type"]): row for row in ours}
+    for task, rs in groups.items():
+        plain = sum(r.plain_tokens for r in rs) / sum(statistics.median(r.plain_s) for r in rs)
+        lookup = sum(r.lookup_tokens for r in rs) / sum(statistics.median(r.lookup_s) for r in rs)
+        off = by_key[(drafters[0], task)]["tok_s_off"]
+        line = (f"{task:<11}{plain:>9.1f}{lookup:>10.1f}{sum(r.lookup_identical for r in rs):>8}/{len(rs):<4}"
+                f"{off:>9.1f}{off / plain:>7.2f}x")
+        for d in drafters:
+            on = by_key[(d, task)]["tok_s_on"]
+            line += f"{on:>{max(10, len(d) + 4)}.1f}{on / lookup:>10.2f}x"
+        print(line, file=out)
