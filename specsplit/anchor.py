@@ -27,6 +27,7 @@ class AnchorRecord:
     plain_tokens: int = 0
     lookup_tokens: int = 0
     lookup_identical: bool = False  # prompt lookup's output equals plain generate's
+    plain_ids: list[int] = field(default_factory=list)  # the last plain output
 
 
 class Anchor:
@@ -65,7 +66,7 @@ class Anchor:
         ids = self._ids(prompt)
         plain, t = self._generate(ids, max_new_tokens, lookup=False)
         record.plain_s.append(t)
-        record.plain_tokens = len(plain)
+        record.plain_tokens, record.plain_ids = len(plain), plain
         lookup, t = self._generate(ids, max_new_tokens, lookup=True)
         record.lookup_s.append(t)
         record.lookup_tokens = len(lookup)

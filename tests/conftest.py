@@ -112,7 +112,7 @@ class Running:
 @contextlib.asynccontextmanager
 async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
                         default_drafter: str = "ngram", draft_kw: dict | None = None, tls: dict | None = None,
-                        **gateway_kw):
+                        verify_kw: dict | None = None, **gateway_kw):
     """The three real services in this process, on temp UNIX sockets or loopback TCP ports."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
@@ -140,7 +140,8 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
     model = ModelSettings(str(target), dtype)
     draft_model = ModelSettings(str(draft), dtype, exact=False) if draft else None
     tasks = [
-        asyncio.create_task(run_verify(VerifySettings(server("verify"), model), stop, handle_signals=False)),
+        asyncio.create_task(run_verify(VerifySettings(server("verify"), model, **(verify_kw or {})), stop,
+                                       handle_signals=False)),
         asyncio.create_task(run_draft(DraftSettings(server("draft"), draft_model, default_drafter=default_drafter,
                                                     **(draft_kw or {})), stop, handle_signals=False)),
     ]

@@ -459,3 +459,25 @@ async def test_controller_reasons_policy_and_concurrency(models, tmp_path, caplo
                 reasons = {r.stats.speculation_reason for r in many}
                 assert "concurrency" in reasons and all(
                     r.stats.speculation_used == (r.stats.speculation_reason != "concurrency") for r in many)
+
+
+async def test_verifier_refuses_sessions_past_its_kv_budget_and_frees_them_on_release(models, tmp_path):
+    from specsplit.modeling import load_model
+
+    native = load_model(models["target"], "bfloat16").native
+    if native is None:
+        pytest.skip("the KV budget bounds the native forward's caches")
+    fits = (1 << 20) // (256 * native.token_bytes)  # a session's cache starts at 256 positions
+    async with running_stack(tmp_path, "unix", models["target"], None, verify_kw={"kv_cache_mib": 1}) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            stub = vpb_grpc.VerifierStub(ch)
+            for i in range(fits):
+                await stub.Prefill(vpb.PrefillRequest(session_id=f"s{i}", prompt_token_ids=[1, 2, 3]))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Prefill(vpb.PrefillRequest(session_id="over", prompt_token_ids=[1, 2, 3]))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "MiB" in e.value.details()
+            await stub.Release(vpb.ReleaseRequest(session_id="s0"))
+            await stub.Prefill(vpb.PrefillRequest(session_id="again", prompt_token_ids=[1, 2, 3]))  # room is back
+            for sid in ["again", *(f"s{i}" for i in range(1, fits))]:
+                await stub.Release(vpb.ReleaseRequest(session_id=sid))
+            assert (await stub.Info(vpb.InfoRequest())).active_sessions == 0
