@@ -55,11 +55,33 @@ def cache_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def module():
-    """The compiled extension (built on first use). Raises if it cannot be built."""
-    from torch.utils.cpp_extension import load
+    """The compiled extension: imported from the cache when built before (the cache directory is
+    named by the digest of everything that goes into it), else built first. Raises if it cannot be
+    built."""
+    import importlib.util
 
     build = cache_dir()
+    name = f"specsplit_decoder_{build.name}"
+    library = build / f"{name}.so"
+    with _LOCK:
+        if not library.exists():
+            return _build(build, name)
+        spec = importlib.util.spec_from_file_location(name, library)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def _build(build: Path, name: str):
+    """Compiles into a private directory, then moves the library into place, so that concurrent
+    builds (three services starting at once) never load a half-written file."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
     build.mkdir(parents=True, exist_ok=True)
-    with _LOCK:  # torch's own file lock guards against other processes
-        return load(name=f"specsplit_decoder_{build.name}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    with tempfile.TemporaryDirectory(dir=build) as tmp:
+        mod = load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                   build_directory=tmp, verbose=False)
+        os.replace(Path(tmp) / f"{name}.so", build / f"{name}.so")
+    return mod
