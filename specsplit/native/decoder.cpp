@@ -68,6 +68,7 @@ inline __m512 exp_ps(__m512 x) {
 // A packed weight matrix and how to multiply rows by it.
 struct Packed {
   torch::Tensor data;  // uint16 pairs (bf16) or fp32 panels
+  const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
   int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even
   bool bf16 = true;
   int64_t panels() const { return (n + kLanes - 1) / kLanes; }
@@ -98,6 +99,7 @@ Packed pack(const torch::Tensor& weight) {
     for (int64_t o = 0; o < p.n; ++o)
       for (int64_t i = 0; i < p.k; ++i) dst[((o / kLanes) * p.k + i) * kLanes + (o % kLanes)] = src[o * p.k + i];
   }
+  p.ptr = p.data.data_ptr();
   return p;
 }
 
@@ -109,14 +111,21 @@ struct Rows {
 };
 
 void to_rows(const float* x, int64_t rows, int64_t k, bool bf16, Rows& out) {
-  if (bf16) {
-    out.stride = (k + 1) / 2 * 2;
-    out.h.assign(rows * out.stride, 0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < k; ++i) out.h[r * out.stride + i] = f32_to_bf16(x[r * k + i]);
-  } else {
+  if (!bf16) {
     out.stride = k;
     out.f.assign(x, x + rows * k);
+    return;
+  }
+  out.stride = (k + 1) / 2 * 2;
+  out.h.resize(rows * out.stride);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * k;
+    uint16_t* dst = out.h.data() + r * out.stride;
+    int64_t i = 0;
+    for (; i + kLanes <= k; i += kLanes)  // round to nearest even, like f32_to_bf16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < k; ++i) dst[i] = f32_to_bf16(src[i]);
+    if (out.stride > k) dst[k] = 0;
   }
 }
 
@@ -126,7 +135,7 @@ template <int R>
 void panel_bf16(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data.data_ptr<int16_t>()) + panel * w.k2 * kLanes;
+  const auto* wp = static_cast<const uint16_t*>(w.ptr) + panel * w.k2 * kLanes;
   const int64_t pairs = w.k2 / 2;
   int64_t kp = 0;
   for (; kp + 2 <= pairs; kp += 2) {
@@ -161,7 +170,7 @@ template <int R>
 void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const float* wp = w.data.data_ptr<float>() + panel * w.k * kLanes;
+  const float* wp = static_cast<const float*>(w.ptr) + panel * w.k * kLanes;
   for (int64_t i = 0; i < w.k; ++i) {
     __m512 wv = _mm512_loadu_ps(wp + i * kLanes);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * stride + i]), wv, acc[r]);
@@ -198,10 +207,20 @@ void gemm(const Packed& w, const Rows& x, int64_t rows, float* y) {
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * width;
-    double ss = 0;  // sequential sum: the same order for every row
-    for (int64_t i = 0; i < width; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / width) + eps);
-    for (int64_t i = 0; i < width; ++i) y[r * width + i] = xr[i] * inv * weight[i];
+    __m512 acc = _mm512_setzero_ps();  // the same lanes and order for every row
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {
+      const __m512 v = _mm512_loadu_ps(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < width; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + kLanes <= width; i += kLanes)
+      _mm512_storeu_ps(y + r * width + i,
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv), _mm512_loadu_ps(weight + i)));
+    for (; i < width; ++i) y[r * width + i] = xr[i] * inv * weight[i];
   }
 }
 
@@ -249,11 +268,11 @@ class Decoder {
     TORCH_CHECK(start + n <= cache.size(2), "cache too small");
     std::vector<float> x(n * width), a(n * width);
     const auto* id = ids.data_ptr<int64_t>();
-    for (int64_t r = 0; r < n; ++r) {
+    const void* table = embed_.data_ptr();
+    for (int64_t r = 0; r < n; ++r)
       for (int64_t i = 0; i < width; ++i)
-        x[r * width + i] = bf16_ ? bf16_to_f32(reinterpret_cast<const uint16_t*>(embed_.data_ptr<at::BFloat16>())[id[r] * width + i])
-                                 : embed_.data_ptr<float>()[id[r] * width + i];
-    }
+        x[r * width + i] = bf16_ ? bf16_to_f32(static_cast<const uint16_t*>(table)[id[r] * width + i])
+                                 : static_cast<const float*>(table)[id[r] * width + i];
     for (size_t li = 0; li < layers_.size(); ++li) layer(layers_[li], cache[li], x.data(), n, start);
     rms_norm(x.data(), norm_.data_ptr<float>(), n, width, eps_, a.data());
     auto hidden = torch::from_blob(a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
@@ -347,6 +366,7 @@ class Decoder {
     const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_, cap = kv.size(1);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
     TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of 16, at most 256");
+    const void* base = kv.data_ptr();
     at::parallel_for(0, n * heads_, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(start + n);
       std::vector<float> kf(d_);
@@ -356,7 +376,7 @@ class Decoder {
         float best = -INFINITY;
         for (int64_t j = 0; j < len; ++j) {
           __m512 acc = _mm512_setzero_ps();
-          for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(kv, j, g, i, kw, 0), acc);
+          for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(base, j, g, i, kw, 0), acc);
           const float s = _mm512_reduce_add_ps(acc) * scale;
           scores[j] = s;
           best = std::max(best, s);
@@ -381,7 +401,7 @@ class Decoder {
         for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
         for (int64_t jj = 0; jj < len; ++jj) {
           const __m512 p = _mm512_set1_ps(scores[jj]);
-          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(kv, jj, g, c * kLanes, kw, cap), acc[c]);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(base, jj, g, c * kLanes, kw, cap), acc[c]);
         }
         float* o = out + r * heads_ * d_ + h * d_;
         for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
@@ -390,10 +410,10 @@ class Decoder {
   }
 
   // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
-  inline __m512 key(const torch::Tensor& kv, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {
+  inline __m512 key(const void* base, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {
     const int64_t off = (plane + j) * kw + g * d_ + i;
-    if (bf16_) return load_bf16x16(reinterpret_cast<const uint16_t*>(kv.data_ptr<at::BFloat16>()) + off);
-    return _mm512_loadu_ps(kv.data_ptr<float>() + off);
+    if (bf16_) return load_bf16x16(static_cast<const uint16_t*>(base) + off);
+    return _mm512_loadu_ps(static_cast<const float*>(base) + off);
   }
 
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
