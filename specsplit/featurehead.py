@@ -228,3 +228,80 @@ def unrolled_forward(head: FeatureHead, features: torch.Tensor, tokens: torch.Te
         # Next step at position i reads this step's prediction made at position i-1.
         feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)
     return outs
+
+
+class NativeHead:
+    """Serving on the native kernels (specsplit.native, float32): the head's layer and its
+    draft-vocabulary logits in one call per drafting step instead of ~50 torch ops (measured on
+    the shipped head: 1.95 ms a step plus 1.6 ms of logits with torch). The same maths as
+    head_step + FeatureHead.logits; its caches are NativeHeadCache."""
+
+    def __init__(self, head: FeatureHead, max_positions: int):
+        from specsplit import native
+
+        cfg = head.cfg
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * head.inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
+        self.head = head
+        self.max_positions = max_positions
+        self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
+                                               torch.empty(0, cfg.hidden), emb.cos(), emb.sin(), torch.empty(0),
+                                               head.vocab_weight.float())
+        self.decoder.add_layer(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).float(),
+                               torch.empty(0), head.o_proj.weight.float(), head.gate_proj.weight.float(),
+                               head.up_proj.weight.float(), head.down_proj.weight.float(),
+                               head.input_norm.weight.float(), head.post_norm.weight.float())
+
+    def new_cache(self) -> NativeHeadCache:
+        return NativeHeadCache(self.head.cfg, self.max_positions)
+
+    @torch.inference_mode()
+    def step(self, cache: NativeHeadCache, features: torch.Tensor, next_tokens: list[int]):
+        """As head_step, plus the draft logits of the last row: (predicted features [n, d], logits [draft_vocab])."""
+        tokens = torch.tensor(next_tokens, dtype=torch.long)
+        head = self.head
+        x = head.fc(torch.cat([features.float(), head.embed[tokens].float()], dim=-1))  # [n, d]
+        start = cache.grow(len(next_tokens))
+        logits, hidden = self.decoder.forward_rows(x, cache.kv, start, 1)
+        return hidden, logits[0]
+
+
+class NativeHeadCache:
+    """The head's one-layer KV cache as the native kernels keep it: [1, 2, capacity, kv_heads,
+    head_dim] float32, written by position; truncation is a length change."""
+
+    def __init__(self, cfg: HeadConfig, max_positions: int):
+        self._cfg, self._max = cfg, max_positions
+        self.kv = torch.zeros(1, 2, 0, cfg.kv_heads, cfg.head_dim)
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def grow(self, n: int) -> int:
+        """Room for n more positions; returns where they start (the length becomes start + n)."""
+        start, end = self.length, self.length + n
+        if end > self._max:
+            raise ValueError(f"{end} positions exceed the head's {self._max}")
+        if end > self.kv.shape[2]:
+            kv = torch.zeros(1, 2, min(self._max, max(end, 2 * self.kv.shape[2], 256)), self._cfg.kv_heads,
+                             self._cfg.head_dim)
+            kv[:, :, :start] = self.kv[:, :, :start]
+            self.kv = kv
+        self.length = end
+        return start
+
+
+class TorchHead:
+    """Serving on torch (where the native kernels do not run): head_step and FeatureHead.logits."""
+
+    def __init__(self, head: FeatureHead):
+        self.head = head
+
+    def new_cache(self) -> HeadCache:
+        return HeadCache()
+
+    @torch.inference_mode()
+    def step(self, cache: HeadCache, features: torch.Tensor, next_tokens: list[int]):
+        out = head_step(self.head, cache, features, next_tokens)
+        return out, self.head.logits(out[-1])

@@ -78,3 +78,39 @@ def test_self_session_keeps_features_aligned_with_committed_tokens():
         session.add_features(7, torch.zeros(1, 4))
     with pytest.raises(ValueError, match="inside the 3-token prompt"):
         session.sync(2, [1])
+
+
+def test_native_serving_computes_what_torch_serving_computes():
+    """The native kernels run the head's layer and draft logits as head_step + logits do, through
+    a prefix, drafted steps and a rollback."""
+    import pytest
+
+    from specsplit import native
+    from specsplit.featurehead import NativeHead, TorchHead
+
+    if native.unavailable(torch.float32, torch.device("cpu")):
+        pytest.skip(native.unavailable(torch.float32, torch.device("cpu")))
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=16, rope_theta=10000.0,
+                     eps=1e-5, draft_vocab=16)
+    head = FeatureHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
+    head.eval()
+    runners = (TorchHead(head), NativeHead(head, 64))
+    caches = [r.new_cache() for r in runners]
+    feats, tokens = torch.randn(10, 32), torch.randint(0, 50, (10,)).tolist()
+
+    def both(features, next_tokens):
+        (a, la), (b, lb) = (r.step(c, features, next_tokens) for r, c in zip(runners, caches))
+        assert torch.allclose(a, b, atol=1e-4) and torch.allclose(la, lb, atol=1e-4)
+        return a
+
+    out = both(feats[:6], tokens[:6])
+    out = both(out[-1:], [tokens[6]])  # drafted steps
+    both(out[-1:], [tokens[7]])
+    for c in caches:
+        c.truncate(6)
+    both(feats[6:9], tokens[6:9])
+    assert caches[0].length == caches[1].length == 9

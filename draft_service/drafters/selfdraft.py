@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose, sampled_from
-from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step
+from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, NativeHead, TorchHead
 from specsplit.modeling import weights_fingerprint
 
 HEAD_FORMAT = "specsplit-feature-head/1"
@@ -18,13 +18,13 @@ PACKAGED = Path(__file__).resolve().parent.parent.parent / "specsplit" / "drafts
 
 
 class SelfSession(DraftSession):
-    def __init__(self, prompt: list[int], dim: int):
+    def __init__(self, prompt: list[int], dim: int, cache=None):
         super().__init__(prompt)
         self.feature_dim = dim
         self.features = torch.zeros(0, dim, dtype=torch.float32)  # committed positions [0, len(tokens) - 1)
-        self.cache = HeadCache()
+        self.cache = cache if cache is not None else HeadCache()  # the head's one-layer KV cache (or NativeHeadCache)
         self.cached = 0  # leading positions whose head cache entries came from true features
-        self.last = None  # the head's prediction at position cached - 1
+        self.last = None  # (the head's predicted feature at position cached - 1, its draft logits)
 
     def sync(self, base_length: int, new_tokens: list[int]) -> None:
         super().sync(base_length, new_tokens)
@@ -102,6 +102,8 @@ class SelfDrafter:
         self.head.attach(embed.to(torch.bfloat16), lm_head.float())
         self.head.to(device).eval().requires_grad_(False)
         self.device = torch.device(device)
+        context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 8192
+        self.runner = _runner(self.head, self.device, int(context))
         self.card = card
         # Drafting stops once the head's own probability that the whole draft so far is right
         # (the product of its top probabilities) falls below this: a doubtful draft costs draft
@@ -116,36 +118,50 @@ class SelfDrafter:
             target_model_fingerprint=theirs)
 
     def start(self, prompt: list[int]) -> SelfSession:
-        return SelfSession(prompt, self.head.cfg.hidden)
+        return SelfSession(prompt, self.head.cfg.hidden, self.runner.new_cache())
 
     @torch.inference_mode()
     def propose(self, session: SelfSession, gamma: int) -> Proposal:
         n, have = len(session.tokens), len(session.features)
         if not have:
             return Proposal([], "")  # no features yet: nothing to draft from
-        head, cache = self.head, session.cache
+        head, cache, runner = self.head, session.cache, self.runner
         cache.truncate(session.cached)  # drop last round's drafted steps
         if session.cached < have:
             feats = session.features[session.cached:have].to(self.device)
-            out = head_step(head, cache, feats, session.tokens[session.cached + 1:have + 1])
-            session.cached, session.last = have, out[-1]
-        pred = session.last  # the head's prediction of the feature at position `have`
+            out, logits = runner.step(cache, feats, session.tokens[session.cached + 1:have + 1])
+            session.cached, session.last = have, (out[-1], logits)
+        pred, logits = session.last  # the head's prediction of the feature at position `have`
         # Positions [have, n - 1) have no target features yet: tokens a pre-drafting gateway assumed
         # while their Verify is in flight. Go on from the head's own predictions, as drafting does.
         for token in session.tokens[have + 1:n]:
-            pred = head_step(head, cache, pred[None], [token])[-1]
+            out, logits = runner.step(cache, pred[None], [token])
+            pred = out[-1]
         choices = []
         confidence = 1.0
         for k in range(gamma):
             session.drafting = k
-            choice = choose(session, head.logits(pred), head.vocab_ids, head.embed.shape[0])
+            choice = choose(session, logits, head.vocab_ids, head.embed.shape[0])
             confidence *= choice.top_prob
             if confidence < self.min_confidence:
                 break
             choices.append(choice)
             if k + 1 < gamma:
-                pred = head_step(head, cache, pred[None], [choice.token])[-1]
+                out, logits = runner.step(cache, pred[None], [choice.token])
+                pred = out[-1]
         return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
 
     def end(self, session: SelfSession) -> None:
         pass
+
+
+def _runner(head: FeatureHead, device: torch.device, max_positions: int):
+    """The native kernels when they run here (float32 on this CPU), else torch."""
+    from specsplit import native
+
+    if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
+        try:
+            return NativeHead(head, max_positions)
+        except (RuntimeError, OSError):  # no compiler, a failed build: torch still drafts
+            pass
+    return TorchHead(head)

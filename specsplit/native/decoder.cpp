@@ -173,6 +173,7 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   const float* wp = static_cast<const float*>(w.ptr) + panel * w.k * kLanes;
   for (int64_t i = 0; i < w.k; ++i) {
     __m512 wv = _mm512_loadu_ps(wp + i * kLanes);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (i + 2 * kPrefetch) * kLanes), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * stride + i]), wv, acc[r]);
   }
   const int64_t o = panel * kLanes;
@@ -237,7 +238,7 @@ class Decoder {
         embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
         sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()),
         head_(pack(head)) {
-    hidden_ = embed_.size(1);
+    hidden_ = embed_.size(1);  // embed may have no rows (a draft head is fed rows, not ids)
     bf16_ = embed_.scalar_type() == torch::kBFloat16;
   }
 
@@ -264,17 +265,38 @@ class Decoder {
   // head: 0 none, 1 last row, 2 every row. Returns (logits fp32 or empty, hidden in model dtype).
   std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor cache, int64_t start, int64_t head) {
     const int64_t n = ids.size(0), width = hidden_;
-    TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
-    TORCH_CHECK(start + n <= cache.size(2), "cache too small");
-    std::vector<float> x(n * width), a(n * width);
+    std::vector<float> x(n * width);
     const auto* id = ids.data_ptr<int64_t>();
     const void* table = embed_.data_ptr();
     for (int64_t r = 0; r < n; ++r)
       for (int64_t i = 0; i < width; ++i)
         x[r * width + i] = bf16_ ? bf16_to_f32(static_cast<const uint16_t*>(table)[id[r] * width + i])
                                  : static_cast<const float*>(table)[id[r] * width + i];
+    return run(x, n, cache, start, head);
+  }
+
+  // As forward, from input rows [n, hidden] (float32) instead of token ids: a draft head whose
+  // input is a projection of the target's features.
+  std::vector<torch::Tensor> forward_rows(torch::Tensor rows, torch::Tensor cache, int64_t start, int64_t head) {
+    TORCH_CHECK(rows.dim() == 2 && rows.size(1) == hidden_, "rows must be [n, hidden]");
+    auto r = rows.to(torch::kFloat32).contiguous();
+    std::vector<float> x(r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
+    return run(x, rows.size(0), cache, start, head);
+  }
+
+ private:
+  // The layers, the final norm (none when the norm weight is empty) and the output head.
+  std::vector<torch::Tensor> run(std::vector<float>& x, int64_t n, torch::Tensor cache, int64_t start, int64_t head) {
+    const int64_t width = hidden_;
+    TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
+    TORCH_CHECK(start + n <= cache.size(2), "cache too small");
+    TORCH_CHECK(start + n <= cos_.size(0), "positions beyond the rotary table");
     for (size_t li = 0; li < layers_.size(); ++li) layer(layers_[li], cache[li], x.data(), n, start);
-    rms_norm(x.data(), norm_.data_ptr<float>(), n, width, eps_, a.data());
+    std::vector<float> a(n * width);
+    if (norm_.numel())
+      rms_norm(x.data(), norm_.data_ptr<float>(), n, width, eps_, a.data());
+    else
+      a = x;
     auto hidden = torch::from_blob(a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
     torch::Tensor logits;
     if (head) {
@@ -287,7 +309,6 @@ class Decoder {
     return {logits, hidden};
   }
 
- private:
   void layer(const Layer& l, torch::Tensor kv, float* x, int64_t n, int64_t start) {
     const int64_t width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_;
     std::vector<float> a(n * width);
@@ -431,5 +452,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor>())
       .def("add_layer", &Decoder::add_layer)
-      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
