@@ -73,12 +73,13 @@ class Anchor:
         record.lookup_identical = lookup == plain
 
 
-def step_profile(model_dir: str, dtype: str, context: int = 128, repeats: int = 30) -> dict[str, float]:
+def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 128,
+                 repeats: int = 30) -> dict[str, float]:
     """Our target forward in this process (the verify service's code): median ms of a 1-row step
     and of a 5-row verify at a `context`-token prefix, interleaved."""
     from specsplit.modeling import KVSequence, load_model
 
-    lm = load_model(model_dir, dtype)
+    lm = load_model(model_dir, dtype, quantize=quantize)
     seq = KVSequence(lm.model)
     seq.forward([(i * 7 + 3) % lm.vocab_size for i in range(context)])
     times: dict[int, list[float]] = {1: [], 5: []}
@@ -92,17 +93,24 @@ def step_profile(model_dir: str, dtype: str, context: int = 128, repeats: int = 
     return {"kernels": lm.kernels, **{f"rows{r}_ms": 1e3 * statistics.median(t) for r, t in times.items()}}
 
 
-def print_table(anchor: Anchor, records: list[AnchorRecord], ours: list[dict], out=sys.stdout) -> None:
-    """Per task type: transformers' tok/s next to ours, and the ratios the goals are stated in."""
+def print_table(anchor: Anchor, records: list[AnchorRecord], ours: list[dict], our_records: list,
+                out=sys.stdout) -> None:
+    """Per task type: transformers' tok/s next to ours, the ratios the goals are stated in, and how
+    many of our spec-off outputs equal transformers' plain greedy ones (`off=HF`: numerics, or the
+    quality cost of quantized weights)."""
     groups: dict[str, list[AnchorRecord]] = defaultdict(list)
     for r in records:
         groups[r.task_type].append(r)
     groups["ALL"] = list(records)
+    first = our_records[0].drafter if our_records else None
+    ours_off = [r.off_ids for r in our_records if r.drafter == first]  # one per prompt, in prompt order
+    same = {id(a): a.plain_ids == ids for a, ids in zip(records, ours_off)}
     drafters = list(dict.fromkeys(row["drafter"] for row in ours))
     print(f"anchor: transformers {anchor.version} in-process, {anchor.model.dtype}, same prompts, chat template and "
           f"token budget, greedy, interleaved with the requests above (tok/s = tokens / wall time incl. prefill)",
           file=out)
-    head = f"{'task type':<11}{'HF plain':>9}{'HF lookup':>10}{'lookup=plain':>13}{'ours off':>9}{'off/HF':>8}"
+    head = (f"{'task type':<11}{'HF plain':>9}{'HF lookup':>10}{'lookup=plain':>13}{'ours off':>9}{'off/HF':>8}"
+            f"{'off=HF':>8}")
     head += "".join(f"{d + ' on':>{max(10, len(d) + 4)}}{'/HF lookup':>11}" for d in drafters)
     print(head, file=out)
     by_key = {(row["drafter"], row["task_type"]): row for row in ours}
@@ -111,7 +119,7 @@ def print_table(anchor: Anchor, records: list[AnchorRecord], ours: list[dict], o
         lookup = sum(r.lookup_tokens for r in rs) / sum(statistics.median(r.lookup_s) for r in rs)
         off = by_key[(drafters[0], task)]["tok_s_off"]
         line = (f"{task:<11}{plain:>9.1f}{lookup:>10.1f}{sum(r.lookup_identical for r in rs):>8}/{len(rs):<4}"
-                f"{off:>9.1f}{off / plain:>7.2f}x")
+                f"{off:>9.1f}{off / plain:>7.2f}x{sum(same.get(id(r), False) for r in rs):>4}/{len(rs):<3}")
         for d in drafters:
             on = by_key[(d, task)]["tok_s_on"]
             line += f"{on:>{max(10, len(d) + 4)}.1f}{on / lookup:>10.2f}x"

@@ -52,6 +52,7 @@ class Record:
     by_source: dict = None  # draft source -> [rounds, drafted, accepted] (which part of a hybrid drafted)
     proposal_bytes: int = 0  # draft distributions sent (rejection sampling), all rounds
     predraft: tuple[int, int] = (0, 0)  # pre-drafts started, used (--predraft on)
+    off_ids: list[int] = None  # the spec-off output's token ids
 
 
 def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
@@ -147,7 +148,7 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
                               div < 0, div, off_times, on_times[d], step_ms, dict(by_source),
                               sum(r.proposal_bytes for r in s.round_records),
-                              (s.predraft_attempts, s.predraft_hits)))
+                              (s.predraft_attempts, s.predraft_hits), list(off.token_ids)))
     return records
 
 
@@ -355,7 +356,7 @@ def main(args, config: StackConfig) -> int:
 
         model_dir = str(default_model.resolve(config.target_model))
         print("measuring the target step, loading transformers' own model ...", file=sys.stderr, flush=True)
-        profile = anchoring.step_profile(model_dir, config.dtype)
+        profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
         anchor = anchoring.Anchor(model_dir, config.dtype)
         anchor.warmup(prompts[0].prompt)
     with gateway_stub(args.gateway, config) as (stub, stack):
@@ -383,7 +384,8 @@ def main(args, config: StackConfig) -> int:
         memory = _draft_memory(stack.addresses["draft"]) if stack else None
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
-    where = (f"transport={config.transport}, target dtype={config.dtype}, output store={config.store_tokens} tokens"
+    weights = f"{config.dtype} with int8 weights" if config.quantize == "int8" else config.dtype
+    where = (f"transport={config.transport}, target {weights}, output store={config.store_tokens} tokens"
              if stack else f"gateway={args.gateway}")
     sampling = f"temperature={args.temperature}, seed={args.seed}" if args.temperature > 0 else "greedy"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
@@ -394,7 +396,7 @@ def main(args, config: StackConfig) -> int:
                    "128-token context")
     print_table(rows, header, memory)
     if anchor is not None:
-        anchoring.print_table(anchor, anchored, rows)
+        anchoring.print_table(anchor, anchored, rows, records)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,
                                                    "records": [asdict(r) for r in records]}, indent=1))

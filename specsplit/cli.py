@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="local HF model dir, or 'default' (embedded SmolLM2-135M-Instruct)")
     v.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="bfloat16 | float32 | float16")
     v.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
+    v.add_argument("--quantize", choices=["", "int8"], default=ENV("SPECSPLIT_QUANTIZE", ""),
+                   help="int8: weight-only int8 target GEMMs on the native kernels (spec on still equals off)")
     v.add_argument("--no-exact", dest="exact", action="store_false",
                    help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
     v.add_argument("--max-sessions", type=int, default=64)
@@ -251,6 +253,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
+    p.add_argument("--quantize", choices=["", "int8"], default=ENV("SPECSPLIT_QUANTIZE", ""),
+                   help="int8: the target's GEMM weights in int8 (native kernels)")
     p.add_argument("--drafter", default="auto",
                    help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid when the "
                         "self head is there, else ngram)")
@@ -269,7 +273,8 @@ def _stack_config(a: argparse.Namespace):
     from specsplit.launcher import StackConfig
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
-                       draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, drafter=a.drafter, gamma=a.gamma,
+                       draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, quantize=a.quantize,
+                       drafter=a.drafter, gamma=a.gamma,
                        self_head=a.self_head, store_tokens=a.store_tokens,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory)
@@ -289,7 +294,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.role == "verify":
         from verify_service.main import run
 
-        settings = VerifySettings(server=server, model=ModelSettings(a.target_model, a.dtype, a.device, a.exact),
+        settings = VerifySettings(server=server, model=ModelSettings(a.target_model, a.dtype, a.device, a.exact,
+                                                                     a.quantize),
                                   max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
                                   kv_cache_mib=a.kv_cache_mib)
     elif a.role == "draft":

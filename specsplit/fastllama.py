@@ -20,6 +20,7 @@ from torch import nn
 from specsplit import native
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+QUANTIZE = ("", "int8")  # "": the model's own dtype
 
 
 class CacheFull(RuntimeError):
@@ -69,10 +70,13 @@ class KVPool:
 class FastLlama:
     """The packed weights of one model (the native decoder) and the KV budget of its sequences."""
 
-    def __init__(self, model: nn.Module, kv_budget_bytes: int | None = None):
+    def __init__(self, model: nn.Module, kv_budget_bytes: int | None = None, quantize: str = ""):
+        """quantize "int8": every GEMM weight quantized to int8 per output row (bf16 models)."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"no native forward for this model: {reason}")
+        if quantize not in QUANTIZE:
+            raise ValueError(f"unknown quantization {quantize!r}; choose one of {QUANTIZE}")
         config, base = model.config, model.model
         embed = base.embed_tokens.weight.detach()
         self.dtype, self.device = embed.dtype, embed.device
@@ -84,7 +88,9 @@ class FastLlama:
             cos, sin = base.rotary_emb(embed[:1].float(), torch.arange(self.max_context)[None])
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
-            cos[0], sin[0], base.norm.weight.detach(), model.get_output_embeddings().weight.detach())
+            cos[0], sin[0], base.norm.weight.detach(), model.get_output_embeddings().weight.detach(),
+            quantize == "int8")
+        self.quantize = quantize
         empty = torch.empty(0)
         for layer in base.layers:
             att, mlp = layer.self_attn, layer.mlp

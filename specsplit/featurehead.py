@@ -246,7 +246,7 @@ class NativeHead:
         self.max_positions = max_positions
         self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
                                                torch.empty(0, cfg.hidden), emb.cos(), emb.sin(), torch.empty(0),
-                                               head.vocab_weight.float())
+                                               head.vocab_weight.float(), False)
         self.decoder.add_layer(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).float(),
                                torch.empty(0), head.o_proj.weight.float(), head.gate_proj.weight.float(),
                                head.up_proj.weight.float(), head.down_proj.weight.float(),

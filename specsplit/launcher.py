@@ -47,6 +47,7 @@ class StackConfig:
     draft_dtype: str = "bfloat16"
     device: str = "cpu"
     exact: bool = True
+    quantize: str = ""  # the target's weights: "" (its dtype) or "int8"
     drafter: str = "auto"  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
     store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
@@ -120,7 +121,8 @@ class Stack:
         c = self.config
         try:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
-            self._spawn("verify", ["--target-model", c.target_model, *model_flags])
+            quantize = ["--quantize", c.quantize] if c.quantize else []
+            self._spawn("verify", ["--target-model", c.target_model, *model_flags, *quantize])
             draft_flags = ["--default-drafter", c.drafter, "--device", c.device, "--self-head", c.self_head,
                            "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]
             if c.draft_model:

@@ -212,10 +212,11 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", exact: bool = True,
-               native: bool = True) -> LoadedModel:
+               native: bool = True, quantize: str = "") -> LoadedModel:
     """Load a local HF causal-LM directory (config, weights, tokenizer). Never touches a model hub.
     Sequences run on the native kernels when `native` and the model and machine allow it; `exact`
-    chooses how transformers' forward runs otherwise."""
+    chooses how transformers' forward runs otherwise. quantize "int8": weight-only int8 GEMMs on the
+    native kernels (refused where they do not run)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -229,7 +230,9 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         model.to(device).eval()
     model.requires_grad_(False)
     swap_linears(model, RowInvariantLinear if exact else FlatLinear)
-    native, kernels = _native(model) if native else (None, "transformers (native off)")
+    native, kernels = _native(model, quantize) if native else (None, "transformers (native off)")
+    if quantize and native is None:
+        raise ValueError(f"--quantize {quantize} needs the native kernels; {kernels}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     config = model.config
     max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
@@ -251,7 +254,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
     )
 
 
-def _native(model: nn.Module):
+def _native(model: nn.Module, quantize: str = ""):
     """(FastLlama, "native") when the native kernels can run `model` here, else (None, why not)."""
     import logging
 
@@ -260,12 +263,12 @@ def _native(model: nn.Module):
     reason = fastllama.unsupported_reason(model)
     if reason is None:
         try:
-            native = fastllama.FastLlama(model)
+            native = fastllama.FastLlama(model, quantize=quantize)
         except (RuntimeError, OSError) as e:  # no compiler, a failed build
             reason = f"the native kernels did not build: {e}"
         else:
             model.specsplit_native = native  # KVSequence(model) runs on it
-            return native, "native"
+            return native, "native" + (f" {quantize}" if quantize else "")
     logging.getLogger("specsplit").info("forward: transformers (%s)", reason)
     return None, f"transformers ({reason})"
 

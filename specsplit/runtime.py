@@ -18,4 +18,5 @@ def configure_process(threads: int) -> None:
 
 
 def load(settings: ModelSettings) -> LoadedModel:
-    return load_model(default_model.resolve(settings.path), settings.dtype, settings.device, settings.exact)
+    return load_model(default_model.resolve(settings.path), settings.dtype, settings.device, settings.exact,
+                      quantize=settings.quantize)

@@ -11,6 +11,7 @@ class ModelSettings:
     dtype: str = "bfloat16"
     device: str = "cpu"
     exact: bool = True
+    quantize: str = ""  # "int8": weight-only int8 GEMMs (native kernels only)
 
 
 @dataclass(frozen=True)

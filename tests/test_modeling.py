@@ -195,3 +195,28 @@ def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
     assert again.tokens == session.tokens  # same seed, same draws
     with pytest.raises(ValueError, match="unknown verify method"):
         target.prefill(PROMPT, sampling=params, method="magic")
+
+
+def test_int8_weights_keep_verification_exact_and_stay_close_to_bf16(models):
+    from specsplit import native
+
+    if native.unavailable(torch.bfloat16, torch.device("cpu")):
+        pytest.skip(native.unavailable(torch.bfloat16, torch.device("cpu")))
+    lm = load_model(models["target"], "bfloat16", quantize="int8")
+    assert lm.kernels == "native int8"
+    one, many = KVSequence(lm.model), KVSequence(lm.model)
+    one.forward(PROMPT)
+    many.forward(PROMPT)
+    tokens = [11, 40, 7, 99, 3, 250, 17, 8]
+    singles = torch.stack([one.forward([t])[0] for t in tokens])
+    assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
+    full = KVSequence(load_model(models["target"], "bfloat16").model)
+    full.forward(PROMPT)
+    reference = full.forward(tokens)  # [8, vocab] with bf16 weights
+    assert not torch.equal(singles, reference)  # the weights did change
+    assert torch.allclose(singles, reference, atol=0.05 * float(reference.abs().max()))
+
+
+def test_int8_needs_the_native_kernels(models):
+    with pytest.raises(ValueError, match="needs the native kernels"):
+        load_model(models["target"], "bfloat16", native=False, quantize="int8")

@@ -10,7 +10,8 @@
 // row at position p reads exactly keys [0, p] and nothing else.
 //
 // Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
-// vdpbf16ps) or [N/16][K][16] fp32; activations between ops are fp32 [rows][features]; the KV
+// vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
+// [N/16][K][16] fp32; activations between ops are fp32 [rows][features]; the KV
 // cache is the model dtype, [layers][2][capacity][kv_heads][head_dim].
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -66,24 +67,54 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 // A packed weight matrix and how to multiply rows by it.
+enum class Kind { kBF16, kF32, kI8 };
+
 struct Packed {
-  torch::Tensor data;  // uint16 pairs (bf16) or fp32 panels
+  torch::Tensor data;  // bf16 or int8 pairs, or fp32 panels
+  torch::Tensor scale;  // int8: float32 per output (w = q * scale)
   const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
+  const float* scale_ptr = nullptr;
   int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even
-  bool bf16 = true;
+  Kind kind = Kind::kBF16;
   int64_t panels() const { return (n + kLanes - 1) / kLanes; }
 };
 
-Packed pack(const torch::Tensor& weight) {
+// Weight-only int8, symmetric per output row: q = round(w / s), s = max|w| / 127. The pairs layout
+// is the bf16 one, so the GEMM widens a pair to bf16 (exact: |q| <= 127) and scales at the end.
+Packed pack_int8(const torch::Tensor& weight) {
+  Packed p;
+  p.kind = Kind::kI8;
+  p.n = weight.size(0);
+  p.k = weight.size(1);
+  p.k2 = (p.k + 1) / 2 * 2;
+  auto w = weight.to(torch::kFloat32);
+  auto scale = w.abs().amax({1}).clamp_min(1e-12) / 127.0;
+  auto q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch::kInt8).contiguous();
+  p.data = torch::zeros({p.panels() * p.k2 * kLanes}, torch::kInt8);
+  auto* dst = p.data.data_ptr<int8_t>();
+  const auto* src = q.data_ptr<int8_t>();
+  for (int64_t o = 0; o < p.n; ++o)
+    for (int64_t i = 0; i < p.k; ++i)
+      dst[((o / kLanes) * (p.k2 / 2) + i / 2) * 2 * kLanes + (o % kLanes) * 2 + (i % 2)] = src[o * p.k + i];
+  p.scale = torch::zeros({p.panels() * kLanes}, torch::kFloat32);
+  p.scale.narrow(0, 0, p.n).copy_(scale);
+  p.ptr = p.data.data_ptr();
+  p.scale_ptr = p.scale.data_ptr<float>();
+  return p;
+}
+
+Packed pack(const torch::Tensor& weight, bool int8 = false) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
+  if (int8) return pack_int8(weight);
   Packed p;
   p.n = weight.size(0);
   p.k = weight.size(1);
-  p.bf16 = weight.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(p.bf16 || weight.scalar_type() == torch::kFloat32, "weights must be bfloat16 or float32");
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  p.kind = bf16 ? Kind::kBF16 : Kind::kF32;
+  TORCH_CHECK(bf16 || weight.scalar_type() == torch::kFloat32, "weights must be bfloat16 or float32");
   auto w = weight.contiguous();
   const int64_t panels = p.panels();
-  if (p.bf16) {
+  if (bf16) {
     p.k2 = (p.k + 1) / 2 * 2;
     p.data = torch::zeros({panels * p.k2 * kLanes}, torch::kInt16);
     auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr<int16_t>());
@@ -181,12 +212,54 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
+// 16 int8 pairs (32 bytes) widened to 32 bf16 in the same order.
+inline __m512bh i8_pairs_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+template <int R>
+void panel_i8(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const auto* wp = static_cast<const int8_t*>(w.ptr) + panel * w.k2 * kLanes;
+  const int64_t pairs = w.k2 / 2;
+  int64_t kp = 0;
+  for (; kp + 2 <= pairs; kp += 2) {
+    const __m512bh w0 = i8_pairs_to_bf16(wp + kp * 2 * kLanes);
+    const __m512bh w1 = i8_pairs_to_bf16(wp + (kp + 1) * 2 * kLanes);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + (kp + 2 * kPrefetch) * 2 * kLanes), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      int32_t p0, p1;
+      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
+      std::memcpy(&p1, x + r * stride + 2 * kp + 2, 4);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(p1), w1);
+    }
+  }
+  if (kp < pairs) {
+    const __m512bh w0 = i8_pairs_to_bf16(wp + kp * 2 * kLanes);
+    for (int r = 0; r < R; ++r) {
+      int32_t p0;
+      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
+    }
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  const __m512 scale = _mm512_loadu_ps(w.scale_ptr + o);  // padded to whole panels
+  for (int r = 0; r < R; ++r)
+    _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scale));
+}
+
 template <int R>
 void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
-  if (w.bf16)
-    panel_bf16<R>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy);
-  else
-    panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy);
+  switch (w.kind) {
+    case Kind::kBF16: panel_bf16<R>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+    case Kind::kI8: panel_i8<R>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+    case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+  }
 }
 
 using PanelFn = void (*)(const Packed&, int64_t, const Rows&, int64_t, float*, int64_t);
@@ -232,29 +305,31 @@ struct Layer {
 
 class Decoder {
  public:
+  // int8: every GEMM weight (head included) quantized to int8 per output row; needs bf16 activations.
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed, torch::Tensor cos,
-          torch::Tensor sin, torch::Tensor norm, torch::Tensor head)
+          torch::Tensor sin, torch::Tensor norm, torch::Tensor head, bool int8)
       : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
         embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
-        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()),
-        head_(pack(head)) {
+        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()), int8_(int8) {
     hidden_ = embed_.size(1);  // embed may have no rows (a draft head is fed rows, not ids)
     bf16_ = embed_.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(!int8 || bf16_, "int8 weights need a bfloat16 model");
+    head_ = pack(head, int8_);
   }
 
   void add_layer(torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o, torch::Tensor gate,
                  torch::Tensor up, torch::Tensor down, torch::Tensor norm_in, torch::Tensor norm_post) {
     Layer l;
-    l.qkv = pack(qkv);
-    l.o = pack(o);
+    l.qkv = pack(qkv, int8_);
+    l.o = pack(o, int8_);
     // gate and up interleaved by panel: panel 2j holds gate outputs 16j.., panel 2j+1 the up ones,
     // so one GEMM yields both and SiLU(gate) * up pairs up panel by panel.
     const int64_t inter = gate.size(0);
     TORCH_CHECK(inter % kLanes == 0, "intermediate size must be a multiple of 16");
     auto g = gate.reshape({inter / kLanes, kLanes, gate.size(1)});
     auto u = up.reshape({inter / kLanes, kLanes, up.size(1)});
-    l.gate_up = pack(torch::stack({g, u}, 1).reshape({2 * inter, gate.size(1)}));
-    l.down = pack(down);
+    l.gate_up = pack(torch::stack({g, u}, 1).reshape({2 * inter, gate.size(1)}), int8_);
+    l.down = pack(down, int8_);
     l.qkv_bias = qkv_bias.defined() && qkv_bias.numel() ? qkv_bias.to(torch::kFloat32).contiguous() : torch::Tensor();
     l.norm_in = norm_in.to(torch::kFloat32).contiguous();
     l.norm_post = norm_post.to(torch::kFloat32).contiguous();
@@ -440,6 +515,7 @@ class Decoder {
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
   float eps_;
   bool bf16_ = true;
+  bool int8_ = false;
   torch::Tensor embed_, cos_, sin_, norm_;
   Packed head_;
   std::vector<Layer> layers_;
@@ -450,7 +526,7 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor>())
+                          torch::Tensor, torch::Tensor, bool>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
