@@ -27,7 +27,7 @@ class AnchorRecord:
     plain_tokens: int = 0
     lookup_tokens: int = 0
     lookup_identical: bool = False  # prompt lookup's output equals plain generate's
-    plain_ids: list[int] = field(default_factory=list)  # the last plain output
+    plain_ids: list[int] = field(default_factory=list)  # the last plain output, without its end-of-sequence token
 
 
 class Anchor:
@@ -66,7 +66,12 @@ class Anchor:
         ids = self._ids(prompt)
         plain, t = self._generate(ids, max_new_tokens, lookup=False)
         record.plain_s.append(t)
-        record.plain_tokens, record.plain_ids = len(plain), plain
+        record.plain_tokens = len(plain)
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        while plain and plain[-1] in eos:  # the gateway's token ids stop before the end-of-sequence token
+            plain = plain[:-1]
+        record.plain_ids = plain
         lookup, t = self._generate(ids, max_new_tokens, lookup=True)
         record.lookup_s.append(t)
         record.lookup_tokens = len(lookup)

@@ -247,6 +247,8 @@ class NativeHead:
         self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
                                                torch.empty(0, cfg.hidden), emb.cos(), emb.sin(), torch.empty(0),
                                                head.vocab_weight.float(), False)
+        matrices = (head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj)
+        self.packed_bytes = 4 * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())
         self.decoder.add_layer(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).float(),
                                torch.empty(0), head.o_proj.weight.float(), head.gate_proj.weight.float(),
                                head.up_proj.weight.float(), head.down_proj.weight.float(),
@@ -294,6 +296,8 @@ class NativeHeadCache:
 
 class TorchHead:
     """Serving on torch (where the native kernels do not run): head_step and FeatureHead.logits."""
+
+    packed_bytes = 0
 
     def __init__(self, head: FeatureHead):
         self.head = head

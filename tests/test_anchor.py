@@ -10,7 +10,7 @@ def test_anchor_generates_what_our_target_decodes_greedily(models):
     anchor = Anchor(str(models["target"]), "float32")
     record = AnchorRecord("code")
     anchor.run(record, prompt, 12)
-    assert record.plain_tokens == len(record.plain_ids) > 0 and len(record.plain_s) == len(record.lookup_s) == 1
+    assert record.plain_tokens >= len(record.plain_ids) > 0 and len(record.plain_s) == len(record.lookup_s) == 1
 
     lm = load_model(models["target"], "float32")
     target = Target(lm)

@@ -111,6 +111,7 @@ class SelfDrafter:
         self.min_confidence = min_confidence
         own = sum(t.numel() * t.element_size() for t in self.head.state_dict().values())
         self.memory_bytes = own + sum(t.numel() * t.element_size() for t in (self.head.embed, self.head.vocab_weight))
+        self.memory_bytes += self.runner.packed_bytes
         self.description = DrafterDescription(
             name=name, kind="self", model_id=head_dir.name,
             tokenizer_fingerprint=card["target"]["tokenizer_fingerprint"],
