@@ -67,15 +67,15 @@ class Anchor:
         plain, t = self._generate(ids, max_new_tokens, lookup=False)
         record.plain_s.append(t)
         record.plain_tokens = len(plain)
+        lookup, t = self._generate(ids, max_new_tokens, lookup=True)
+        record.lookup_s.append(t)
+        record.lookup_tokens = len(lookup)
+        record.lookup_identical = lookup == plain
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
         while plain and plain[-1] in eos:  # the gateway's token ids stop before the end-of-sequence token
             plain = plain[:-1]
         record.plain_ids = plain
-        lookup, t = self._generate(ids, max_new_tokens, lookup=True)
-        record.lookup_s.append(t)
-        record.lookup_tokens = len(lookup)
-        record.lookup_identical = lookup == plain
 
 
 def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 128,

@@ -19,3 +19,8 @@ def test_anchor_generates_what_our_target_decodes_greedily(models):
     while len(ours) < len(record.plain_ids):
         ours.append(target.verify(session, len(session.tokens), []).next_token)
     assert ours == record.plain_ids
+    # lookup=plain compares whole outputs, end-of-sequence token included (greedy: reproducible)
+    ids = anchor._ids(prompt)
+    plain, _ = anchor._generate(ids, 12, lookup=False)
+    lookup, _ = anchor._generate(ids, 12, lookup=True)
+    assert record.lookup_identical == (plain == lookup) and plain[:len(record.plain_ids)] == record.plain_ids
