@@ -231,12 +231,13 @@ def unrolled_forward(head: FeatureHead, features: torch.Tensor, tokens: torch.Te
 
 
 class NativeHead:
-    """Serving on the native kernels (specsplit.native, float32): the head's layer and its
-    draft-vocabulary logits in one call per drafting step instead of ~50 torch ops (measured on
-    the shipped head: 1.95 ms a step plus 1.6 ms of logits with torch). The same maths as
-    head_step + FeatureHead.logits; its caches are NativeHeadCache."""
+    """Serving on the native kernels (specsplit.native): the head's layer and its draft-vocabulary
+    logits in one call per drafting step instead of ~50 torch ops (measured on the shipped head:
+    1.95 ms a step plus 1.6 ms of logits with torch). The same maths as head_step +
+    FeatureHead.logits, with the weights (and cache) in `dtype`: bfloat16 halves the bytes a step
+    reads; its caches are NativeHeadCache."""
 
-    def __init__(self, head: FeatureHead, max_positions: int):
+    def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32):
         from specsplit import native
 
         cfg = head.cfg
@@ -244,18 +245,20 @@ class NativeHead:
         emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
         self.head = head
         self.max_positions = max_positions
+        self.dtype = dtype
         self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
-                                               torch.empty(0, cfg.hidden), emb.cos(), emb.sin(), torch.empty(0),
-                                               head.vocab_weight.float(), False)
+                                               torch.empty(0, cfg.hidden, dtype=dtype), emb.cos(), emb.sin(),
+                                               torch.empty(0), head.vocab_weight.to(dtype), False)
         matrices = (head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj)
-        self.packed_bytes = 4 * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())
-        self.decoder.add_layer(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).float(),
-                               torch.empty(0), head.o_proj.weight.float(), head.gate_proj.weight.float(),
-                               head.up_proj.weight.float(), head.down_proj.weight.float(),
+        size = torch.empty(0, dtype=dtype).element_size()
+        self.packed_bytes = size * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())
+        self.decoder.add_layer(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).to(dtype),
+                               torch.empty(0), head.o_proj.weight.to(dtype), head.gate_proj.weight.to(dtype),
+                               head.up_proj.weight.to(dtype), head.down_proj.weight.to(dtype),
                                head.input_norm.weight.float(), head.post_norm.weight.float())
 
     def new_cache(self) -> NativeHeadCache:
-        return NativeHeadCache(self.head.cfg, self.max_positions)
+        return NativeHeadCache(self.head.cfg, self.max_positions, self.dtype)
 
     @torch.inference_mode()
     def step(self, cache: NativeHeadCache, features: torch.Tensor, next_tokens: list[int]):
@@ -270,11 +273,11 @@ class NativeHead:
 
 class NativeHeadCache:
     """The head's one-layer KV cache as the native kernels keep it: [1, 2, capacity, kv_heads,
-    head_dim] float32, written by position; truncation is a length change."""
+    head_dim] in the head's dtype, written by position; truncation is a length change."""
 
-    def __init__(self, cfg: HeadConfig, max_positions: int):
+    def __init__(self, cfg: HeadConfig, max_positions: int, dtype: torch.dtype = torch.float32):
         self._cfg, self._max = cfg, max_positions
-        self.kv = torch.zeros(1, 2, 0, cfg.kv_heads, cfg.head_dim)
+        self.kv = torch.zeros(1, 2, 0, cfg.kv_heads, cfg.head_dim, dtype=dtype)
         self.length = 0
 
     def truncate(self, length: int) -> None:
@@ -287,7 +290,7 @@ class NativeHeadCache:
             raise ValueError(f"{end} positions exceed the head's {self._max}")
         if end > self.kv.shape[2]:
             kv = torch.zeros(1, 2, min(self._max, max(end, 2 * self.kv.shape[2], 256)), self._cfg.kv_heads,
-                             self._cfg.head_dim)
+                             self._cfg.head_dim, dtype=self.kv.dtype)
             kv[:, :, :start] = self.kv[:, :, :start]
             self.kv = kv
         self.length = end

@@ -157,12 +157,14 @@ class SelfDrafter:
 
 
 def _runner(head: FeatureHead, device: torch.device, max_positions: int):
-    """The native kernels when they run here (float32 on this CPU), else torch."""
+    """The native kernels when they run here (bfloat16 weights where the CPU has bf16 dot products:
+    half the bytes a step reads), else torch."""
     from specsplit import native
 
     if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
+        dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32
         try:
-            return NativeHead(head, max_positions)
+            return NativeHead(head, max_positions, dtype)
         except (RuntimeError, OSError):  # no compiler, a failed build: torch still drafts
             pass
     return TorchHead(head)
