@@ -266,16 +266,16 @@ using PanelFn = void (*)(const Packed&, int64_t, const Rows&, int64_t, float*, i
 constexpr PanelFn kPanel[kMaxRows + 1] = {nullptr, panel_any<1>, panel_any<2>, panel_any<3>, panel_any<4>,
                                           panel_any<5>, panel_any<6>, panel_any<7>, panel_any<8>};
 
-// y[rows][w.n] = x @ W^T, parallel over output panels.
-void gemm(const Packed& w, const Rows& x, int64_t rows, float* y) {
+// y[rows][w.n] = x @ W^T. Called by every thread of an OpenMP team: the output panels are shared
+// out in contiguous chunks (each thread streams its part of the weights), barrier at the end.
+void gemm_team(const Packed& w, const Rows& x, int64_t rows, float* y) {
   const int64_t panels = w.panels();
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int64_t block = std::min<int64_t>(kMaxRows, rows - r);
-        kPanel[block](w, p, x, r, y, w.n);
-      }
-  });
+#pragma omp for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const int64_t block = std::min<int64_t>(kMaxRows, rows - r);
+      kPanel[block](w, p, x, r, y, w.n);
+    }
 }
 
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* y) {
@@ -360,71 +360,104 @@ class Decoder {
   }
 
  private:
-  // The layers, the final norm (none when the norm weight is empty) and the output head.
+  // Activations between the ops of a layer, shared by the team.
+  struct Scratch {
+    std::vector<float> a, qkv, att, y, gu, h;
+    Rows in;
+  };
+
+  // The layers, the final norm (none when the norm weight is empty) and the output head, in one
+  // OpenMP parallel region: the GEMMs and attention are shared out, the small row-wise steps run on
+  // one thread between barriers (a barrier costs far less than a fork/join per op).
   std::vector<torch::Tensor> run(std::vector<float>& x, int64_t n, torch::Tensor cache, int64_t start, int64_t head) {
     const int64_t width = hidden_;
     TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
     TORCH_CHECK(start + n <= cache.size(2), "cache too small");
     TORCH_CHECK(start + n <= cos_.size(0), "positions beyond the rotary table");
-    for (size_t li = 0; li < layers_.size(); ++li) layer(layers_[li], cache[li], x.data(), n, start);
-    std::vector<float> a(n * width);
-    if (norm_.numel())
-      rms_norm(x.data(), norm_.data_ptr<float>(), n, width, eps_, a.data());
-    else
-      a = x;
-    auto hidden = torch::from_blob(a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
-    torch::Tensor logits;
-    if (head) {
-      const int64_t first = head == 1 ? n - 1 : 0, rows = n - first;
-      Rows in;
-      to_rows(a.data() + first * width, rows, width, bf16_, in);
-      logits = torch::empty({rows, head_.n}, torch::kFloat32);
-      gemm(head_, in, rows, logits.data_ptr<float>());
+    TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
+    TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of 16, at most 256");
+    const int64_t cap = cache.size(2);
+    std::vector<char*> kv;
+    for (int64_t li = 0; li < cache.size(0); ++li) kv.push_back(static_cast<char*>(cache[li].data_ptr()));
+    Scratch s;
+    const int64_t inter = layers_.empty() ? 0 : layers_[0].gate_up.n / 2;
+    const int64_t qkv_n = layers_.empty() ? 0 : layers_[0].qkv.n;
+    s.a.resize(n * width);
+    s.qkv.resize(n * qkv_n);
+    s.att.resize(n * heads_ * d_);
+    s.y.resize(n * width);
+    s.gu.resize(n * 2 * inter);
+    s.h.resize(n * inter);
+    const int64_t first = head == 1 ? n - 1 : 0, rows = n - first;
+    torch::Tensor logits = head ? torch::empty({rows, head_.n}, torch::kFloat32) : torch::Tensor();
+    float* out = head ? logits.data_ptr<float>() : nullptr;
+    const bool norm = norm_.numel() > 0;
+    const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], kv[li], cap, x.data(), n, start, s);
+#pragma omp single
+      {
+        if (norm)
+          rms_norm(x.data(), norm_w, n, width, eps_, s.a.data());
+        else
+          s.a = x;
+        if (head) to_rows(s.a.data() + first * width, rows, width, bf16_, s.in);
+      }
+      if (head) gemm_team(head_, s.in, rows, out);
     }
+    auto hidden = torch::from_blob(s.a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
     return {logits, hidden};
   }
 
-  void layer(const Layer& l, torch::Tensor kv, float* x, int64_t n, int64_t start) {
-    const int64_t width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_;
-    std::vector<float> a(n * width);
-    Rows in;
-    // attention block
-    rms_norm(x, l.norm_in.data_ptr<float>(), n, width, eps_, a.data());
-    to_rows(a.data(), n, width, bf16_, in);
-    std::vector<float> qkv(n * l.qkv.n);
-    gemm(l.qkv, in, n, qkv.data());
-    if (l.qkv_bias.defined()) {
-      const float* b = l.qkv_bias.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t i = 0; i < l.qkv.n; ++i) qkv[r * l.qkv.n + i] += b[i];
-    }
-    for (int64_t r = 0; r < n; ++r) {
-      rope(qkv.data() + r * l.qkv.n, heads_ + kv_heads_, start + r);
-      store_kv(kv, qkv.data() + r * l.qkv.n + qw, qkv.data() + r * l.qkv.n + qw + kw, start + r);
-    }
-    std::vector<float> att(n * qw);
-    attend(kv, qkv.data(), l.qkv.n, n, start, att.data());
-    to_rows(att.data(), n, qw, bf16_, in);
-    std::vector<float> y(n * width);
-    gemm(l.o, in, n, y.data());
-    for (int64_t i = 0; i < n * width; ++i) x[i] += y[i];
-    // MLP block
-    rms_norm(x, l.norm_post.data_ptr<float>(), n, width, eps_, a.data());
-    to_rows(a.data(), n, width, bf16_, in);
+  // One layer, called by every thread of the team.
+  void layer_team(const Layer& l, char* kv, int64_t cap, float* x, int64_t n, int64_t start, Scratch& s) {
+    const int64_t width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_, ld = l.qkv.n;
     const int64_t inter = l.gate_up.n / 2;
-    std::vector<float> gu(n * 2 * inter), h(n * inter);
-    gemm(l.gate_up, in, n, gu.data());
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t j = 0; j < inter; j += kLanes) {  // SiLU(gate) * up, 16 features at a time
-        const float* pair = gu.data() + r * 2 * inter + 2 * j;
-        const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm512_storeu_ps(h.data() + r * inter + j, _mm512_mul_ps(silu, u));
+#pragma omp single
+    {
+      rms_norm(x, l.norm_in.data_ptr<float>(), n, width, eps_, s.a.data());
+      to_rows(s.a.data(), n, width, bf16_, s.in);
+    }
+    gemm_team(l.qkv, s.in, n, s.qkv.data());
+#pragma omp single
+    {
+      if (l.qkv_bias.defined()) {
+        const float* b = l.qkv_bias.data_ptr<float>();
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t i = 0; i < ld; ++i) s.qkv[r * ld + i] += b[i];
       }
-    to_rows(h.data(), n, inter, bf16_, in);
-    gemm(l.down, in, n, y.data());
-    for (int64_t i = 0; i < n * width; ++i) x[i] += y[i];
+      for (int64_t r = 0; r < n; ++r) {
+        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, start + r);
+        store_kv(kv, cap, s.qkv.data() + r * ld + qw, s.qkv.data() + r * ld + qw + kw, start + r);
+      }
+    }
+    attend_team(kv, cap, s.qkv.data(), ld, n, start, s.att.data());
+#pragma omp single
+    to_rows(s.att.data(), n, qw, bf16_, s.in);
+    gemm_team(l.o, s.in, n, s.y.data());
+#pragma omp single
+    {
+      for (int64_t i = 0; i < n * width; ++i) x[i] += s.y[i];
+      rms_norm(x, l.norm_post.data_ptr<float>(), n, width, eps_, s.a.data());
+      to_rows(s.a.data(), n, width, bf16_, s.in);
+    }
+    gemm_team(l.gate_up, s.in, n, s.gu.data());
+#pragma omp single
+    {
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < inter; j += kLanes) {  // SiLU(gate) * up, 16 features at a time
+          const float* pair = s.gu.data() + r * 2 * inter + 2 * j;
+          const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          _mm512_storeu_ps(s.h.data() + r * inter + j, _mm512_mul_ps(silu, u));
+        }
+      to_rows(s.h.data(), n, inter, bf16_, s.in);
+    }
+    gemm_team(l.down, s.in, n, s.y.data());
+#pragma omp single
+    for (int64_t i = 0; i < n * width; ++i) x[i] += s.y[i];
   }
 
   // Rotary embedding of `count` heads of one row (rotate-half convention, transformers' tables).
@@ -442,67 +475,67 @@ class Decoder {
     }
   }
 
-  void store_kv(torch::Tensor kv, const float* k, const float* v, int64_t pos) const {
-    const int64_t kw = kv_heads_ * d_, cap = kv.size(1);
+  // kv: one layer's [2, capacity, kv_heads, head_dim] block in the model dtype.
+  void store_kv(char* kv, int64_t cap, const float* k, const float* v, int64_t pos) const {
+    const int64_t kw = kv_heads_ * d_;
     if (bf16_) {
-      auto* base = reinterpret_cast<uint16_t*>(kv.data_ptr<at::BFloat16>());
+      auto* base = reinterpret_cast<uint16_t*>(kv);
       for (int64_t i = 0; i < kw; ++i) {
         base[pos * kw + i] = f32_to_bf16(k[i]);
         base[(cap + pos) * kw + i] = f32_to_bf16(v[i]);
       }
     } else {
-      float* base = kv.data_ptr<float>();
+      float* base = reinterpret_cast<float*>(kv);
       std::memcpy(base + pos * kw, k, kw * 4);
       std::memcpy(base + (cap + pos) * kw, v, kw * 4);
     }
   }
 
   // One task per (row, head): the row at position p attends keys [0, p] exactly.
-  void attend(torch::Tensor kv, const float* qkv, int64_t ld, int64_t n, int64_t start, float* out) const {
-    const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_, cap = kv.size(1);
+  // Called by every thread of the team; barrier at the end.
+  void attend_team(const char* kv, int64_t cap, const float* qkv, int64_t ld, int64_t n, int64_t start,
+                   float* out) const {
+    const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
-    TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of 16, at most 256");
-    const void* base = kv.data_ptr();
-    at::parallel_for(0, n * heads_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(start + n);
-      std::vector<float> kf(d_);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t r = t / heads_, h = t % heads_, g = h / group, len = start + r + 1;
-        const float* q = qkv + r * ld + h * d_;
-        float best = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(base, j, g, i, kw, 0), acc);
-          const float s = _mm512_reduce_add_ps(acc) * scale;
-          scores[j] = s;
-          best = std::max(best, s);
-        }
-        __m512 total = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + kLanes <= len; j += kLanes) {
-          __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), _mm512_set1_ps(best)));
-          _mm512_storeu_ps(scores.data() + j, e);
-          total = _mm512_add_ps(total, e);
-        }
-        if (j < len) {
-          const __mmask16 m = static_cast<__mmask16>((1u << (len - j)) - 1);
-          __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j), _mm512_set1_ps(best)));
-          e = _mm512_maskz_mov_ps(m, e);
-          _mm512_mask_storeu_ps(scores.data() + j, m, e);
-          total = _mm512_add_ps(total, e);
-        }
-        const float inv = 1.0f / _mm512_reduce_add_ps(total);
-        __m512 acc[16];
-        const int64_t chunks = d_ / kLanes;
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-        for (int64_t jj = 0; jj < len; ++jj) {
-          const __m512 p = _mm512_set1_ps(scores[jj]);
-          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(base, jj, g, c * kLanes, kw, cap), acc[c]);
-        }
-        float* o = out + r * heads_ * d_ + h * d_;
-        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    const void* base = kv;
+    std::vector<float> scores(start + n);  // this thread's
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n * heads_; ++t) {
+      const int64_t r = t / heads_, h = t % heads_, g = h / group, len = start + r + 1;
+      const float* q = qkv + r * ld + h * d_;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(base, j, g, i, kw, 0), acc);
+        const float s = _mm512_reduce_add_ps(acc) * scale;
+        scores[j] = s;
+        best = std::max(best, s);
       }
-    });
+      __m512 total = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + kLanes <= len; j += kLanes) {
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), _mm512_set1_ps(best)));
+        _mm512_storeu_ps(scores.data() + j, e);
+        total = _mm512_add_ps(total, e);
+      }
+      if (j < len) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (len - j)) - 1);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j), _mm512_set1_ps(best)));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(scores.data() + j, m, e);
+        total = _mm512_add_ps(total, e);
+      }
+      const float inv = 1.0f / _mm512_reduce_add_ps(total);
+      __m512 acc[16];
+      const int64_t chunks = d_ / kLanes;
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+      for (int64_t jj = 0; jj < len; ++jj) {
+        const __m512 p = _mm512_set1_ps(scores[jj]);
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(base, jj, g, c * kLanes, kw, cap), acc[c]);
+      }
+      float* o = out + r * heads_ * d_ + h * d_;
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    }
   }
 
   // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
