@@ -186,6 +186,23 @@ class LoadedModel:
     native: object = None  # the FastLlama its sequences run on; None: transformers' forward
     kernels: str = "transformers"  # what runs the forward, for logs and Info
 
+    def release_transformers_weights(self) -> int:
+        """Frees transformers' copy of every weight the native kernels packed for themselves (all
+        but the input embedding, which they share), so a verify service holds the weights once;
+        returns the bytes freed. Afterwards only KVSequence (native) runs the model."""
+        if self.native is None:
+            return 0
+        keep = {id(self.model.get_input_embeddings().weight)}
+        freed = 0
+        for module in self.model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) in keep or not param.numel():
+                    continue
+                freed += param.numel() * param.element_size()
+                setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
+        _return_free_memory()
+        return freed
+
     def set_kv_budget(self, budget_bytes: int) -> str:
         """Bounds the KV cache of all sequences together; returns a line saying what it holds."""
         if self.native is None:
@@ -252,6 +269,20 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         native=native,
         kernels=kernels,
     )
+
+
+def _return_free_memory() -> None:
+    """Hands freed heap memory back to the OS (glibc keeps it otherwise; measured on the default
+    model: RSS 968 -> 967 MiB after freeing 203 MiB of weights, 736 MiB after malloc_trim)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _native(model: nn.Module, quantize: str = ""):

@@ -220,3 +220,17 @@ def test_int8_weights_keep_verification_exact_and_stay_close_to_bf16(models):
 def test_int8_needs_the_native_kernels(models):
     with pytest.raises(ValueError, match="needs the native kernels"):
         load_model(models["target"], "bfloat16", native=False, quantize="int8")
+
+
+def test_releasing_transformers_weights_keeps_the_native_forward(models):
+    lm = load_model(models["target"], "bfloat16")
+    if lm.native is None:
+        assert lm.release_transformers_weights() == 0
+        return
+    before = KVSequence(lm.model)
+    expected = before.forward(PROMPT)
+    freed = lm.release_transformers_weights()
+    layers = sum(p.numel() * p.element_size() for p in lm.model.model.layers.parameters())
+    assert freed > 0 and layers == 0  # every layer weight gone, the embedding kept
+    assert lm.model.get_input_embeddings().weight.numel() > 0
+    assert torch.equal(KVSequence(lm.model).forward(PROMPT), expected)

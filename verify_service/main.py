@@ -33,6 +33,9 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     started = time.perf_counter()
     lm = await worker.run(runtime.load, settings.model)
     log.info("target %s loaded in %.1f s; forward: %s", lm.model_id, time.perf_counter() - started, lm.kernels)
+    freed = lm.release_transformers_weights()
+    if freed:
+        log.info("freed transformers' copy of the packed weights: %.0f MiB", freed / 2**20)
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
