@@ -70,7 +70,7 @@ class KVPool:
 class FastLlama:
     """The packed weights of one model (the native decoder) and the KV budget of its sequences."""
 
-    def __init__(self, model: nn.Module, kv_budget_bytes: int | None = None, quantize: str = ""):
+    def __init__(self, model: nn.Module, quantize: str = ""):
         """quantize "int8": every GEMM weight quantized to int8 per output row (bf16 models)."""
         reason = unsupported_reason(model)
         if reason:
@@ -102,7 +102,7 @@ class FastLlama:
                                    layer.input_layernorm.weight.detach(),
                                    layer.post_attention_layernorm.weight.detach())
         self.token_bytes = 2 * self.layers * self.kv_heads * self.head_dim * embed.element_size()
-        self.pool = KVPool(kv_budget_bytes if kv_budget_bytes is not None else 1 << 62)
+        self.pool = KVPool(1 << 62)  # unbounded until the service sets its budget (LoadedModel.set_kv_budget)
 
     def sequence(self) -> FastSequence:
         return FastSequence(self)

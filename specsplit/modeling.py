@@ -2,8 +2,9 @@
 
 Where the model and machine allow it (specsplit.fastllama: Llama-family, AVX-512 CPU), sequences
 run on the native kernels, which are exact by construction; otherwise on transformers' forward,
-made exact as follows. Exact mode (the default) makes a token's logits independent of how many tokens share its forward,
-so verifying k drafted tokens in one call gives bit-identical logits to decoding them one by one.
+made exact as follows. Exact mode (the default) makes a token's logits independent of how many
+tokens share its forward, so verifying k drafted tokens in one call gives bit-identical logits to
+decoding them one by one.
 What it takes was measured on this project's CPUs (docs/architecture.md, "Exactness"):
 - attention: torch's SDPA gives a query row a result that depends on the number of query rows and
   on masked keys after it. Eager attention is row-invariant in bf16; fp32 needs each query row to

@@ -31,12 +31,21 @@ def test_transformers_fallback_is_exact_too(models, dtype):
     linears) keeps verification bit-identical to one-by-one decoding."""
     lm = load_model(models["target"], dtype, native=False)
     assert lm.native is None
+    _one_by_one_equals_verified(lm)
+
+
+TOKENS = [11, 40, 7, 99, 3, 250, 17, 8]
+
+
+def _one_by_one_equals_verified(lm) -> torch.Tensor:
+    """Asserts that decoding TOKENS one by one after PROMPT gives bit-identical logits to verifying
+    them in blocks of 5 and 3; returns those logits [8, vocab]."""
     one, many = KVSequence(lm.model), KVSequence(lm.model)
     one.forward(PROMPT)
     many.forward(PROMPT)
-    tokens = [11, 40, 7, 99, 3, 250, 17, 8]
-    singles = torch.stack([one.forward([t])[0] for t in tokens])
-    assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
+    singles = torch.stack([one.forward([t])[0] for t in TOKENS])
+    assert torch.equal(singles, torch.cat([many.forward(TOKENS[:5]), many.forward(TOKENS[5:])]))
+    return singles
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -204,15 +213,10 @@ def test_int8_weights_keep_verification_exact_and_stay_close_to_bf16(models):
         pytest.skip(native.unavailable(torch.bfloat16, torch.device("cpu")))
     lm = load_model(models["target"], "bfloat16", quantize="int8")
     assert lm.kernels == "native int8"
-    one, many = KVSequence(lm.model), KVSequence(lm.model)
-    one.forward(PROMPT)
-    many.forward(PROMPT)
-    tokens = [11, 40, 7, 99, 3, 250, 17, 8]
-    singles = torch.stack([one.forward([t])[0] for t in tokens])
-    assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
+    singles = _one_by_one_equals_verified(lm)
     full = KVSequence(load_model(models["target"], "bfloat16").model)
     full.forward(PROMPT)
-    reference = full.forward(tokens)  # [8, vocab] with bf16 weights
+    reference = full.forward(TOKENS)  # [8, vocab] with bf16 weights
     assert not torch.equal(singles, reference)  # the weights did change
     assert torch.allclose(singles, reference, atol=0.05 * float(reference.abs().max()))
 

@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int kMaxRows = 8;  // rows per register block of a GEMM
-constexpr int kPrefetch = 32;  // input pairs ahead (2 KiB of a bf16 panel)
+constexpr int kPrefetchBytes = 2048;  // how far ahead in a panel's weight stream to prefetch
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -160,22 +160,38 @@ void to_rows(const float* x, int64_t rows, int64_t k, bool bf16, Rows& out) {
   }
 }
 
-// Two accumulators per row (even and odd input pairs), summed at the end: twice the independent
-// dependency chains (vdpbf16ps has a latency of several cycles), the same order for every row count.
-template <int R>
-void panel_bf16(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
+// 16 int8 pairs (32 bytes) widened to 32 bf16 in the same order.
+inline __m512bh i8_pairs_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// The weights of one input pair for a panel's 16 outputs, as bf16: loaded, or widened from int8.
+template <bool I8>
+inline __m512bh pair_weights(const char* panel, int64_t kp) {
+  if constexpr (I8) return i8_pairs_to_bf16(reinterpret_cast<const int8_t*>(panel) + kp * 2 * kLanes);
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(panel) + kp * 2 * kLanes);
+}
+
+// bf16 or int8 pairs. Two accumulators per row (even and odd input pairs), summed at the end:
+// twice the independent dependency chains (vdpbf16ps has a latency of several cycles), the same
+// order for every row count. int8 scales the sum per output.
+template <int R, bool I8>
+void panel_pairs(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
+  constexpr int64_t kPairBytes = I8 ? 2 * kLanes : 4 * kLanes;  // one input pair of a panel
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const auto* wp = static_cast<const uint16_t*>(w.ptr) + panel * w.k2 * kLanes;
+  const char* wp = static_cast<const char*>(w.ptr) + panel * (w.k2 / 2) * kPairBytes;
   const int64_t pairs = w.k2 / 2;
   int64_t kp = 0;
   for (; kp + 2 <= pairs; kp += 2) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * kLanes);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + (kp + 1) * 2 * kLanes);
+    const __m512bh w0 = pair_weights<I8>(wp, kp);
+    const __m512bh w1 = pair_weights<I8>(wp, kp + 1);
     // Stream ahead: with several rows the panel's compute outlasts its load, and the hardware
     // prefetcher alone leaves DRAM idle meanwhile.
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (kp + kPrefetch) * 2 * kLanes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (kp + kPrefetch + 1) * 2 * kLanes), _MM_HINT_T0);
+    _mm_prefetch(wp + kp * kPairBytes + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (!I8) _mm_prefetch(wp + kp * kPairBytes + kPrefetchBytes + 64, _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
       int32_t p0, p1;
       std::memcpy(&p0, x + r * stride + 2 * kp, 4);
@@ -185,7 +201,7 @@ void panel_bf16(const Packed& w, int64_t panel, const uint16_t* x, int64_t strid
     }
   }
   if (kp < pairs) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + kp * 2 * kLanes);
+    const __m512bh w0 = pair_weights<I8>(wp, kp);
     for (int r = 0; r < R; ++r) {
       int32_t p0;
       std::memcpy(&p0, x + r * stride + 2 * kp, 4);
@@ -194,7 +210,9 @@ void panel_bf16(const Packed& w, int64_t panel, const uint16_t* x, int64_t strid
   }
   const int64_t o = panel * kLanes;
   const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_add_ps(acc[r][0], acc[r][1]));
+  const __m512 scale = I8 ? _mm512_loadu_ps(w.scale_ptr + o) : _mm512_set1_ps(1.0f);  // padded to whole panels
+  for (int r = 0; r < R; ++r)
+    _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scale));
 }
 
 template <int R>
@@ -204,7 +222,7 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   const float* wp = static_cast<const float*>(w.ptr) + panel * w.k * kLanes;
   for (int64_t i = 0; i < w.k; ++i) {
     __m512 wv = _mm512_loadu_ps(wp + i * kLanes);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (i + 2 * kPrefetch) * kLanes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + i * kLanes) + 2 * kPrefetchBytes, _MM_HINT_T0);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * stride + i]), wv, acc[r]);
   }
   const int64_t o = panel * kLanes;
@@ -212,52 +230,11 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
-// 16 int8 pairs (32 bytes) widened to 32 bf16 in the same order.
-inline __m512bh i8_pairs_to_bf16(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-template <int R>
-void panel_i8(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const auto* wp = static_cast<const int8_t*>(w.ptr) + panel * w.k2 * kLanes;
-  const int64_t pairs = w.k2 / 2;
-  int64_t kp = 0;
-  for (; kp + 2 <= pairs; kp += 2) {
-    const __m512bh w0 = i8_pairs_to_bf16(wp + kp * 2 * kLanes);
-    const __m512bh w1 = i8_pairs_to_bf16(wp + (kp + 1) * 2 * kLanes);
-    _mm_prefetch(reinterpret_cast<const char*>(wp + (kp + 2 * kPrefetch) * 2 * kLanes), _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) {
-      int32_t p0, p1;
-      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
-      std::memcpy(&p1, x + r * stride + 2 * kp + 2, 4);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(p1), w1);
-    }
-  }
-  if (kp < pairs) {
-    const __m512bh w0 = i8_pairs_to_bf16(wp + kp * 2 * kLanes);
-    for (int r = 0; r < R; ++r) {
-      int32_t p0;
-      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
-    }
-  }
-  const int64_t o = panel * kLanes;
-  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
-  const __m512 scale = _mm512_loadu_ps(w.scale_ptr + o);  // padded to whole panels
-  for (int r = 0; r < R; ++r)
-    _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scale));
-}
-
 template <int R>
 void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   switch (w.kind) {
-    case Kind::kBF16: panel_bf16<R>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
-    case Kind::kI8: panel_i8<R>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+    case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+    case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
   }
 }
