@@ -6,8 +6,8 @@
 //
 // Exactness by construction: every output element (row r, feature o) is computed by the same
 // instruction sequence whatever the number of rows in the call or the number of threads: GEMMs
-// parallelise over output panels only and keep one accumulator per (row, panel); attention for a
-// row at position p reads exactly keys [0, p] and nothing else.
+// parallelise over output panels only and keep a fixed pair of accumulators per (row, panel);
+// attention for a row at position p reads exactly keys [0, p] and nothing else.
 //
 // Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
 // vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
@@ -47,8 +47,8 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// exp for x in [-87, 88] (clamped): Cody-Waite range reduction and a degree-6
-// polynomial; relative error ~2e-7. Deterministic, lane by lane.
+// exp for x in [-87, 88] (clamped): Cody-Waite range reduction and Cephes' expf polynomial.
+// Deterministic, lane by lane.
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
