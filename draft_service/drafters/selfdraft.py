@@ -21,24 +21,37 @@ class SelfSession(DraftSession):
     def __init__(self, prompt: list[int], dim: int, cache=None):
         super().__init__(prompt)
         self.feature_dim = dim
-        self.features = torch.zeros(0, dim, dtype=torch.float32)  # committed positions [0, len(tokens) - 1)
+        # Features of committed positions [0, len(tokens) - 1), written by position into a buffer
+        # that grows by doubling (a concatenation per round made every round cost the whole history).
+        self._rows = torch.zeros(max(64, len(prompt)), dim, dtype=torch.float32)
+        self._count = 0
         self.cache = cache if cache is not None else HeadCache()  # the head's one-layer KV cache (or NativeHeadCache)
         self.cached = 0  # leading positions whose head cache entries came from true features
         self.last = None  # (the head's predicted feature at position cached - 1, its draft logits)
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self._rows[:self._count]  # [positions, dim], a view
 
     def sync(self, base_length: int, new_tokens: list[int]) -> None:
         super().sync(base_length, new_tokens)
         # Head cache position i used feature i and token i+1: keep those still committed.
         self.cached = min(self.cached, base_length - 1)
-        self.features = self.features[:base_length]
+        self._count = min(self._count, base_length)
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
-        if start > len(self.features):
-            raise ValueError(f"features start at position {start}; the drafter has {len(self.features)}")
-        if start + len(features) > len(self.tokens) - 1:
-            raise ValueError(f"features up to position {start + len(features)} for {len(self.tokens)} tokens: "
+        if start > self._count:
+            raise ValueError(f"features start at position {start}; the drafter has {self._count}")
+        end = start + len(features)
+        if end > len(self.tokens) - 1:
+            raise ValueError(f"features up to position {end} for {len(self.tokens)} tokens: "
                              "the last committed token has no feature yet")
-        self.features = torch.cat([self.features[:start], features])
+        if end > len(self._rows):
+            rows = torch.zeros(max(end, 2 * len(self._rows)), self.feature_dim, dtype=torch.float32)
+            rows[:self._count] = self._rows[:self._count]
+            self._rows = rows
+        self._rows[start:end] = features
+        self._count = end
         self.cached = min(self.cached, start)
 
 
