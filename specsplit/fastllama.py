@@ -111,50 +111,74 @@ class FastLlama:
 _CHUNK = 256  # a cache grows by at least this many positions (and at least doubles)
 
 
-class FastSequence:
-    """One sequence's static KV cache: keys and values of the first `length` tokens fed to it,
-    written by position. The bytes it holds are taken from the pool and given back when it is
-    collected."""
+class KVBuffer:
+    """A static KV cache [layers, 2, capacity, kv_heads, head_dim] as the native kernels read it,
+    written by position: `length` positions hold keys and values, rolling back is a length change.
+    Capacity grows by doubling; with a pool, the bytes are taken from it and given back when the
+    buffer is collected. Shared by the target's sequences and the self-draft head's caches."""
 
-    def __init__(self, lm: FastLlama):
-        self._lm = lm
-        self._length = 0
-        self._cache = torch.zeros(lm.layers, 2, 0, lm.kv_heads, lm.head_dim, dtype=lm.dtype)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_positions: int,
+                 pool: KVPool | None = None):
+        self.kv = torch.zeros(layers, 2, 0, kv_heads, head_dim, dtype=dtype)
+        self.length = 0
+        self.max_positions = max_positions
+        self._pool = pool
         self._held = [0]
-        weakref.finalize(self, _give_back, lm.pool, self._held)
-
-    @property
-    def length(self) -> int:
-        return self._length
+        if pool is not None:
+            weakref.finalize(self, _give_back, pool, self._held)
 
     @property
     def capacity(self) -> int:
-        return self._cache.shape[2]
+        return self.kv.shape[2]
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot truncate a cache of {self._length} tokens to {length}")
-        self._length = length
+        """Keeps at most the first `length` positions."""
+        self.length = min(self.length, length)
 
-    def _reserve(self, end: int) -> None:
-        lm = self._lm
-        if end > lm.max_context:
-            raise ValueError(f"{end} positions exceed the model's context of {lm.max_context}")
+    def reserve(self, end: int) -> None:
+        """Room for positions [0, end)."""
+        if end > self.max_positions:
+            raise ValueError(f"{end} positions exceed the context of {self.max_positions}")
         if end <= self.capacity:
             return
-        capacity = min(lm.max_context, max(end, 2 * self.capacity, _CHUNK))
-        extra = (capacity - self.capacity) * lm.token_bytes
-        lm.pool.take(extra, f"a sequence of {end} tokens")
-        self._held[0] += extra
-        cache = torch.zeros(lm.layers, 2, capacity, lm.kv_heads, lm.head_dim, dtype=lm.dtype)
-        cache[:, :, :self._length] = self._cache[:, :, :self._length]
-        self._cache = cache
+        capacity = min(self.max_positions, max(end, 2 * self.capacity, _CHUNK))
+        layers, _, _, kv_heads, head_dim = self.kv.shape
+        if self._pool is not None:
+            extra = (capacity - self.capacity) * layers * 2 * kv_heads * head_dim * self.kv.element_size()
+            self._pool.take(extra, f"a sequence of {end} tokens")
+            self._held[0] += extra
+        kv = torch.zeros(layers, 2, capacity, kv_heads, head_dim, dtype=self.kv.dtype)
+        kv[:, :, :self.length] = self.kv[:, :, :self.length]
+        self.kv = kv
+
+
+class FastSequence:
+    """One sequence's KV cache on the native forward (a KVBuffer accounted in the model's pool)."""
+
+    def __init__(self, lm: FastLlama):
+        self._lm = lm
+        self._buffer = KVBuffer(lm.layers, lm.kv_heads, lm.head_dim, lm.dtype, lm.max_context, lm.pool)
+
+    @property
+    def length(self) -> int:
+        return self._buffer.length
+
+    @property
+    def capacity(self) -> int:
+        return self._buffer.capacity
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self._buffer.truncate(length)
 
     def _run(self, token_ids: list[int], head: int):
-        self._reserve(self._length + len(token_ids))
+        buffer = self._buffer
+        start = buffer.length
+        buffer.reserve(start + len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long)
-        logits, hidden = self._lm.decoder.forward(ids, self._cache, self._length, head)
-        self._length += len(token_ids)
+        logits, hidden = self._lm.decoder.forward(ids, buffer.kv, start, head)
+        buffer.length = start + len(token_ids)
         return logits, hidden
 
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:

@@ -235,7 +235,7 @@ class NativeHead:
     logits in one call per drafting step instead of ~50 torch ops (measured on the shipped head:
     1.95 ms a step plus 1.6 ms of logits with torch). The same maths as head_step +
     FeatureHead.logits, with the weights (and cache) in `dtype`: bfloat16 halves the bytes a step
-    reads; its caches are NativeHeadCache."""
+    reads; its caches are fastllama.KVBuffer (one layer)."""
 
     def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32):
         from specsplit import native
@@ -257,44 +257,23 @@ class NativeHead:
                                head.up_proj.weight.to(dtype), head.down_proj.weight.to(dtype),
                                head.input_norm.weight.float(), head.post_norm.weight.float())
 
-    def new_cache(self) -> NativeHeadCache:
-        return NativeHeadCache(self.head.cfg, self.max_positions, self.dtype)
+    def new_cache(self):
+        from specsplit.fastllama import KVBuffer
+
+        cfg = self.head.cfg
+        return KVBuffer(1, cfg.kv_heads, cfg.head_dim, self.dtype, self.max_positions)
 
     @torch.inference_mode()
-    def step(self, cache: NativeHeadCache, features: torch.Tensor, next_tokens: list[int]):
+    def step(self, cache, features: torch.Tensor, next_tokens: list[int]):
         """As head_step, plus the draft logits of the last row: (predicted features [n, d], logits [draft_vocab])."""
         tokens = torch.tensor(next_tokens, dtype=torch.long)
         head = self.head
         x = head.fc(torch.cat([features.float(), head.embed[tokens].float()], dim=-1))  # [n, d]
-        start = cache.grow(len(next_tokens))
+        start = cache.length
+        cache.reserve(start + len(next_tokens))
         logits, hidden = self.decoder.forward_rows(x, cache.kv, start, 1)
+        cache.length = start + len(next_tokens)
         return hidden, logits[0]
-
-
-class NativeHeadCache:
-    """The head's one-layer KV cache as the native kernels keep it: [1, 2, capacity, kv_heads,
-    head_dim] in the head's dtype, written by position; truncation is a length change."""
-
-    def __init__(self, cfg: HeadConfig, max_positions: int, dtype: torch.dtype = torch.float32):
-        self._cfg, self._max = cfg, max_positions
-        self.kv = torch.zeros(1, 2, 0, cfg.kv_heads, cfg.head_dim, dtype=dtype)
-        self.length = 0
-
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def grow(self, n: int) -> int:
-        """Room for n more positions; returns where they start (the length becomes start + n)."""
-        start, end = self.length, self.length + n
-        if end > self._max:
-            raise ValueError(f"{end} positions exceed the head's {self._max}")
-        if end > self.kv.shape[2]:
-            kv = torch.zeros(1, 2, min(self._max, max(end, 2 * self.kv.shape[2], 256)), self._cfg.kv_heads,
-                             self._cfg.head_dim, dtype=self.kv.dtype)
-            kv[:, :, :start] = self.kv[:, :, :start]
-            self.kv = kv
-        self.length = end
-        return start
 
 
 class TorchHead:

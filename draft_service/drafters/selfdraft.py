@@ -25,7 +25,7 @@ class SelfSession(DraftSession):
         # that grows by doubling (a concatenation per round made every round cost the whole history).
         self._rows = torch.zeros(max(64, len(prompt)), dim, dtype=torch.float32)
         self._count = 0
-        self.cache = cache if cache is not None else HeadCache()  # the head's one-layer KV cache (or NativeHeadCache)
+        self.cache = cache if cache is not None else HeadCache()  # the head's one-layer KV cache (or a KVBuffer)
         self.cached = 0  # leading positions whose head cache entries came from true features
         self.last = None  # (the head's predicted feature at position cached - 1, its draft logits)
 

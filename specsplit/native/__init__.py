@@ -1,13 +1,12 @@
 """Builds (once per machine, cached) and loads the native decoder kernels in decoder.cpp.
 
-The build needs a C++ compiler and ninja and takes about a minute; the result is cached under
+The build needs a C++ compiler and ninja and takes about 30 s; the result is cached under
 ~/.cache/specsplit/native/<digest of source, torch version and flags>, so later starts load it in
-well under a second. `available()` says why not when the kernels cannot run here."""
+well under a second. `unavailable()` says why not when the kernels cannot run here."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import threading
 from functools import lru_cache
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("specsplit")
 SOURCE = Path(__file__).with_name("decoder.cpp")
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 _LOCK = threading.Lock()
