@@ -12,10 +12,11 @@ from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, OutputStore
 from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
-from specsplit import default_model, runtime, telemetry
-from specsplit.serving import ModelWorker, serve
+from specsplit import default_model, fastpath, runtime, telemetry
+from specsplit.serving import serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import DraftSettings
+from specsplit.worker import ModelWorker
 
 
 def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
@@ -47,6 +48,8 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     telemetry.meter().create_observable_gauge(
         "specsplit.draft.memory", unit="By", description="bytes each drafter holds (DrafterInfo.memory_bytes)",
         callbacks=[lambda _: [Observation(d.memory_bytes, {"drafter": name}) for name, d in drafters.items()]])
+    fast = fastpath.offer(worker, servicer.propose_frame, "draft", settings.server.shared_memory)
+    servicer.fast_path = str(fast.path) if fast else ""
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
-                interceptors=tel.server_interceptors())
+                interceptors=tel.server_interceptors(), fast_path=fast)

@@ -11,15 +11,15 @@ import grpc
 import torch
 
 from draft_service.drafters.base import Drafter, DraftSession, Proposal
-from specsplit import features as wire
-from specsplit import shm
+from specsplit import shm, wire
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
-from specsplit.sampling import from_proto
-from specsplit.serving import ModelWorker
+from specsplit.errors import Failure
+from specsplit.serving import answer
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.telemetry import record_compute
+from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -51,6 +51,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._proposal_top_k = proposal_top_k
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
+        self.fast_path = ""  # the fast-path socket announced to sessions that mapped their segment
 
     async def Info(self, request, context):
         infos = [pb.DrafterInfo(**vars(d.description), memory_bytes=d.memory_bytes,
@@ -77,13 +78,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"drafter {name!r} was trained for target weights {trained_for}, the target has "
                                 f"{request.target_model_fingerprint}: retrain it with `specsplit distill`")
-        start = time.perf_counter_ns()
-        session = drafter.start(list(request.prompt_token_ids))
-        params, method = from_proto(request.sampling)
+        params, method = wire.sampling(request.sampling)
         try:
             params.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        start = time.perf_counter_ns()
+        session = await self._worker.run(drafter.start, list(request.prompt_token_ids))
         session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
         prefill_ns = time.perf_counter_ns() - start
         entry = Entry(drafter, session)
@@ -96,11 +97,27 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         # Mapped once the session is held, so the EndSession (or eviction) that drops it unmaps it.
         entry.segment = shm.try_attach(request.shm_segment, self._shared_memory)
         return pb.StartSessionResponse(drafter=name, prefill_ns=prefill_ns,
-                                       shm_nonce=entry.segment.nonce if entry.segment else b"")
+                                       shm_nonce=entry.segment.nonce if entry.segment else b"",
+                                       fast_path=self.fast_path if entry.segment else "")
 
     async def Propose(self, request, context):
+        response = await answer(self._worker.run(self.propose, request), context)
+        record_compute(response.draft_ns)
+        return response
+
+    async def ProposeStream(self, requests, context):
+        async for request in requests:
+            yield await answer(self._worker.run(self.propose, request), context)
+
+    def propose_frame(self, body: bytes) -> bytes:
+        """The fast path's handler (on the worker thread)."""
+        return self.propose(pb.ProposeRequest.FromString(body)).SerializeToString()
+
+    def propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
+        """One round's sync and drafting, on the worker thread (the one owner of drafter state);
+        raises Failure with the status for the caller."""
         if not 1 <= request.gamma <= MAX_GAMMA:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
         try:
             entry = self._sessions.get(request.session_id)
             features = None
@@ -111,16 +128,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if width != entry.session.feature_dim:
                     raise ValueError(f"features of width {width}; drafter {name!r} reads "
                                      f"{f'width {entry.session.feature_dim}' if entry.session.feature_dim else 'none'}")
-            args = (entry, request.base_length, list(request.new_token_ids), features, request.gamma)
-            # A model-free drafter answers in microseconds: the worker-thread hop (~0.2 ms) would
-            # cost more than the drafting.
-            proposal, draft_ns = (await self._worker.run(_sync_and_propose, *args) if entry.drafter.runs_model
-                                  else _sync_and_propose(*args))
+            proposal, draft_ns = _sync_and_propose(entry, request.base_length, list(request.new_token_ids),
+                                                   features, request.gamma)
         except SessionNotFound:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
+            raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
         except ValueError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        record_compute(draft_ns)
+            raise Failure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         response = pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source)
         dists = _draft_probs(entry.session, proposal)
         where = entry.segment.write_proposal(dists) if dists and entry.segment is not None else None
@@ -131,6 +144,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return response
 
     async def EndSession(self, request, context):
+        return await self._worker.run(self._end, request)
+
+    def _end(self, request: pb.EndSessionRequest) -> pb.EndSessionResponse:
+        """On the worker thread, after any round of the session still queued there."""
         entry = self._sessions.pop(request.session_id)
         if entry is not None:
             if request.new_token_ids:

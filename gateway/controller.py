@@ -9,10 +9,31 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.settings import ControllerSettings
+
+AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    drafted: int
+    accepted: int
+    draft_ms: float
+    verify_ms: float
+    network_ms: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished request tells the controller."""
+
+    rounds: Sequence[RoundFacts]
+    generated_tokens: int
+    decode_ms: float
+    speculation_used: bool
 
 
 class Ewma:
@@ -162,13 +183,13 @@ class Controller:
         st.enabled, st.reason = speculate, "policy"
         st.gamma = min(max(gamma, self.settings.gamma_min), self.settings.gamma_max)
 
-    def decide(self, task_type: str, drafter: str, mode: int, requested_gamma: int, inflight: int) -> Decision:
-        """mode: the request's Speculation. requested_gamma 0: the controller's choice."""
+    def decide(self, task_type: str, drafter: str, mode: str, requested_gamma: int, inflight: int) -> Decision:
+        """mode: AUTO, ON or OFF (the request's). requested_gamma 0: the controller's choice."""
         s = self.settings
         st = self.state(task_type, drafter)
-        if mode == pb.SPECULATION_OFF:
+        if mode == OFF:
             return Decision(False, 0, "forced")
-        if mode == pb.SPECULATION_ON:
+        if mode == ON:
             return Decision(True, requested_gamma or st.gamma, "forced")
         if not s.enabled:
             return Decision(True, requested_gamma or s.gamma_start, "controller-off")
@@ -190,12 +211,12 @@ class Controller:
     def predraft(self, task_type: str, drafter: str) -> bool:
         return self.state(task_type, drafter).predraft()
 
-    def observe(self, task_type: str, drafter: str, decision: Decision, stats: pb.GenerationStats,
+    def observe(self, task_type: str, drafter: str, decision: Decision, stats: Outcome,
                 predraft: bool = False) -> None:
         """Learns from a finished request (`predraft`: whether it pre-drafted) and re-evaluates its
         task type."""
         st = self.state(task_type, drafter)
-        for r in stats.round_records:
+        for r in stats.rounds:
             if r.drafted:
                 st.accepted.add(r.accepted)
                 st.rejected.add(1.0 if r.accepted < r.drafted else 0.0)

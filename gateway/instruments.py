@@ -1,11 +1,21 @@
-"""The gateway's metrics (OTel instruments; no-ops unless specsplit.telemetry set up a reader)."""
+"""What a finished request leaves behind: its GenerationStats, its prefill and round spans, the
+gateway's metrics and the controller's observation, all made from the facts the round loop recorded
+(gateway.state.Round), after the answer is known, so none of it sits on a round's critical path."""
 
 from __future__ import annotations
 
+import hashlib
+import time
+from array import array
+
+from opentelemetry import trace
 from opentelemetry.metrics import Observation
 
+from gateway.controller import Controller, Outcome, RoundFacts
+from gateway.state import Request
+from specsplit import roundtime, wire
 from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.telemetry import meter
+from specsplit.telemetry import meter, tracer
 
 POSITION_BUCKETS = (32, 128, 512)  # output position of a round's first token: 0-31, 32-127, 128-511, 512+
 
@@ -20,7 +30,7 @@ def position_bucket(position: int) -> str:
 
 
 class GatewayMetrics:
-    def __init__(self, controller):
+    def __init__(self, controller: Controller):
         self._controller = controller
         m = meter()
         self.acceptance = m.create_histogram(
@@ -70,3 +80,117 @@ class GatewayMetrics:
     def _observe_gamma(self, _options):
         return [Observation(st.gamma, {"task_type": task, "drafter": drafter})
                 for (task, drafter), st in self._controller.states().items()]
+
+
+class Instruments:
+    def __init__(self, controller: Controller, metrics: GatewayMetrics, target_exact: bool,
+                 transport: dict[str, str]):
+        self._controller, self._metrics, self._exact = controller, metrics, target_exact
+        self._transport = {f"specsplit.transport.{k}": v for k, v in transport.items()}  # "unix" or "tcp"
+
+    def finished(self, request: Request, generated: int) -> pb.GenerationStats:
+        """The request's stats; also records its metrics, spans and the controller's observation."""
+        plan, drafting = request.plan, request.drafting
+        records = [_record(r) for r in request.rounds]
+        stats = _stats(request, records, generated, self._exact)
+        common = {"specsplit.task_type": plan.task_type or "unspecified", **self._transport}
+        self._spans(request, records, common)
+        drafter = plan.drafter if drafting else ""
+        position = 1
+        for record in records:
+            self._metrics.round(record, plan.task_type, drafter, position)
+            position += record.accepted + 1
+        self._metrics.request(stats)
+        self._controller.observe(plan.task_type, plan.drafter, plan.decision, outcome(stats), plan.predraft)
+        _describe(trace.get_current_span(), stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
+        return stats
+
+    def _spans(self, request: Request, records: list[pb.RoundRecord], common: dict) -> None:
+        """The prefill and one span per round, under the current (Generate) span, with the times
+        they really had."""
+        if not trace.get_current_span().is_recording():
+            return
+        offset = time.time_ns() - time.perf_counter_ns()  # perf_counter marks -> wall clock
+        prefill = tracer().start_span("prefill", start_time=request.prefill_mark + offset, attributes={
+            **common, "specsplit.prompt_tokens": len(request.plan.prompt_ids),
+            "specsplit.verify_ms": request.prefill_verify_ns / 1e6,
+            "specsplit.network_ms": _prefill_network_ms(request)})
+        prefill.end(end_time=request.prefill_mark + request.prefill_ns + offset)
+        start, position = request.decode_mark + offset, 1
+        for i, (r, record) in enumerate(zip(request.rounds, records)):
+            span = tracer().start_span("round", start_time=start, attributes={
+                **common, "specsplit.round": i, "specsplit.position": position,
+                "specsplit.gamma": request.plan.gamma if request.drafting else 0,
+                "specsplit.drafted": record.drafted, "specsplit.accepted": record.accepted,
+                "specsplit.next_token": "none" if not record.drafted else
+                ("bonus" if record.accepted == record.drafted else "recovered"),
+                "specsplit.draft_source": record.draft_source, "specsplit.draft_ms": record.draft_ms,
+                "specsplit.verify_ms": record.verify_ms, "specsplit.network_ms": record.network_ms,
+                "specsplit.gateway_ms": record.gateway_ms, "specsplit.feature_bytes": record.feature_bytes,
+                "specsplit.proposal_bytes": record.proposal_bytes, "specsplit.predrafted": record.predrafted})
+            start += r.round_ns
+            span.end(end_time=start)
+            position += record.accepted + 1
+
+
+def outcome(stats: pb.GenerationStats) -> Outcome:
+    """A response's stats as the controller reads them."""
+    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms)
+                    for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used)
+
+
+def _record(r) -> pb.RoundRecord:
+    time_ = roundtime.split(r.round_ns, r.draft_ns, r.draft_call_ns, r.verify_ns, r.verify_call_ns)
+    return pb.RoundRecord(drafted=r.drafted, accepted=r.accepted, draft_ms=r.draft_ns / 1e6,
+                          verify_ms=r.verify_ns / 1e6, network_ms=time_.network_ms, gateway_ms=time_.gateway_ms,
+                          round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
+                          proposal_bytes=r.proposal_bytes, predrafted=r.predrafted)
+
+
+def _prefill_network_ms(request: Request) -> float:
+    """The prefill's calls beyond the verifier's compute (the drafter's start runs alongside)."""
+    return max(0, request.prefill_ns - request.prefill_verify_ns) / 1e6
+
+
+def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact: bool) -> pb.GenerationStats:
+    plan, drafting = request.plan, request.drafting
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.drafted)
+    params, method = wire.sampling(plan.sampling)
+    sampled = params.temperature > 0
+    end = time.perf_counter()
+    return pb.GenerationStats(
+        prompt_tokens=len(plan.prompt_ids), generated_tokens=generated, prefill_ms=request.prefill_ns / 1e6,
+        decode_ms=(end - request.decode_start) * 1e3, total_ms=(end - request.started) * 1e3,
+        rounds=len(rounds), drafted_tokens=drafted, accepted_tokens=accepted,
+        mean_acceptance_length=(accepted + len(rounds)) / len(rounds) if rounds else 0.0,
+        speculation_used=drafting, drafter=plan.drafter if drafting else "", gamma=plan.gamma if drafting else 0,
+        draft_ms=sum(r.draft_ms for r in rounds), verify_ms=sum(r.verify_ms for r in rounds),
+        network_ms=sum(r.network_ms for r in rounds) + _prefill_network_ms(request),
+        gateway_ms=sum(r.gateway_ms for r in rounds), exact=exact, task_type=plan.task_type,
+        round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
+        seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
+        speculation_reason=plan.decision.reason if drafting == plan.speculate else "drafter-down",
+        shared_memory=request.shm_verify and request.shm_draft and drafting, fast_path=request.fast_path,
+        predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits)
+
+
+def _digest(ids: list[int]) -> str:
+    """Pairs a spec-on request with spec-off runs of the same prompt in trace-report, without the text."""
+    return hashlib.sha256(array("I", ids).tobytes()).hexdigest()[:16]
+
+
+def _describe(span, stats: pb.GenerationStats, common: dict) -> None:
+    """The Generate span's summary of the request (what trace-report groups and compares by)."""
+    if span.is_recording():
+        span.set_attributes({
+            **common, "specsplit.speculation": "on" if stats.speculation_used else "off",
+            "specsplit.drafter": stats.drafter, "specsplit.gamma": stats.gamma,
+            "specsplit.generated_tokens": stats.generated_tokens, "specsplit.prompt_tokens": stats.prompt_tokens,
+            "specsplit.rounds": stats.rounds, "specsplit.drafted": stats.drafted_tokens,
+            "specsplit.accepted": stats.accepted_tokens, "specsplit.verify_method": stats.verify_method,
+            "specsplit.mean_acceptance_length": stats.mean_acceptance_length,
+            "specsplit.speculation_reason": stats.speculation_reason,
+            "specsplit.predraft_attempts": stats.predraft_attempts, "specsplit.predraft_hits": stats.predraft_hits,
+            "specsplit.shared_memory": stats.shared_memory, "specsplit.fast_path": stats.fast_path})

@@ -9,13 +9,16 @@ import secrets
 import grpc
 
 from gateway import policy
-from gateway.controller import Controller
-from gateway.instruments import GatewayMetrics
-from gateway.orchestrator import Orchestrator, Plan, UpstreamError, drain_releases
+from gateway.controller import AUTO, OFF, ON, Controller
+from gateway.instruments import GatewayMetrics, Instruments
+from gateway.rounds import RoundLoop
+from gateway.state import Plan
+from gateway.upstream import Upstream
 from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
@@ -34,12 +37,7 @@ ROLES = {"system", "user", "assistant"}
 log = logging.getLogger("specsplit.gateway")
 
 
-class Refused(Exception):
-    """A request the gateway will not run, with the status code that tells the caller why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+MODES = {pb.SPECULATION_AUTO: AUTO, pb.SPECULATION_ON: ON, pb.SPECULATION_OFF: OFF}
 
 
 def incompatibility(target: vpb.InfoResponse, drafters: dict[str, dpb.DrafterInfo], name: str) -> str:
@@ -69,6 +67,7 @@ class Backends:
         self._draft_channel = aio_channel(settings.draft_address, settings.upstream_tls, interceptors)
         self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
+        self.upstream = Upstream(self.verifier, self.drafter)
         self.controller = Controller(settings.controller)
         # The co-located fast path: this gateway's shared-memory segments (None: off or no /dev/shm).
         self.segments = shm.Creator() if settings.server.shared_memory and shm.available() else None
@@ -100,7 +99,8 @@ class Backends:
         return incompatibility(self.target, self.drafters, name)
 
     async def close(self) -> None:
-        await drain_releases(timeout_s=5)
+        await self.upstream.drain(timeout_s=5)
+        self.upstream.close()
         await self._verify_channel.close()
         await self._draft_channel.close()
         if self.segments is not None:
@@ -116,23 +116,24 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 
-    def _orchestrator(self) -> Orchestrator:
+    def _loop(self) -> RoundLoop:
         b = self._backends
-        return Orchestrator(b.verifier, b.drafter, b.tokenizer, b.target, b.settings.rpc_timeout_s, self._metrics,
-                            self._transport, self.controller, b.segments, b.settings.shm_segment_bytes)
+        instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
+        return RoundLoop(b.upstream, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments, b.segments,
+                         b.settings.shm_segment_bytes)
 
     async def Generate(self, request, context):
         plan = await self._plan_or_abort(request, context)
         text, ids, last = [], [], None
         self._inflight += 1
         try:
-            async with contextlib.aclosing(self._orchestrator().generate(plan, context.time_remaining)) as chunks:
+            async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
                 async for chunk in chunks:
                     text.append(chunk.text)
                     ids += chunk.token_ids
                     last = chunk
-        except UpstreamError as e:
-            await context.abort(e.code, str(e))
+        except Failure as e:
+            await context.abort(e.code, e.message)
         finally:
             self._inflight -= 1
         return pb.GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
@@ -142,59 +143,59 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         plan = await self._plan_or_abort(request, context)
         self._inflight += 1
         try:
-            async with contextlib.aclosing(self._orchestrator().generate(plan, context.time_remaining)) as chunks:
+            async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
                 async for chunk in chunks:
                     yield chunk
-        except UpstreamError as e:
-            await context.abort(e.code, str(e))
+        except Failure as e:
+            await context.abort(e.code, e.message)
         finally:
             self._inflight -= 1
 
     async def _plan_or_abort(self, request, context) -> Plan:
         try:
             return self.plan(request)
-        except Refused as e:
-            await context.abort(e.code, str(e))
+        except Failure as e:
+            await context.abort(e.code, e.message)
 
     def plan(self, request: pb.GenerateRequest) -> Plan:
         b = self._backends
         if b.target is None:  # health says NOT_SERVING until connect() finished; be just as clear here
-            raise Refused(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
+            raise Failure(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
                           "verify services")
         settings = b.settings
         prompt_ids = self._prompt_ids(request)
         max_context = b.target.max_context
         if len(prompt_ids) + 1 > max_context:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt is {len(prompt_ids)} tokens; the target's context is {max_context}, "
                           "which must also hold at least one generated token")
         if request.max_new_tokens < 1:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at least 1")
         if request.max_new_tokens > settings.max_new_tokens_limit:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_new_tokens {request.max_new_tokens} exceeds this gateway's limit of "
                           f"{settings.max_new_tokens_limit}")
         sampling = self._check_sampling(request.sampling)
         stops = tuple(request.stop.stop_strings)
         if len(stops) > MAX_STOP_STRINGS or any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
         if request.gamma > MAX_GAMMA:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
         drafter = request.drafter or b.default_drafter
         if drafter not in b.drafters:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
-        mode = request.speculation or pb.SPECULATION_AUTO
+        mode = MODES.get(request.speculation, AUTO)
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma, self._inflight)
         speculate = decision.speculate
         gamma = decision.gamma or request.gamma or settings.controller.gamma_start
         problem = b.incompatibility(drafter)
         if speculate and problem:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, problem)
+            raise Failure(grpc.StatusCode.FAILED_PRECONDITION, problem)
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
-                    eos_ids=eos, speculate=speculate, may_fall_back=mode == pb.SPECULATION_AUTO, gamma=gamma,
+                    eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
                     decision=decision, predraft=speculate and self._predraft(request, drafter))
@@ -212,16 +213,16 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if kind == "text":
             ids = tokenizer.encode(request.text) if request.text.strip() else []
             if not ids:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
+                raise Failure(grpc.StatusCode.INVALID_ARGUMENT, "prompt text is empty")
             return ids
         if kind != "chat" or not request.chat.messages:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set text or chat.messages")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, "no prompt: set text or chat.messages")
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         bad = [m["role"] for m in messages if m["role"] not in ROLES]
         if bad:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown chat role {bad[0]!r}; use {sorted(ROLES)}")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"unknown chat role {bad[0]!r}; use {sorted(ROLES)}")
         if not getattr(tokenizer, "chat_template", None):
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "the target's tokenizer has no chat template")
+            raise Failure(grpc.StatusCode.FAILED_PRECONDITION, "the target's tokenizer has no chat template")
         return chat_prompt_ids(tokenizer, messages)
 
     @staticmethod
@@ -231,10 +232,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         try:
             SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p).check()
         except ValueError as e:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         method = sampling.method or cpb.VERIFY_METHOD_COUPLED
         if method not in (cpb.VERIFY_METHOD_COUPLED, cpb.VERIFY_METHOD_REJECTION):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown verify method {sampling.method}")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"unknown verify method {sampling.method}")
         seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
         return cpb.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=seed,
                             method=method)

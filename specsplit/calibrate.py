@@ -12,6 +12,7 @@ import grpc
 
 from gateway import policy
 from gateway.controller import Controller, Decision
+from gateway.instruments import outcome
 from specsplit.bench import Prompt, _request, _warmup, gateway_stub, load_prompts
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
@@ -39,7 +40,7 @@ def measure(stub, prompts: list[Prompt], drafter: str, gamma: int, max_new_token
                 key = "on" if mode == pb.SPECULATION_ON else "off"
                 walls[p.task_type][f"{key}_s"] += time.perf_counter() - start
                 walls[p.task_type][f"{key}_tokens"] += len(out.token_ids)
-                controller.observe(p.task_type, drafter, FORCED, out.stats)
+                controller.observe(p.task_type, drafter, FORCED, outcome(out.stats))
         print(f"[{i}/{len(prompts)}] {p.task_type}", file=sys.stderr, flush=True)
     return walls
 

@@ -88,12 +88,3 @@ def coupled_choice(probs: torch.Tensor, seed: int, position: int) -> int:
 
 def sample(probs: torch.Tensor, seed: int, position: int, stream: int = RESAMPLE) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator(seed, position, stream)))
-
-
-def from_proto(message) -> tuple[SamplingParams, str]:
-    """A specsplit.common.v1.Sampling message -> (params, "coupled" | "rejection")."""
-    from specsplit.common.v1 import common_pb2 as cpb
-
-    method = "rejection" if message.method == cpb.VERIFY_METHOD_REJECTION else "coupled"
-    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
-                          seed=message.seed), method

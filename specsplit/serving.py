@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specsplit import shm
+from specsplit import fastpath, shm
+from specsplit.errors import Failure
 from specsplit.sessions import SessionTable
 from specsplit.settings import ClientTLS, ServerSettings
+from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit")
 
@@ -88,17 +89,12 @@ def unix_path(address: str) -> Path | None:
     return None
 
 
-class ModelWorker:
-    """Runs blocking model calls on one thread, in arrival order, off the event loop."""
-
-    def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+async def answer(work: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any:
+    """A handler's response, or the call aborted with the status of the Failure it raised."""
+    try:
+        return await work
+    except Failure as e:
+        await context.abort(e.code, e.message)
 
 
 async def serve(
@@ -112,13 +108,15 @@ async def serve(
     stop_event: asyncio.Event | None = None,
     handle_signals: bool = True,
     interceptors: list[grpc.aio.ServerInterceptor] = (),
+    fast_path: fastpath.FastPathServer | None = None,
 ) -> None:
     """Binds `settings.listen` (`unix:///path.sock` or `host:port`, port 0 picks one), reports
     NOT_SERVING until `warmup` finished, writes the bound address to `settings.address_file`, sweeps
     idle `sessions`, and on SIGINT/SIGTERM (or `stop_event`) flips health to NOT_SERVING, gives
-    in-flight calls `settings.grace_s`, then stops the `worker`."""
+    in-flight calls `settings.grace_s`, then removes the `fast_path` socket and stops the `worker`."""
     if settings.shared_memory:
         shm.reclaim_stale()  # segments of a gateway that died (SIGKILL) before it could remove them
+        fastpath.reclaim_stale()  # and fast-path sockets of a service that did
     credentials = server_credentials(settings)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     register(server)
@@ -163,6 +161,8 @@ async def serve(
         await server.stop(settings.grace_s)
         if sweeper is not None:
             sweeper.cancel()
+        if fast_path is not None:
+            fast_path.close()
         if worker is not None:
             worker.shutdown()
         if sock is not None and sock.exists():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 from typing import Generic, TypeVar
@@ -33,6 +34,7 @@ class SessionTable(Generic[T]):
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._items: OrderedDict[str, tuple[T, float]] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -41,28 +43,38 @@ class SessionTable(Generic[T]):
         return session_id in self._items
 
     def put(self, session_id: str, state: T) -> None:
+        with self._lock:
+            self._put(session_id, state)
+
+    def _put(self, session_id: str, state: T) -> None:
         if session_id in self._items:
             raise SessionExists(session_id)
         if len(self._items) >= self.max_sessions:
-            self.evict_idle()
+            self._evict_idle()
         if len(self._items) >= self.max_sessions:
             raise TableFull(f"all {self.max_sessions} sessions are in use")
         self._items[session_id] = (state, self._clock())
 
     def get(self, session_id: str) -> T:
-        try:
-            state, _ = self._items[session_id]
-        except KeyError:
-            raise SessionNotFound(session_id) from None
-        self._items[session_id] = (state, self._clock())
-        self._items.move_to_end(session_id)
-        return state
+        with self._lock:
+            try:
+                state, _ = self._items[session_id]
+            except KeyError:
+                raise SessionNotFound(session_id) from None
+            self._items[session_id] = (state, self._clock())
+            self._items.move_to_end(session_id)
+            return state
 
     def pop(self, session_id: str) -> T | None:
-        item = self._items.pop(session_id, None)
+        with self._lock:
+            item = self._items.pop(session_id, None)
         return None if item is None else item[0]
 
     def evict_idle(self) -> list[str]:
+        with self._lock:
+            return self._evict_idle()
+
+    def _evict_idle(self) -> list[str]:
         deadline = self._clock() - self.idle_timeout_s
         stale = [sid for sid, (_, used) in self._items.items() if used < deadline]
         for sid in stale:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 
-from gateway.controller import Controller, expected_length
+from gateway.controller import AUTO, OFF, ON, Controller, expected_length
+from gateway.instruments import outcome
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.settings import ControllerSettings
-
-AUTO, ON, OFF = pb.SPECULATION_AUTO, pb.SPECULATION_ON, pb.SPECULATION_OFF
 
 
 class Workload:
@@ -45,7 +44,7 @@ def serve(controller: Controller, workload: Workload, requests: int, task: str =
     decisions = []
     for _ in range(requests):
         d = controller.decide(task, "hybrid", AUTO, 0, inflight=1)
-        controller.observe(task, "hybrid", d, workload.run(d.speculate, d.gamma))
+        controller.observe(task, "hybrid", d, outcome(workload.run(d.speculate, d.gamma)))
         decisions.append(d)
     return decisions
 
@@ -131,7 +130,7 @@ def test_predrafting_is_kept_where_it_pays_and_dropped_where_it_does_not():
         for _ in range(120):
             d = c.decide("code", "hybrid", AUTO, 0, inflight=1)
             arm = c.predraft("code", "hybrid")
-            c.observe("code", "hybrid", d, work.run_arm(d.gamma, arm), arm)
+            c.observe("code", "hybrid", d, outcome(work.run_arm(d.gamma, arm)), arm)
             arms.append(arm)
         late = arms[40:]
         assert sum(a == wins for a in late) >= 0.85 * len(late), (network, extra, arms)

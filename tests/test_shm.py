@@ -4,9 +4,11 @@ and cleanup (normal exit, session end, cancelled request, SIGKILL and restart)."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,15 +23,16 @@ from specsplit.launcher import wait_serving
 
 
 @pytest.fixture
-def shm_dir(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "shm"
-    d.mkdir()
+def shm_dir(monkeypatch) -> Path:
+    # Short: the services' fast-path sockets live here too, and a socket path has at most 107 bytes.
+    d = Path(tempfile.mkdtemp(prefix="shm-", dir="/tmp"))
     monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
-    return d
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _segments(d: Path) -> list[str]:
-    return sorted(n for n in os.listdir(d) if not n.endswith(".lock"))
+    return sorted(n for n in os.listdir(d) if not n.endswith((".lock", ".sock")))
 
 
 def test_segment_is_private_bounded_and_round_trips(shm_dir):

@@ -48,8 +48,9 @@ class VerifyResult:
 class Target:
     """Runs the target model. Blocking: call from one worker thread at a time."""
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, new_sequence=None):
         self.lm = lm
+        self._new_sequence = new_sequence or (lambda: KVSequence(lm.model))  # a session's cache
 
     def prefill(self, prompt: list[int], with_features: bool = False, sampling: SamplingParams = SamplingParams(),
                 method: str = "coupled") -> tuple[TargetSession, VerifyResult]:
@@ -60,7 +61,7 @@ class Target:
             raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
         self._check_room(len(prompt) + 1)
         start = time.perf_counter_ns()
-        session = TargetSession(kv=KVSequence(self.lm.model), tokens=list(prompt), with_features=with_features,
+        session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, method=method)
         logits, features = self._forward(session, prompt, last_only=True)  # [1, vocab]
         _, first = self._decide(session, logits, [], [], len(prompt))

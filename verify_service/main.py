@@ -7,10 +7,11 @@ import logging
 import os
 import time
 
-from specsplit import runtime, telemetry
-from specsplit.serving import ModelWorker, serve
+from specsplit import fastpath, runtime, telemetry
+from specsplit.serving import serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import VerifySettings
+from specsplit.worker import ModelWorker
 from verify_service.server import SERVICE_NAME, VerifierServicer, register
 
 log = logging.getLogger("specsplit")
@@ -39,6 +40,8 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
+    fast = fastpath.offer(worker, servicer.verify_frame, "verify", settings.server.shared_memory)
+    servicer.fast_path = str(fast.path) if fast else ""
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
-                interceptors=tel.server_interceptors())
+                interceptors=tel.server_interceptors(), fast_path=fast)

@@ -7,17 +7,17 @@ import math
 import grpc
 import torch
 
-from specsplit import features as wire
-from specsplit import shm
+from specsplit import shm, wire
 from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.errors import Failure
 from specsplit.fastllama import CacheFull
 from specsplit.modeling import LoadedModel
-from specsplit.sampling import from_proto
-from specsplit.serving import ModelWorker
+from specsplit.serving import answer
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.telemetry import record_compute
 from specsplit.verify.v1 import verify_pb2 as pb
 from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
+from specsplit.worker import ModelWorker
 from verify_service.engine import ContextFull, LengthMismatch, Target, TargetSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -26,12 +26,13 @@ MAX_DRAFT = 64
 
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker,
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, target: Target | None = None):
         self._lm = lm
         self._shared_memory = shared_memory  # map the gateway's segments when offered
-        self._target = Target(lm)
+        self._target = target or Target(lm)
         self._sessions = sessions
         self._worker = worker
+        self.fast_path = ""  # the fast-path socket announced to sessions that mapped their segment
 
     async def Info(self, request, context):
         lm = self._lm
@@ -57,7 +58,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         try:
-            sampling, method = from_proto(request.sampling)
+            sampling, method = wire.sampling(request.sampling)
             sampling.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -74,12 +75,27 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         record_compute(result.forward_ns)
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
                                   forward_ns=result.forward_ns, features=_features(result, 0, segment),
-                                  shm_nonce=segment.nonce if segment else b"")
+                                  shm_nonce=segment.nonce if segment else b"",
+                                  fast_path=self.fast_path if segment else "")
 
     async def Verify(self, request, context):
+        response = await answer(self._worker.run(self.verify, request), context)
+        record_compute(response.forward_ns)
+        return response
+
+    async def VerifyStream(self, requests, context):
+        async for request in requests:
+            yield await answer(self._worker.run(self.verify, request), context)
+
+    def verify_frame(self, body: bytes) -> bytes:
+        """The fast path's handler (on the worker thread)."""
+        return self.verify(pb.VerifyRequest.FromString(body)).SerializeToString()
+
+    def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        """One round, on the worker thread; raises Failure with the status for the caller."""
         if len(request.draft_token_ids) > MAX_DRAFT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
         try:
             session = self._sessions.get(request.session_id)
             dists = request.draft_probs
@@ -90,25 +106,27 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 dists = [cpb.SparseProbs(token_ids=ids, probs=probs)
                          for ids, probs in session.segment.read_proposal(ref.offset, ref.length)]
             proposals = [sparse_from(d) for d in dists]
-            result = await self._worker.run(
-                self._target.verify, session, request.length, list(request.draft_token_ids), proposals)
+            result = self._target.verify(session, request.length, list(request.draft_token_ids), proposals)
         except SessionNotFound:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}")
+            raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
         except LengthMismatch as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise Failure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except ContextFull as e:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+            raise Failure(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
         except CacheFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        record_compute(result.forward_ns)
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment))
 
     async def Release(self, request, context):
-        session = self._sessions.pop(request.session_id)
+        return await self._worker.run(self._release, request.session_id)
+
+    def _release(self, session_id: str) -> pb.ReleaseResponse:
+        """On the worker thread, so it runs after any round of the session still queued there."""
+        session = self._sessions.pop(session_id)
         if session is not None and session.segment is not None:
             session.segment.close()
         return pb.ReleaseResponse(released=session is not None)

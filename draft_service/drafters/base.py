@@ -109,7 +109,6 @@ def sampled_from(choices: list[Choice]) -> list[tuple[torch.Tensor, torch.Tensor
 
 class Drafter(Protocol):
     description: DrafterDescription
-    runs_model: bool  # False: cheap enough to run on the event loop
     memory_bytes: int  # what it holds in memory (parameters, borrowed target tensors, stores)
 
     def start(self, prompt: list[int]) -> DraftSession:

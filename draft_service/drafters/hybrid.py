@@ -10,7 +10,6 @@ from draft_service.drafters.selfdraft import SelfDrafter, SelfSession
 
 
 class HybridDrafter:
-    runs_model = True
 
     def __init__(self, ngram: NgramDrafter, head: SelfDrafter, min_match: int = 2, name: str = "hybrid"):
         self.ngram, self.head, self.min_match = ngram, head, min_match

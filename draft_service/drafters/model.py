@@ -21,7 +21,6 @@ class ModelSession(DraftSession):
 
 
 class ModelDrafter:
-    runs_model = True
 
     def __init__(self, lm: LoadedModel, name: str = "model", model_dir: str | Path | None = None):
         self.lm = lm

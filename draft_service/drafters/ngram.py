@@ -86,7 +86,6 @@ class OutputStore:
 
 
 class NgramDrafter:
-    runs_model = False
 
     def __init__(self, name: str = "ngram", min_n: int = 1, max_n: int = 3, store: OutputStore | None = None,
                  store_min_n: int = 2, store_max_n: int = 8):

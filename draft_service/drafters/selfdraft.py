@@ -94,7 +94,6 @@ def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Te
 
 
 class SelfDrafter:
-    runs_model = True
 
     def __init__(self, head_dir: Path, target_dir: Path, device: str = "cpu", name: str = "self",
                  min_confidence: float = 0.0):

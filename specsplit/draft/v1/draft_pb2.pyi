@@ -68,14 +68,16 @@ class StartSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
-    __slots__ = ("drafter", "prefill_ns", "shm_nonce")
+    __slots__ = ("drafter", "prefill_ns", "shm_nonce", "fast_path")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NS_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     prefill_ns: int
     shm_nonce: bytes
-    def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    fast_path: str
+    def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("session_id", "base_length", "new_token_ids", "gamma", "features")

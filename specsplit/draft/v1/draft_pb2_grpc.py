@@ -49,6 +49,11 @@ class DrafterStub:
                 request_serializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specsplit.draft.v1.Drafter/ProposeStream',
+                request_serializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specsplit.draft.v1.Drafter/EndSession',
                 request_serializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.EndSessionRequest.SerializeToString,
@@ -80,6 +85,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose for the rounds of a session on one open stream: one response per request, in order
+        (what the gateway uses). The first error ends the stream with its status; the session stays
+        until EndSession.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Ends a session and frees its state. Ending an unknown session is not an error.
         """
@@ -102,6 +116,11 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
+                    response_serializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
             ),
@@ -190,6 +209,33 @@ class Drafter:
             request,
             target,
             '/specsplit.draft.v1.Drafter/Propose',
+            specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+            specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.draft.v1.Drafter/ProposeStream',
             specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specsplit_dot_draft_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
             options,

@@ -102,7 +102,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., gamma: _Optional[int] = ..., drafter: _Optional[str] = ..., task_type: _Optional[str] = ..., predraft: _Optional[_Union[Predraft, str]] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted")
+    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted", "gateway_ms")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class RoundRecord(_message.Message):
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_MS_FIELD_NUMBER: _ClassVar[int]
     drafted: int
     accepted: int
     draft_ms: float
@@ -123,10 +124,11 @@ class RoundRecord(_message.Message):
     feature_bytes: int
     proposal_bytes: int
     predrafted: bool
-    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ...) -> None: ...
+    gateway_ms: float
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits")
+    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,8 @@ class GenerationStats(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_MS_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     prefill_ms: float
@@ -179,7 +183,9 @@ class GenerationStats(_message.Message):
     shared_memory: bool
     predraft_attempts: int
     predraft_hits: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ...) -> None: ...
+    gateway_ms: float
+    fast_path: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

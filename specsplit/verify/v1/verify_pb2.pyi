@@ -56,18 +56,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("next_token_id", "length", "forward_ns", "features", "shm_nonce")
+    __slots__ = ("next_token_id", "length", "forward_ns", "features", "shm_nonce", "fast_path")
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_FIELD_NUMBER: _ClassVar[int]
     next_token_id: int
     length: int
     forward_ns: int
     features: _common_pb2.Features
     shm_nonce: bytes
-    def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    fast_path: str
+    def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm")

@@ -49,6 +49,11 @@ class VerifierStub:
                 request_serializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specsplit.verify.v1.Verifier/VerifyStream',
+                request_serializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specsplit.verify.v1.Verifier/Release',
                 request_serializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.ReleaseRequest.SerializeToString,
@@ -80,6 +85,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify for the rounds of a session on one open stream: one response per request, in order
+        (what the gateway uses; a unary call per round costs about twice as much). The first error
+        ends the stream with its status; the session stays until Release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Ends a session and frees its cache. Releasing an unknown session is not an error.
         """
@@ -102,6 +116,11 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyRequest.FromString,
+                    response_serializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyRequest.FromString,
                     response_serializer=specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyResponse.SerializeToString,
             ),
@@ -190,6 +209,33 @@ class Verifier:
             request,
             target,
             '/specsplit.verify.v1.Verifier/Verify',
+            specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
+            specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.verify.v1.Verifier/VerifyStream',
             specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyRequest.SerializeToString,
             specsplit_dot_verify_dot_v1_dot_verify__pb2.VerifyResponse.FromString,
             options,

@@ -1,7 +1,8 @@
 import grpc
 import pytest
 
-from gateway.orchestrator import UpstreamError, _Caller
+from gateway.upstream import Deadline, Upstream
+from specsplit.errors import Failure
 
 
 def failing(code: grpc.StatusCode):
@@ -16,8 +17,8 @@ def failing(code: grpc.StatusCode):
     (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.FAILED_PRECONDITION),
 ])
 async def test_backend_errors_keep_an_actionable_code_and_name_the_service(backend_code, client_code):
-    with pytest.raises(UpstreamError) as err:
-        await _Caller(lambda: None, 1.0)(failing(backend_code), object(), "verify")
+    with pytest.raises(Failure) as err:
+        await Upstream(None, None).call(failing(backend_code), object(), "verify", Deadline(lambda: None, 1.0))
     assert err.value.code == client_code
     assert str(err.value) == "verify service: boom"
 
@@ -28,7 +29,7 @@ async def test_internal_deadline_is_bounded_by_the_clients():
     async def method(request, timeout):
         seen.append(timeout)
 
-    await _Caller(lambda: 0.5, 60.0)(method, object(), "draft")
-    await _Caller(lambda: None, 60.0)(method, object(), "draft")
-    await _Caller(lambda: 120.0, 60.0)(method, object(), "draft")
+    up = Upstream(None, None)
+    for remaining in (0.5, None, 120.0):
+        await up.call(method, object(), "draft", Deadline(lambda r=remaining: r, 60.0))
     assert seen == [0.5, 60.0, 60.0]

@@ -1,10 +1,12 @@
-"""Target features on the wire: a [rows, dim] tensor <-> specsplit.common.v1.Features."""
+"""Conversions between the wire's common messages and the maths' plain values: target features
+(a [rows, dim] tensor <-> specsplit.common.v1.Features) and sampling settings."""
 
 from __future__ import annotations
 
 import torch
 
 from specsplit.common.v1 import common_pb2 as pb
+from specsplit.sampling import SamplingParams
 
 _WIRE = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.int16),
          "float32": (torch.float32, torch.int32)}
@@ -31,3 +33,10 @@ def decode(message: pb.Features) -> torch.Tensor:
         return torch.zeros(0, message.dim, dtype=torch.float32)
     flat = torch.frombuffer(bytearray(message.data), dtype=carrier).view(dtype)
     return flat.reshape(message.rows, message.dim).float()
+
+
+def sampling(message: pb.Sampling) -> tuple[SamplingParams, str]:
+    """A Sampling message -> (params, "coupled" | "rejection")."""
+    method = "rejection" if message.method == pb.VERIFY_METHOD_REJECTION else "coupled"
+    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
+                          seed=message.seed), method

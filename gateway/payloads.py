@@ -1,0 +1,65 @@
+"""Where a round's bulk payloads travel: target features to the drafter and draft distributions to
+the verifier go by reference into the session's shared-memory segment when the receiving service
+mapped it, inline otherwise (specsplit.shm)."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.state import Request
+from specsplit import shm
+from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.errors import Failure
+
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def join(pending: cpb.Features | None, new: cpb.Features | None, segment: shm.Segment | None) -> cpb.Features | None:
+    """Features not delivered yet followed by the new rows (rare: a round without a Propose).
+    Rows in shared memory are read back first, so the result is always valid."""
+    if pending is None or not pending.rows:
+        return new
+    if new is None or not new.rows:
+        return pending
+    pending, new = shm.fetch_features(segment, pending), shm.fetch_features(segment, new)
+    return cpb.Features(start=pending.start, rows=pending.rows + new.rows, dim=new.dim, dtype=new.dtype,
+                        data=pending.data + new.data)
+
+
+def feature_bytes(features: cpb.Features | None) -> int:
+    """Bytes of feature rows carried, inline or in shared memory."""
+    return 0 if features is None else features.rows * features.dim * ELEMENT_BYTES.get(features.dtype, 4)
+
+
+def proposal_bytes(inline: list[cpb.SparseProbs], ref: cpb.ShmRef | None) -> int:
+    return ref.length if ref is not None else sum(d.ByteSize() for d in inline)
+
+
+def for_drafter(request: Request, features: cpb.Features | None) -> cpb.Features | None:
+    """Features as the draft service can read them: a ring reference only if it mapped the segment."""
+    if features is None or request.shm_draft:
+        return features
+    return shm.fetch_features(request.segment, features)
+
+
+def for_verifier(request: Request, proposal: dpb.ProposeResponse,
+                 count: int) -> tuple[list[cpb.SparseProbs], cpb.ShmRef | None]:
+    """The first `count` draft distributions, inline or as a segment reference the verifier can read."""
+    if not proposal.HasField("draft_probs_shm"):
+        return list(proposal.draft_probs[:count]), None
+    ref = proposal.draft_probs_shm
+    if request.shm_verify:
+        length = request.segment.proposal_prefix(ref.offset, ref.length, count)
+        return [], cpb.ShmRef(offset=ref.offset, length=length)
+    dists = request.segment.read_proposal(ref.offset, ref.length)[:count]
+    return [cpb.SparseProbs(token_ids=ids, probs=probs) for ids, probs in dists], None
+
+
+def proves(nonce: bytes, segment: shm.Segment, service: str) -> bool:
+    """A service shares our host if it read the segment's nonce; anything else but none is a fault."""
+    if not nonce:
+        return False
+    if nonce != segment.nonce:
+        raise Failure(grpc.StatusCode.INTERNAL, f"{service} service mapped a different segment named {segment.name}")
+    return True

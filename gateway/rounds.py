@@ -1,0 +1,205 @@
+"""The round loop: prefill, then draft -> verify until a stop condition; the session is released
+after the answer, on every exit path. Per-round facts go into `request.rounds`; stats, spans and
+metrics are made from them once the request is done (gateway.instruments)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway import payloads
+from gateway.instruments import Instruments
+from gateway.state import Plan, Request, Round
+from gateway.textstream import TextAssembler
+from gateway.upstream import Deadline, Upstream
+from specsplit import shm
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.errors import Failure
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.verify.v1 import verify_pb2 as vpb
+
+log = logging.getLogger("specsplit.gateway")
+now = time.perf_counter_ns
+_DRAFTER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # AUTO goes on without
+
+
+class RoundLoop:
+    def __init__(self, upstream: Upstream, tokenizer, target: vpb.InfoResponse, rpc_timeout_s: float,
+                 instruments: Instruments, segments: shm.Creator | None = None, segment_bytes: int = 4 << 20):
+        self._up, self._tokenizer, self._target = upstream, tokenizer, target
+        self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
+        self._segments, self._segment_bytes = segments, segment_bytes
+
+    async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
+        """Yields one chunk per round; the last carries the finish reason and stats."""
+        request = Request(plan, uuid.uuid4().hex, plan.speculate, started=time.perf_counter())
+        request.segment = self._segment(request)
+        deadline = Deadline(time_remaining, self._rpc_timeout_s)
+        try:
+            await self._prefill(request, deadline)
+            text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
+            delta = text.add(request.committed, self._limit(request))
+            request.decode_start = time.perf_counter()
+            mark = request.decode_mark = now()
+            while not delta.finish:
+                yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
+                mark = await self._round(request, mark)
+                delta = text.add(request.committed, self._limit(request))
+            stats = self._instruments.finished(request, len(text.token_ids))
+            yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish, stats=stats)
+        finally:
+            self._up.in_background(self._release(request))
+
+    async def _round(self, request: Request, mark: int) -> int:
+        """One draft -> verify round from `mark` (when the previous one ended); returns when it ended.
+        With pre-drafting the next block is drafted while the Verify is in flight, assuming every
+        draft is accepted and the target's next token is the drafter's own guess."""
+        plan = request.plan
+        gamma = self._room(request)
+        proposal, predrafted, request.ready = request.ready, request.ready is not None, None
+        feature_bytes, draft_call = payloads.feature_bytes(request.features), 0
+        if proposal is None and request.drafting and gamma >= 1:
+            t = now()
+            proposal = await request.drafter.call(self._propose(request, request.unsent, gamma + plan.predraft))
+            draft_call = now() - t
+        drafts, guess, probs, ref, draft_ns, source = [], None, [], None, 0, ""
+        if proposal is not None:
+            tokens = proposal.draft_token_ids
+            drafts, draft_ns, source = list(tokens[:gamma]), proposal.draft_ns, proposal.source
+            guess = tokens[gamma] if plan.predraft and len(tokens) > gamma else None
+            probs, ref = payloads.for_verifier(request, proposal, len(drafts))
+        check = vpb.VerifyRequest(session_id=request.session_id, length=request.length, draft_token_ids=drafts,
+                                  draft_probs=probs, draft_probs_shm=ref)
+        t = now()
+        ahead = None
+        if guess is not None and plan.max_new_tokens - request.generated - len(drafts) - 1 > 0:
+            ahead = asyncio.ensure_future(request.drafter.call(
+                self._propose(request, [*request.unsent, *drafts, guess], plan.gamma + 1)))
+        try:
+            verdict = await request.verifier.call(check)
+        finally:
+            verify_call = now() - t
+            if ahead is not None:
+                pre = (await asyncio.gather(ahead, return_exceptions=True))[0]
+        if ahead is not None:
+            request.predraft_attempts += 1
+            if isinstance(pre, BaseException):
+                raise pre  # as a failed Propose: the features it carried are gone with it
+            if verdict.num_accepted == len(drafts) and verdict.next_token_id == guess:
+                request.ready, request.predraft_hits = pre, request.predraft_hits + 1
+        if plan.needs_features and request.drafting:
+            request.features = payloads.join(request.features, verdict.features if verdict.HasField("features")
+                                             else None, request.segment)
+        request.committed = [*drafts[:verdict.num_accepted], verdict.next_token_id]
+        if request.ready is not None:  # the drafter already holds these tokens
+            request.base, request.unsent = verdict.length, []
+        else:
+            request.base, request.unsent = request.length, list(request.committed)
+        request.length = verdict.length
+        request.generated += len(request.committed)
+        end = now()
+        request.rounds.append(Round(
+            len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
+            source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted))
+        return end
+
+    def _propose(self, request: Request, new_tokens: list[int], gamma: int) -> dpb.ProposeRequest:
+        """Tells the drafter what was committed since `request.base` (plus, for a pre-draft, the block
+        under verification and the guess after it) and the features it lacks; they count as
+        delivered: a Propose that fails fails the request."""
+        message = dpb.ProposeRequest(session_id=request.session_id, base_length=request.base,
+                                     new_token_ids=new_tokens, gamma=gamma,
+                                     features=payloads.for_drafter(request, request.features))
+        request.features, request.base, request.unsent = None, request.length, []
+        return message
+
+    def _room(self, request: Request) -> int:
+        """Largest gamma whose accepted + 1 tokens fit max_new_tokens and the context."""
+        plan = request.plan
+        return min(plan.gamma, plan.max_new_tokens - request.generated - 1,
+                   self._target.max_context - request.length - 1)
+
+    def _limit(self, request: Request) -> int:
+        if request.generated >= request.plan.max_new_tokens:
+            return pb.FINISH_REASON_LENGTH
+        if request.length >= self._target.max_context:
+            return pb.FINISH_REASON_CONTEXT
+        return pb.FINISH_REASON_UNSPECIFIED
+
+    def _segment(self, request: Request) -> shm.Segment | None:
+        """The session's shared memory, offered to both services (spec-off too: mapping it is what
+        proves a service co-located and opens the fast path); None: everything goes by gRPC."""
+        plan = request.plan
+        if self._segments is None:
+            return None
+        row_bytes = 0
+        if plan.needs_features:
+            row_bytes = self._target.hidden_size * payloads.ELEMENT_BYTES.get(self._target.dtype, 4)
+        try:
+            return self._segments.create(request.session_id, row_bytes, self._segment_bytes, self._target.max_context)
+        except OSError as e:
+            log.warning("no shared memory for session %s: %s", request.session_id, e)
+            return None
+
+    async def _prefill(self, request: Request, deadline: Deadline) -> None:
+        """Prefills the verifier and starts the drafter's session in parallel, then opens the
+        session's round links; commits the first token, keeps the prompt's features for drafters
+        that read them, and turns drafting off when an AUTO request's draft service is down."""
+        plan, up = request.plan, self._up
+        name = request.segment.name if request.segment else ""
+        t = request.prefill_mark = now()
+        prefill = up.call(up.verifier.Prefill, vpb.PrefillRequest(
+            session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
+            sampling=plan.sampling, shm_segment=name), "verify", deadline)
+        started = None
+        if request.drafting:
+            start = up.call(up.drafter.StartSession, dpb.StartSessionRequest(
+                session_id=request.session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
+                target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
+                target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
+                shm_segment=name), "draft", deadline)
+            verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
+        else:
+            verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
+        if isinstance(verified, BaseException):
+            raise verified
+        if isinstance(started, Failure) and plan.may_fall_back and started.code in _DRAFTER_DOWN:
+            log.warning("draft service unavailable, continuing without speculation: %s", started)
+            request.drafting, started = False, None
+        elif isinstance(started, BaseException):
+            raise started
+        if request.segment is not None:
+            request.shm_verify = payloads.proves(verified.shm_nonce, request.segment, "verify")
+            request.shm_draft = started is not None and payloads.proves(started.shm_nonce, request.segment, "draft")
+        request.verifier = await up.verify_link(verified.fast_path if request.shm_verify else "", deadline)
+        if request.drafting:
+            request.drafter = await up.draft_link(started.fast_path if request.shm_draft else "", deadline)
+        request.fast_path = bool(request.shm_verify and verified.fast_path)
+        request.prefill_ns, request.prefill_verify_ns = now() - t, verified.forward_ns
+        request.committed, request.unsent = [verified.next_token_id], [verified.next_token_id]
+        request.base = len(plan.prompt_ids)
+        request.length, request.generated = verified.length, 1
+        if plan.needs_features and request.drafting:
+            request.features = verified.features
+
+    async def _release(self, request: Request) -> None:
+        """Frees the session on both services (the drafter hears the last committed tokens), then
+        removes the shared memory."""
+        for link in (request.verifier, request.drafter):
+            if link is not None:
+                link.close()
+        up = self._up
+        calls = [up.verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
+        if request.drafting:
+            calls.append(up.drafter.EndSession(dpb.EndSessionRequest(
+                session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent), timeout=5))
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                log.warning("releasing session %s failed: %s", request.session_id, outcome)
+        if request.segment is not None:
+            self._segments.remove(request.segment)

@@ -1,0 +1,78 @@
+"""A request's state in the gateway: the validated plan, where decoding stands, and what each round
+did (plain tuples, turned into messages, spans and metrics only after the answer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gateway.controller import Decision
+from specsplit import shm
+from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.draft.v1 import draft_pb2 as dpb
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request, in token ids."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop_strings: tuple[str, ...]
+    eos_ids: frozenset[int]
+    speculate: bool
+    may_fall_back: bool  # AUTO: run without speculation if the draft service is down
+    gamma: int
+    drafter: str
+    task_type: str
+    needs_features: bool = False  # the drafter reads target features: the verifier returns them
+    sampling: cpb.Sampling = field(default_factory=cpb.Sampling)  # temperature 0: greedy
+    decision: Decision = Decision(True, 4, "forced")  # the controller's, for this request
+    predraft: bool = False  # asynchronous drafting: draft the next block while Verify is in flight
+
+
+class Round(NamedTuple):
+    """One round's facts as measured (ns), before any accounting (specsplit.roundtime)."""
+
+    drafted: int
+    accepted: int
+    draft_ns: int  # drafter compute for this round's drafts (server-reported)
+    draft_call_ns: int  # Propose wall time on the round's critical path (0: none, or pre-drafted)
+    verify_ns: int  # verifier compute (server-reported)
+    verify_call_ns: int  # Verify wall time
+    round_ns: int  # wall time since the previous round ended (gateway work between rounds included)
+    source: str
+    feature_bytes: int
+    proposal_bytes: int
+    predrafted: bool
+
+
+@dataclass
+class Request:
+    """Where a request's decoding stands between rounds."""
+
+    plan: Plan
+    session_id: str
+    drafting: bool
+    base: int = 0  # position of unsent[0]
+    length: int = 0  # committed tokens on the verifier
+    unsent: list[int] = field(default_factory=list)  # committed tokens the drafter has not heard of
+    features: cpb.Features | None = None  # target features not yet delivered to the drafter
+    generated: int = 0
+    committed: list[int] = field(default_factory=list)  # tokens the last step committed (for the text)
+    segment: shm.Segment | None = None  # the session's shared memory (co-located fast path)
+    shm_verify: bool = False  # the verify service mapped it
+    shm_draft: bool = False  # the draft service mapped it
+    verifier: object = None  # the session's round link to each service (gateway.upstream)
+    drafter: object = None
+    ready: dpb.ProposeResponse | None = None  # a pre-draft whose assumption held: next round's drafts
+    predraft_attempts: int = 0
+    predraft_hits: int = 0
+    rounds: list[Round] = field(default_factory=list)
+    prefill_ns: int = 0  # wall time of Prefill + StartSession
+    prefill_verify_ns: int = 0  # the verifier's prefill compute
+    prefill_mark: int = 0  # perf_counter_ns at the prefill's start; rounds follow from decode_mark
+    decode_mark: int = 0
+    started: float = 0.0  # perf_counter at the request's start
+    decode_start: float = 0.0
+    fast_path: bool = False  # rounds went over the fast path (both services)
