@@ -215,6 +215,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rtts", default="", help="with --topology: comma-separated RTTs in ms "
                                                   "(default 0,0.5,1,2,5,10,20,40)")
     bench.add_argument("--plot", default="specsplit-topology.png", help="with --topology: PNG of the curve")
+    bench.add_argument("--round-overhead", action="store_true",
+                       help="per-round overhead (median, P95) through the real services around a drafter and a "
+                            "verifier that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)")
     bench.add_argument("--tracing-overhead", action="store_true",
                        help="instead: spec-on requests alternated between a stack with tracing off and one "
                             "with tracing on (OTLP-JSON file), and the median cost of tracing per token")
@@ -270,7 +273,7 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _stack_config(a: argparse.Namespace):
-    from specsplit.launcher import StackConfig
+    from specsplit.tools.launcher import StackConfig
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, quantize=a.quantize,
@@ -287,7 +290,7 @@ def _last_gateway_file() -> Path:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from specsplit.launcher import die_with_launcher
+    from specsplit.tools.launcher import die_with_launcher
 
     die_with_launcher()
     server = _server_settings(a)
@@ -345,7 +348,7 @@ def _self_head(flag: str, target_model: str) -> str | None:
 
 def cmd_up(a: argparse.Namespace) -> int:
     from specsplit import default_model
-    from specsplit.launcher import Stack
+    from specsplit.tools.launcher import Stack
 
     for path in {a.target_model, a.draft_model} - {None}:
         default_model.resolve(path)  # convert the default model once, before three processes want it
@@ -426,26 +429,26 @@ def _summary(stats, finish_reason) -> str:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from specsplit.bench import main as bench_main
+    from specsplit.tools.bench import main as bench_main
 
     return bench_main(a, _stack_config(a))
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from specsplit.calibrate import main as calibrate_main
+    from specsplit.tools.calibrate import main as calibrate_main
 
     return calibrate_main(a, _stack_config(a))
 
 
 def cmd_trace_report(a: argparse.Namespace) -> int:
-    from specsplit.tracereport import main as report_main
+    from specsplit.tools.tracereport import main as report_main
 
     return report_main(a)
 
 
 def cmd_distill(a: argparse.Namespace) -> int:
     from specsplit import runtime
-    from specsplit.distill.pipeline import DistillSettings, distill
+    from specsplit.tools.distill.pipeline import DistillSettings, distill
 
     runtime.configure_process(a.threads)
     stages = tuple(x.strip() for x in a.stages.split(",") if x.strip())

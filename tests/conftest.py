@@ -91,7 +91,7 @@ def write_prompts(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def self_head(models, tmp_path_factory) -> Path:
     """A feature head for the tiny target, made by the real `specsplit distill` pipeline."""
-    from specsplit.distill.pipeline import DistillSettings, distill
+    from specsplit.tools.distill.pipeline import DistillSettings, distill
 
     work = tmp_path_factory.mktemp("distill")
     return distill(DistillSettings(target_model=str(models["target"]), out=str(work), dtype="float32",
@@ -116,7 +116,7 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
     """The three real services in this process, on temp UNIX sockets or loopback TCP ports."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
-    from specsplit.launcher import wait_serving
+    from specsplit.tools.launcher import wait_serving
     from verify_service.main import run as run_verify
 
     def server(name: str) -> ServerSettings:

@@ -1,4 +1,5 @@
-from specsplit.bench import Record, first_divergence, load_prompts, summarise
+from specsplit.tools.bench import Record, first_divergence, summarise
+from specsplit.tools.workload import load_prompts
 
 
 def test_first_divergence():
@@ -42,7 +43,7 @@ def test_summary_ratios_and_counts():
 
 
 def test_p95_is_nearest_rank():
-    from specsplit.bench import p95
+    from specsplit.tools.bench import p95
 
     assert p95([5.0]) == 5.0
     assert p95([float(i) for i in range(1, 21)]) == 19.0

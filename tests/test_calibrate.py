@@ -9,11 +9,11 @@ import json
 from conftest import running_stack
 
 from specsplit.cli import _parser
-from specsplit.launcher import StackConfig
+from specsplit.tools.launcher import StackConfig
 
 
 async def test_calibrate_writes_a_policy_for_every_task_type(models, tmp_path, capsys):
-    from specsplit.calibrate import main
+    from specsplit.tools.calibrate import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"task_type": t, "prompt": p}) + "\n" for t, p in (

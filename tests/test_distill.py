@@ -10,10 +10,10 @@ from conftest import write_prompts
 
 from draft_service.drafters.base import Proposal
 from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
-from specsplit.distill import gen
-from specsplit.distill.prompts import builtin_prompts, load_prompts
-from specsplit.distill.train import TrainSettings, build_vocab, load_examples, train
 from specsplit.modeling import load_model, weights_fingerprint
+from specsplit.tools.distill import gen
+from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
+from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, train
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,8 @@ def test_builtin_prompts_are_varied_and_hold_out_the_starter_prompts():
 
 def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, models, tmp_path):
     from draft_service.drafters.model import ModelDrafter
-    from specsplit.distill.pipeline import DistillSettings, distill
-    from specsplit.distill.standalone import layer_subset, train_standalone
+    from specsplit.tools.distill.pipeline import DistillSettings, distill
+    from specsplit.tools.distill.standalone import layer_subset, train_standalone
 
     assert layer_subset(30, 2) == [0, 29] and layer_subset(30, 4) == [0, 10, 19, 29] and layer_subset(2, 4) == [0, 1]
     lm, work = data

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit.bench import load_prompts
 from specsplit.default_model import ensure_default_model
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.launcher import Stack, StackConfig
+from specsplit.tools.launcher import Stack, StackConfig
+from specsplit.tools.workload import load_prompts
 
 pytestmark = pytest.mark.e2e
 

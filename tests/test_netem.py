@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from specsplit.netem import DelayProxy
+from specsplit.tools.netem import DelayProxy
 
 
 @pytest.fixture

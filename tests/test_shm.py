@@ -19,7 +19,7 @@ from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.launcher import wait_serving
+from specsplit.tools.launcher import wait_serving
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specsplit.topology import Point, Tally, measured_break_even
+from specsplit.tools.topology import Point, Tally, measured_break_even
 
 
 def _point(rtt, off_s, on_s, async_s, tokens=100, rounds=50) -> Point:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.tracereport import (
+from specsplit.tools.tracereport import (
     GENERATE,
     PROPOSE,
     VERIFY,

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from specsplit.bench import Prompt, _request, _warmup
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.launcher import Stack, StackConfig
-from specsplit.netem import DelayProxy
+from specsplit.tools.launcher import Stack, StackConfig
+from specsplit.tools.netem import DelayProxy
+from specsplit.tools.workload import Prompt, request, warmup
 
 RTTS_MS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0)  # 40: past the break-even on this CPU
 
@@ -80,10 +80,10 @@ def measure(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, poin
             k = (i + r) % len(names)
             for mode in names[k:] + names[:k]:
                 speculation, predraft = MODES[mode]
-                request = _request(p, speculation, max_new_tokens)
-                request.predraft = predraft
+                message = request(p, speculation, max_new_tokens)
+                message.predraft = predraft
                 start = time.perf_counter()
-                out = stub.Generate(request, timeout=600)
+                out = stub.Generate(message, timeout=600)
                 point.modes[mode].add(time.perf_counter() - start, out)
     return point
 
@@ -99,7 +99,7 @@ def run(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats
             print(f"co-located, {label} ...", file=sys.stderr, flush=True)
             with grpc.insecure_channel(stack.start()) as channel:
                 stub = pb_grpc.GatewayStub(channel)
-                stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
+                stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
                 points.append(measure(stub, prompts, max_new_tokens, repeats, Point(label, None)))
     proxy: DelayProxy | None = None
 
@@ -112,7 +112,7 @@ def run(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats
     try:
         with grpc.insecure_channel(stack.start(draft_via=via)) as channel:
             stub = pb_grpc.GatewayStub(channel)
-            stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
+            stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
             for rtt in rtts:
                 proxy.set_rtt(rtt)
                 print(f"split, drafter RTT {rtt} ms ...", file=sys.stderr, flush=True)

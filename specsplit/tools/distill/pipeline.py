@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 
 from draft_service.drafters.selfdraft import HEAD_FORMAT, target_tensors
 from specsplit import default_model
-from specsplit.distill import gen
-from specsplit.distill.prompts import load_prompts
-from specsplit.distill.standalone import export_standalone, train_standalone
-from specsplit.distill.train import TrainSettings, train
 from specsplit.featurehead import HeadConfig
 from specsplit.modeling import load_model
+from specsplit.tools.distill import gen
+from specsplit.tools.distill.prompts import load_prompts
+from specsplit.tools.distill.standalone import export_standalone, train_standalone
+from specsplit.tools.distill.train import TrainSettings, train
 
 
 @dataclass(frozen=True)

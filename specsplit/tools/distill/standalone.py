@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.distill.train import TrainSettings, build_vocab, fit, load_examples
+from specsplit.tools.distill.train import TrainSettings, build_vocab, fit, load_examples
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 

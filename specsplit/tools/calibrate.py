@@ -13,12 +13,13 @@ import grpc
 from gateway import policy
 from gateway.controller import Controller, Decision
 from gateway.instruments import outcome
-from specsplit.bench import Prompt, _request, _warmup, gateway_stub, load_prompts
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.launcher import StackConfig
 from specsplit.settings import ControllerSettings
+from specsplit.tools.bench import gateway_stub
+from specsplit.tools.launcher import StackConfig
+from specsplit.tools.workload import Prompt, load_prompts, request, warmup
 from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
@@ -33,7 +34,7 @@ def measure(stub, prompts: list[Prompt], drafter: str, gamma: int, max_new_token
     for i, p in enumerate(prompts, 1):
         for _ in range(repeats):
             for mode in (pb.SPECULATION_OFF, pb.SPECULATION_ON):
-                req = _request(p, mode, max_new_tokens)
+                req = request(p, mode, max_new_tokens)
                 req.drafter, req.gamma = drafter, gamma
                 start = time.perf_counter()
                 out = stub.Generate(req, timeout=600)
@@ -70,7 +71,7 @@ def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     controller = Controller(ControllerSettings(gamma_start=args.gamma))
     with gateway_stub(args.gateway, config) as (stub, stack):
-        drafter = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats.drafter
+        drafter = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats.drafter
         walls = measure(stub, prompts, drafter, args.gamma, args.max_new_tokens, args.repeats, controller)
         target, drafters = _describe(stack.addresses if stack else None, args)
     table = recommend(controller, walls, drafter, args.gamma)

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specsplit.distill.gen import shard_paths
 from specsplit.featurehead import FeatureHead, HeadConfig, unrolled_forward
+from specsplit.tools.distill.gen import shard_paths
 
 
 @dataclass(frozen=True)

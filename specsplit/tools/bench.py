@@ -10,23 +10,15 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
-from importlib import resources
 from pathlib import Path
 
 import grpc
 
 from gateway.controller import p95
-from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.launcher import Stack, StackConfig
-
-
-@dataclass(frozen=True)
-class Prompt:
-    task_type: str
-    prompt: str
-    temperature: float | None = None  # None: the run's --temperature
+from specsplit.tools.launcher import Stack, StackConfig
+from specsplit.tools.workload import REQUEST, Prompt, Variant, load_prompts, request, warmup
 
 
 @dataclass
@@ -55,63 +47,11 @@ class Record:
     off_ids: list[int] = None  # the spec-off output's token ids
 
 
-def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
-    """JSONL rows {task_type, prompt[, temperature]}; path None: the starter prompts; "mixed": the
-    controller's mixed workload (code and structured greedy, open prompts sampled at T=1.2 as
-    "creative"); "copy": four prompts to repeat text verbatim (drafts almost always right); "long": two
-    summaries of ~1,300-token notes (large first-round payloads for feature-reading drafters)."""
-    name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl", "copy": "copy_prompts.jsonl",
-            "long": "long_prompts.jsonl"}.get(path)
-    text = resources.files("specsplit.data").joinpath(name).read_text() if name else Path(path).read_text()
-    prompts = [Prompt(**json.loads(line)) for line in text.splitlines() if line.strip()]
-    if limit:
-        seen: dict[str, int] = defaultdict(int)
-        kept = []
-        for p in prompts:
-            seen[p.task_type] += 1
-            if seen[p.task_type] <= limit:
-                kept.append(p)
-        prompts = kept
-    return prompts
-
-
 def first_divergence(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
     return -1 if len(a) == len(b) else min(len(a), len(b))
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One spec-on configuration: a drafter, and at temperature > 0 a verify method."""
-
-    drafter: str
-    method: str = ""  # "" greedy, else coupled | rejection
-
-    @property
-    def label(self) -> str:
-        return f"{self.drafter}/{self.method}" if self.method else self.drafter
-
-
-# What every bench request says, set by main from --temperature / --seed / --predraft. Pre-drafting
-# is pinned (off by default) so that a run measures one protocol, not the controller's A/B.
-REQUEST = {"temperature": 0.0, "seed": 0, "predraft": pb.PREDRAFT_OFF}
-
-
-def _request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant = Variant("")) -> pb.GenerateRequest:
-    method = cpb.VERIFY_METHOD_REJECTION if variant.method == "rejection" else cpb.VERIFY_METHOD_COUPLED
-    req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
-                             drafter=variant.drafter, predraft=REQUEST["predraft"],
-                             sampling=pb.SamplingParams(temperature=REQUEST["temperature"] if p.temperature is None
-                                                        else p.temperature, seed=REQUEST["seed"], method=method))
-    req.chat.messages.add(role="user", content=p.prompt)
-    return req
-
-
-def _warmup(prompts: list[Prompt]) -> Prompt:
-    """The first prompt, labelled so that warm-up requests stay out of per-task figures (traces)."""
-    return Prompt("warmup", prompts[0].prompt)
 
 
 def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant],
@@ -124,11 +64,11 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
     last: dict[Variant, pb.GenerateResponse] = {}
     for _ in range(repeats):
         start = time.perf_counter()
-        off = stub.Generate(_request(p, pb.SPECULATION_OFF, max_new_tokens), timeout=600)
+        off = stub.Generate(request(p, pb.SPECULATION_OFF, max_new_tokens), timeout=600)
         off_times.append(time.perf_counter() - start)
         for d in drafters:
             start = time.perf_counter()
-            last[d] = stub.Generate(_request(p, pb.SPECULATION_ON, max_new_tokens, d), timeout=600)
+            last[d] = stub.Generate(request(p, pb.SPECULATION_ON, max_new_tokens, d), timeout=600)
             on_times[d].append(time.perf_counter() - start)
         also()
     step_ms = off.stats.verify_ms / off.stats.rounds if off.stats.rounds else 0.0
@@ -258,12 +198,12 @@ def tracing_overhead(prompts: list[Prompt], config: StackConfig, max_new_tokens:
             channels = {k: grpc.insecure_channel(s.start()) for k, s in stacks.items()}
             stubs = {k: pb_grpc.GatewayStub(c) for k, c in channels.items()}
             for stub in stubs.values():
-                stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
+                stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
             for i, p in enumerate(prompts, 1):
                 for r in range(repeats):
                     for mode in (("off", "on") if (i + r) % 2 else ("on", "off")):
                         start = time.perf_counter()
-                        out = stubs[mode].Generate(_request(p, pb.SPECULATION_ON, max_new_tokens), timeout=600)
+                        out = stubs[mode].Generate(request(p, pb.SPECULATION_ON, max_new_tokens), timeout=600)
                         times[mode].append((time.perf_counter() - start) / max(1, len(out.token_ids)))
                         tokens += len(out.token_ids)
                 print(f"[{i}/{len(prompts)}] {p.task_type}", file=sys.stderr, flush=True)
@@ -287,7 +227,7 @@ def controlled(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, l
     decides per task type), then per prompt spec-off, forced spec-on and AUTO back to back."""
     for n in range(learn):
         for i, p in enumerate(prompts, 1):
-            out = stub.Generate(_request(p, pb.SPECULATION_AUTO, max_new_tokens), timeout=600)
+            out = stub.Generate(request(p, pb.SPECULATION_AUTO, max_new_tokens), timeout=600)
             print(f"learn {n + 1}/{learn} [{i}/{len(prompts)}] {p.task_type:<10} "
                   f"{out.stats.speculation_reason:<9} gamma {out.stats.gamma}", file=sys.stderr, flush=True)
     modes = {"off": pb.SPECULATION_OFF, "on": pb.SPECULATION_ON, "auto": pb.SPECULATION_AUTO}
@@ -298,7 +238,7 @@ def controlled(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, l
             order = list(modes) if (i + r) % 2 else list(reversed(modes))
             for mode in order:
                 start = time.perf_counter()
-                out = stub.Generate(_request(p, modes[mode], max_new_tokens), timeout=600)
+                out = stub.Generate(request(p, modes[mode], max_new_tokens), timeout=600)
                 for key in (p.task_type, "ALL"):
                     totals[key][mode][0] += time.perf_counter() - start
                     totals[key][mode][1] += len(out.token_ids)
@@ -336,10 +276,15 @@ def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
                    predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])
+    if args.round_overhead:
+        from specsplit.tools import roundoverhead
+
+        roundoverhead.run()
+        return 0
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)
     if args.topology:
-        from specsplit import topology
+        from specsplit.tools import topology
 
         rtts = tuple(float(x) for x in args.rtts.split(",")) if args.rtts else topology.RTTS_MS
         topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
@@ -351,8 +296,8 @@ def main(args, config: StackConfig) -> int:
     if args.anchor and args.temperature > 0:
         print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
     elif args.anchor:
-        from specsplit import anchor as anchoring
         from specsplit import default_model
+        from specsplit.tools import anchor as anchoring
 
         model_dir = str(default_model.resolve(config.target_model))
         print("measuring the target step, loading transformers' own model ...", file=sys.stderr, flush=True)
@@ -366,7 +311,7 @@ def main(args, config: StackConfig) -> int:
         methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
         drafters = [Variant(n, m) for n in names for m in methods]
         for d in drafters:
-            stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
+            stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
         records = []
         for i, p in enumerate(prompts, 1):
             also = lambda: None  # noqa: E731
@@ -380,7 +325,7 @@ def main(args, config: StackConfig) -> int:
                       f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
                       f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
                       file=sys.stderr, flush=True)
-        info = stub.Generate(_request(_warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
+        info = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
         memory = _draft_memory(stack.addresses["draft"]) if stack else None
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
