@@ -4,6 +4,7 @@ gateway's metrics and the controller's observation, all made from the facts the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from array import array
@@ -45,7 +46,9 @@ class GatewayMetrics:
                                          explicit_bucket_boundaries_advisory=ms,
                                          description="target forward and acceptance per round (verify service)")
         self.network = m.create_histogram("specsplit.round.network", unit="ms", explicit_bucket_boundaries_advisory=ms,
-                                          description="round trips minus server time, per round")
+                                          description="round calls' wall time minus server compute, per round")
+        self.gateway = m.create_histogram("specsplit.round.gateway", unit="ms", explicit_bucket_boundaries_advisory=ms,
+                                          description="the gateway's own work per round (round time - calls)")
         self.latency = m.create_histogram(
             "specsplit.request.duration", unit="s", description="Generate wall time on the gateway",
             explicit_bucket_boundaries_advisory=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
@@ -64,6 +67,7 @@ class GatewayMetrics:
             self.draft.record(record.draft_ms, attrs)
         self.verify.record(record.verify_ms, attrs)
         self.network.record(record.network_ms, attrs)
+        self.gateway.record(record.gateway_ms, attrs)
 
     def request(self, stats: pb.GenerationStats) -> None:
         task = stats.task_type or "unspecified"
@@ -93,7 +97,7 @@ class Instruments:
         plan, drafting = request.plan, request.drafting
         records = [_record(r) for r in request.rounds]
         stats = _stats(request, records, generated, self._exact)
-        common = {"specsplit.task_type": plan.task_type or "unspecified", **self._transport}
+        common = self._common(request)
         self._spans(request, records, common)
         drafter = plan.drafter if drafting else ""
         position = 1
@@ -105,17 +109,24 @@ class Instruments:
         _describe(trace.get_current_span(), stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
         return stats
 
+    @contextlib.contextmanager
+    def prefill(self, request: Request):
+        """The prefill span, live: the Prefill and StartSession calls are its children."""
+        with tracer().start_as_current_span("prefill", attributes={
+                **self._common(request), "specsplit.prompt_tokens": len(request.plan.prompt_ids)}) as span:
+            yield
+            if span.is_recording():
+                span.set_attributes({"specsplit.verify_ms": request.prefill_verify_ns / 1e6,
+                                     "specsplit.network_ms": _prefill_network_ms(request)})
+
+    def _common(self, request: Request) -> dict:
+        return {"specsplit.task_type": request.plan.task_type or "unspecified", **self._transport}
+
     def _spans(self, request: Request, records: list[pb.RoundRecord], common: dict) -> None:
-        """The prefill and one span per round, under the current (Generate) span, with the times
-        they really had."""
+        """One span per round, under the current (Generate) span, with the times they really had."""
         if not trace.get_current_span().is_recording():
             return
         offset = time.time_ns() - time.perf_counter_ns()  # perf_counter marks -> wall clock
-        prefill = tracer().start_span("prefill", start_time=request.prefill_mark + offset, attributes={
-            **common, "specsplit.prompt_tokens": len(request.plan.prompt_ids),
-            "specsplit.verify_ms": request.prefill_verify_ns / 1e6,
-            "specsplit.network_ms": _prefill_network_ms(request)})
-        prefill.end(end_time=request.prefill_mark + request.prefill_ns + offset)
         start, position = request.decode_mark + offset, 1
         for i, (r, record) in enumerate(zip(request.rounds, records)):
             span = tracer().start_span("round", start_time=start, attributes={
@@ -162,6 +173,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
     end = time.perf_counter()
     return pb.GenerationStats(
         prompt_tokens=len(plan.prompt_ids), generated_tokens=generated, prefill_ms=request.prefill_ns / 1e6,
+        prefill_compute_ms=request.prefill_verify_ns / 1e6,
         decode_ms=(end - request.decode_start) * 1e3, total_ms=(end - request.started) * 1e3,
         rounds=len(rounds), drafted_tokens=drafted, accepted_tokens=accepted,
         mean_acceptance_length=(accepted + len(rounds)) / len(rounds) if rounds else 0.0,

@@ -41,7 +41,8 @@ class RoundLoop:
         request.segment = self._segment(request)
         deadline = Deadline(time_remaining, self._rpc_timeout_s)
         try:
-            await self._prefill(request, deadline)
+            with self._instruments.prefill(request):
+                await self._prefill(request, deadline)
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
             delta = text.add(request.committed, self._limit(request))
             request.decode_start = time.perf_counter()

@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import nn
 
-from specsplit import native
+from specsplit import native, rollback
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 QUANTIZE = ("", "int8")  # "": the model's own dtype
@@ -132,8 +132,9 @@ class KVBuffer:
         return self.kv.shape[2]
 
     def truncate(self, length: int) -> None:
-        """Keeps at most the first `length` positions."""
-        self.length = min(self.length, length)
+        """specsplit.rollback's contract."""
+        rollback.check(self.length, length)
+        self.length = length
 
     def reserve(self, end: int) -> None:
         """Room for positions [0, end)."""
@@ -168,8 +169,6 @@ class FastSequence:
         return self._buffer.capacity
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
         self._buffer.truncate(length)
 
     def _run(self, token_ids: list[int], head: int):

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit import rollback
+
 
 @dataclass(frozen=True)
 class HeadConfig:
@@ -165,7 +167,9 @@ class HeadCache:
         return 0 if self.k is None else self.k.shape[2]
 
     def truncate(self, length: int) -> None:
-        if self.k is not None and length < self.length:
+        """specsplit.rollback's contract."""
+        rollback.check(self.length, length)
+        if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsplit import rollback
+from specsplit.rollback import Rollback
+
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -305,14 +308,9 @@ def _native(model: nn.Module, quantize: str = ""):
     return None, f"transformers ({reason})"
 
 
-class Sequence(Protocol):
+class Sequence(Rollback, Protocol):
     """One sequence's KV cache: tokens fed are appended at positions [length, length + n);
-    truncate(length) rolls back by position."""
-
-    @property
-    def length(self) -> int: ...
-
-    def truncate(self, length: int) -> None: ...
+    truncate(length) rolls back by position (specsplit.rollback)."""
 
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor: ...
 
@@ -344,11 +342,9 @@ class HFSequence:
         return self._cache.get_seq_length()
 
     def truncate(self, length: int) -> None:
-        drop = self.length - length
-        if drop < 0:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        if drop:
-            self._cache.crop(-drop)
+        rollback.check(self.length, length)
+        if length < self.length:
+            self._cache.crop(length - self.length)  # a negative count: drop that many
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:

@@ -36,3 +36,19 @@ def split(round_ns: int, draft_ns: int, draft_call_ns: int, verify_ns: int, veri
     gateway = max(0, round_ns - draft_call_ns - verify_call_ns)
     return RoundTime((draft + verify_ns) / 1e6, network / 1e6, gateway / 1e6)
 
+
+
+def request_split(total_ms: float, prefill_compute_ms: float, prefill_network_ms: float, rounds) -> dict[str, float]:
+    """A request's time (ms) by part, from its rounds (anything with draft_ms, verify_ms, network_ms
+    and predrafted: RoundRecords or their spans' attributes): draft (on the critical path), verify
+    (prefill included), network (prefill included) and gateway, the rest of total_ms (the gateway's
+    own work, tokenising, waiting). The bench and trace-report both report these shares."""
+    draft = verify = network = 0.0
+    for r in rounds:
+        draft += 0.0 if r.predrafted else r.draft_ms
+        verify += r.verify_ms
+        network += r.network_ms
+    verify += prefill_compute_ms
+    network += prefill_network_ms
+    return {"draft": draft, "verify": verify, "network": network,
+            "gateway": max(0.0, total_ms - draft - verify - network)}

@@ -1,3 +1,5 @@
+import pytest
+
 from specsplit.tools.bench import Record, first_divergence, summarise
 from specsplit.tools.workload import load_prompts
 
@@ -18,7 +20,9 @@ def test_starter_prompts_cover_four_task_types():
 
 def record(task, off_s, on_s, tokens, rounds, accepted, identical=True, drafter="ngram"):
     return Record(task, "p", drafter, off_s, on_s, tokens, tokens, rounds, rounds * 4, accepted, 1.0, 2.0, 0.5,
-                  identical, -1 if identical else 3, [off_s, off_s + 1], [on_s], target_step_ms=40.0)
+                  identical, -1 if identical else 3, [off_s, off_s + 1], [on_s], target_step_ms=40.0,
+                  parts={"total": on_s * 1e3, "draft": 1.0, "verify": 2.0, "network": 0.5,
+                         "gateway": on_s * 1e3 - 3.5})
 
 
 def test_summary_ratios_and_counts():
@@ -40,6 +44,9 @@ def test_summary_ratios_and_counts():
     assert (code["p95_off_s"], code["p95_on_s"]) == (3.0, 2.0)
     # 2 x 1.0 ms of drafting over 8 * 4 + 19 * 4 drafted tokens, against a 40 ms target step.
     assert code["draft_cost_ratio"] == (2.0 / 108) / 40.0
+    # Shares of the gateway's request time, by specsplit.roundtime's parts: they add up to 1.
+    assert code["network_share"] == (0.5 + 0.5) / 3000
+    assert sum(code[f"{k}_share"] for k in ("draft", "verify", "network", "gateway")) == pytest.approx(1.0)
 
 
 def test_p95_is_nearest_rank():

@@ -7,8 +7,6 @@ import pytest
 
 from specsplit.tools.tracereport import (
     GENERATE,
-    PROPOSE,
-    VERIFY,
     Span,
     load_jaeger_json,
     load_otlp_json,
@@ -18,82 +16,70 @@ from specsplit.tools.tracereport import (
 
 
 def _request(trace: str, speculation: str, rounds: list[tuple[float, float, float, float]], tokens: int,
-             digest: str = "p1") -> list[Span]:
-    """A Generate trace: rounds of (Propose client ms, draft compute ms, Verify client ms, forward ms);
-    every server span is 1 ms shorter than its client span (the network), the root 2 ms longer
-    than the rounds (gateway work)."""
+             digest: str = "p1", predrafted: int = 0) -> list[Span]:
+    """A Generate trace as the gateway writes it: a root, a 1 ms prefill (0.5 of it network) and one
+    span per round from (draft compute ms, verify compute ms, network ms, gateway ms); the first
+    `predrafted` rounds were served by a pre-draft. The root is 2 ms longer than prefill and rounds."""
     spans = [Span(trace, "root", "", GENERATE, "server", "specsplit-gateway", 0, 0,
                   {"specsplit.task_type": "code", "specsplit.speculation": speculation,
                    "specsplit.generated_tokens": tokens, "specsplit.rounds": len(rounds),
-                   "specsplit.prompt_digest": digest})]
-    t = 0
-    for i, (propose, draft, verify, forward) in enumerate(rounds):
-        rid = f"r{i}"
-        calls = [(PROPOSE, propose, draft, "specsplit-draft")] if propose else []
-        calls.append((VERIFY, verify, forward, "specsplit-verify"))
-        start = t
-        for name, client_ms, compute, service in calls:
-            c, s = f"c{i}{name[-3:]}", f"s{i}{name[-3:]}"
-            spans.append(Span(trace, c, rid, name, "client", "specsplit-gateway", t, t + int(client_ms * 1e6)))
-            spans.append(Span(trace, s, c, name, "server", service, t + 500_000, t + int((client_ms - 0.5) * 1e6),
-                              {"specsplit.compute_ms": compute}))
-            t += int(client_ms * 1e6)
-        spans.append(Span(trace, rid, "root", "round", "internal", "specsplit-gateway", start, t))
-    spans[0].end_ns = t + 2_000_000  # 2 ms of gateway work
+                   "specsplit.prompt_digest": digest, "specsplit.predraft_hits": predrafted})]
+    spans.append(Span(trace, "pre", "root", "prefill", "internal", "specsplit-gateway", 0, 1_000_000,
+                      {"specsplit.verify_ms": 0.5, "specsplit.network_ms": 0.5}))
+    t = 1_000_000
+    for i, (draft, verify, network, gateway) in enumerate(rounds):
+        hidden = i < predrafted
+        ms = (0 if hidden else draft) + verify + network + gateway
+        spans.append(Span(trace, f"r{i}", "root", "round", "internal", "specsplit-gateway", t, t + int(ms * 1e6),
+                          {"specsplit.draft_ms": draft, "specsplit.verify_ms": verify,
+                           "specsplit.network_ms": network, "specsplit.gateway_ms": gateway,
+                           "specsplit.predrafted": hidden}))
+        t += int(ms * 1e6)
+    spans[0].end_ns = t + 2_000_000
     return spans
 
 
 def test_shares_speedup_and_break_even_rtt():
-    off = _request("off", "off", [(0, 0, 11, 10)] * 8, tokens=8)  # 11 ms per token
-    on = _request("on", "on", [(3, 2, 12, 10)] * 4, tokens=8)  # 4 rounds of 15 ms, 2 tokens each
+    off = _request("off", "off", [(0, 10, 1, 0)] * 8, tokens=8)  # 11 ms per round, 1 token each
+    on = _request("on", "on", [(2, 10, 2, 1)] * 4, tokens=8)  # 4 rounds of 15 ms, 2 tokens each
     (r_off, r_on) = sorted(requests_from(off + on), key=lambda r: r.speculation)
-    assert r_on.network_ms == pytest.approx(4 * 2.0) and r_on.propose_network_ms == pytest.approx(4 * 1.0)
-    assert r_on.draft_ms == pytest.approx(8) and r_on.verify_ms == pytest.approx(40)
-    assert r_on.total_ms == pytest.approx(62) and r_on.gateway_ms == pytest.approx(62 - 8 - 40 - 8)
+    assert r_on.network_ms == pytest.approx(4 * 2.0 + 0.5) and r_on.draft_ms == pytest.approx(8)
+    assert r_on.verify_ms == pytest.approx(40.5)
+    assert r_on.total_ms == pytest.approx(63) and r_on.gateway_ms == pytest.approx(63 - 8 - 40.5 - 8.5)
     _, tasks, per_request, notes = report(off + on)
     code = next(p for p in tasks if p.label == "code")
-    t_off, t_on = (8 * 11 + 2) / 8, 62 / 8
+    t_off, t_on = (8 * 11 + 3) / 8, 63 / 8
     assert code.speedup == pytest.approx(t_off / t_on)
-    assert code.speedup_zero_network == pytest.approx((t_off - 8 / 8) / ((62 - 8) / 8))
+    assert code.speedup_zero_network == pytest.approx((t_off - 8.5 / 8) / ((63 - 8.5) / 8))
     # RTT*: T_on + rho * RTT = T_off, rho = 4 rounds / 8 tokens.
     assert code.break_even_rtt_ms == pytest.approx((t_off - t_on) / 0.5)
     assert per_request[0].break_even_rtt_ms == pytest.approx(code.break_even_rtt_ms) and not notes
-    slow = _request("slow", "on", [(30, 2, 12, 10)] * 8, tokens=8, digest="p2")  # loses: RTT* is 0
+    slow = _request("slow", "on", [(2, 10, 30, 0)] * 8, tokens=8, digest="p2")  # loses: RTT* is 0
     _, tasks, _, _ = report(off + slow)
     assert tasks[0].speedup < 1 and tasks[0].break_even_rtt_ms == 0
 
 
-def test_only_the_critical_path_counts_pre_drafts_and_late_releases():
-    """A pre-draft overlapping a Verify costs the answer nothing until that Verify returns, and a
-    Release after the answer costs it nothing at all."""
-    spans = _request("on", "on", [(3, 2, 12, 10)], tokens=2)
-    t0 = 3_000_000  # the Verify runs [3, 15) ms
-    # A pre-draft from 4 to 17 ms (2 ms past the Verify), 12 ms of it on the server, 8 ms compute.
-    spans += [Span("on", "cpre", "r0", PROPOSE, "client", "specsplit-gateway", t0 + 1_000_000, t0 + 14_000_000),
-              Span("on", "spre", "cpre", PROPOSE, "server", "specsplit-draft", t0 + 1_500_000, t0 + 13_500_000,
-                   {"specsplit.compute_ms": 8.0})]
+def test_only_the_critical_path_counts():
+    """A pre-drafted round's drafting ran during the previous Verify: it costs the answer nothing;
+    spans after the answer (a Release) or outside the gateway's own do not count either."""
+    spans = _request("on", "on", [(2, 10, 2, 1)] * 4, tokens=8, predrafted=2)
     end = spans[0].end_ns
     spans += [Span("on", "crel", "root", "specsplit.verify.v1.Verifier/Release", "client", "specsplit-gateway",
-                   end - 1_000_000, end + 3_000_000),
-              Span("on", "srel", "crel", "specsplit.verify.v1.Verifier/Release", "server", "specsplit-verify",
-                   end, end + 2_000_000, {"specsplit.compute_ms": 0.0})]
+                   end - 1_000_000, end + 3_000_000, {"specsplit.network_ms": 9.0})]
     (r,) = requests_from(spans)
-    pre = 2 / 13  # of the pre-draft's 13 ms, the 2 after the Verify returned
-    assert r.draft_ms == pytest.approx(2 + 8 * pre)
-    assert r.propose_network_ms == pytest.approx(1 + 1 * pre)
-    assert r.network_ms == pytest.approx(1 + 1 + 1 * pre + 2 * 0.25)  # a quarter of the Release is inside
+    assert r.draft_ms == pytest.approx(2 * 2) and r.network_ms == pytest.approx(4 * 2 + 0.5)
     # Rounds served by a pre-draft hit do not pay a split drafter's RTT: break-even uses the others.
-    off = _request("off", "off", [(0, 0, 11, 10)] * 8, tokens=8)
-    on = _request("on", "on", [(3, 2, 12, 10)] * 4, tokens=8)
-    on[0].attributes["specsplit.predraft_hits"] = 2
-    code = next(p for p in report(off + on)[1] if p.label == "code")
+    off = _request("off", "off", [(0, 10, 1, 0)] * 8, tokens=8)
+    code = next(p for p in report(off + spans)[1] if p.label == "code")
     assert code.rounds_per_token == pytest.approx(2 / 8)
-    assert code.break_even_rtt_ms == pytest.approx(((8 * 11 + 2) / 8 - 62 / 8) / (2 / 8))
+    t_off, t_on = (8 * 11 + 3) / 8, r.total_ms / 8
+    assert code.break_even_rtt_ms == pytest.approx((t_off - t_on) / (2 / 8))
 
 
 def _to_otlp_json(spans: list[Span]) -> dict:
     def attrs(d):
-        return [{"key": k, "value": {"intValue": str(v)} if isinstance(v, int) else
+        return [{"key": k, "value": {"boolValue": v} if isinstance(v, bool) else
+                 {"intValue": str(v)} if isinstance(v, int) else
                  {"doubleValue": v} if isinstance(v, float) else {"stringValue": v}} for k, v in d.items()]
     kinds = {"internal": 1, "server": 2, "client": 3}
     by_service: dict[str, list] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from gateway.controller import p95
+from specsplit import roundtime
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.tools.launcher import Stack, StackConfig
@@ -45,6 +46,7 @@ class Record:
     proposal_bytes: int = 0  # draft distributions sent (rejection sampling), all rounds
     predraft: tuple[int, int] = (0, 0)  # pre-drafts started, used (--predraft on)
     off_ids: list[int] = None  # the spec-off output's token ids
+    parts: dict = None  # the last spec-on run's time by part (specsplit.roundtime.request_split), ms
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -88,7 +90,10 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
                               div < 0, div, off_times, on_times[d], step_ms, dict(by_source),
                               sum(r.proposal_bytes for r in s.round_records),
-                              (s.predraft_attempts, s.predraft_hits), list(off.token_ids)))
+                              (s.predraft_attempts, s.predraft_hits), list(off.token_ids),
+                              {"total": s.total_ms, **roundtime.request_split(
+                                  s.total_ms, s.prefill_compute_ms, s.prefill_ms - s.prefill_compute_ms,
+                                  s.round_records)}))
     return records
 
 
@@ -106,7 +111,6 @@ def summarise(records: list[Record]) -> list[dict]:
         off_rate = sum(r.off_tokens for r in rs) / sum(r.off_s for r in rs)
         on_rate = sum(r.on_tokens for r in rs) / sum(r.on_s for r in rs)
         rounds = sum(r.rounds for r in rs)
-        on_ms = sum(r.on_s for r in rs) * 1e3
         drafted = sum(r.drafted for r in rs)
         steps = [r.target_step_ms for r in rs if r.target_step_ms > 0]
         draft_ms_per_token = sum(r.draft_ms for r in rs) / drafted if drafted else 0.0
@@ -117,9 +121,8 @@ def summarise(records: list[Record]) -> list[dict]:
             "drafted_per_round": sum(r.drafted for r in rs) / rounds if rounds else 0.0,
             "identical": sum(r.identical for r in rs),
             "first_divergence": [r.first_divergence for r in rs if not r.identical],
-            "draft_share": sum(r.draft_ms for r in rs) / on_ms,
-            "verify_share": sum(r.verify_ms for r in rs) / on_ms,
-            "network_share": sum(r.network_ms for r in rs) / on_ms,
+            **{f"{k}_share": sum(r.parts[k] for r in rs) / sum(r.parts["total"] for r in rs)
+               for k in ("draft", "verify", "network", "gateway")},
             "p95_off_s": p95([t for r in rs for t in r.off_runs]),
             "p95_on_s": p95([t for r in rs for t in r.on_runs]),
             "draft_ms_per_token": draft_ms_per_token,
@@ -144,14 +147,15 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
     print(header, file=out)
     width = max(8, *(len(r["drafter"]) + 1 for r in rows))
     cols = (f"{'drafter':<{width}}{'task type':<11}{'n':>3}{'tok/s off':>10}{'tok/s on':>9}{'on/off':>8}{'acc.len':>8}"
-            f"{'drafted':>8}{'cost':>7}{'identical':>10}{'draft%':>7}{'verify%':>8}{'net%':>6}{'p95 off/on s':>14}"
+            f"{'drafted':>8}{'cost':>7}{'identical':>10}{'draft%':>7}{'verify%':>8}{'net%':>6}{'gw%':>5}"
+            f"{'p95 off/on s':>14}"
             "  first divergence")
     print(cols, file=out)
     for r in rows:
         print(f"{r['drafter']:<{width}}{r['task_type']:<11}{r['prompts']:>3}{r['tok_s_off']:>10.1f}{r['tok_s_on']:>9.1f}"
               f"{r['speedup']:>7.2f}x{r['acceptance_length']:>8.2f}{r['drafted_per_round']:>8.2f}"
               f"{r['draft_cost_ratio']:>7.3f}{r['identical']:>6}/{r['prompts']:<3}{100 * r['draft_share']:>7.1f}"
-              f"{100 * r['verify_share']:>8.1f}{100 * r['network_share']:>6.1f}"
+              f"{100 * r['verify_share']:>8.1f}{100 * r['network_share']:>6.1f}{100 * r['gateway_share']:>5.1f}"
               f"{r['p95_off_s']:>8.2f}/{r['p95_on_s']:<5.2f}  {r['first_divergence'] or '-'}", file=out)
     print("cost = draft time per drafted token / one target step (spec-off verify per token)", file=out)
     mixes = [(r["drafter"], r["by_source"]) for r in rows if r["task_type"] == "ALL" and len(r["by_source"]) > 1]

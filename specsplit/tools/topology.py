@@ -36,7 +36,7 @@ class Tally:
     hits: int = 0  # pre-drafts used
     shared_memory: int = 0  # requests whose payloads went through shared memory
     requests: int = 0
-    overhead_ms: list = field(default_factory=list)  # per round: wall - verify compute - drafting on the critical path
+    overhead_ms: list = field(default_factory=list)  # per round: network + gateway (wall time - compute)
     first_ms: list = field(default_factory=list)  # the same, first round only (it carries the prompt's features)
 
     def add(self, wall: float, out: pb.GenerateResponse) -> None:
@@ -49,7 +49,7 @@ class Tally:
         self.hits += s.predraft_hits
         self.shared_memory += s.shared_memory
         self.requests += 1
-        overhead = [r.round_ms - r.verify_ms - (0 if r.predrafted else r.draft_ms) for r in s.round_records]
+        overhead = [r.network_ms + r.gateway_ms for r in s.round_records]  # specsplit.roundtime
         self.overhead_ms += overhead
         self.first_ms += overhead[:1]
 
@@ -153,12 +153,12 @@ def report(points: list[Point], plot: str | None) -> None:
         said = "beyond the sweep" if measured is None else f"{measured:.1f} ms"
         also = f", predicted from the RTT-0 run {predicted:.1f} ms" if predicted is not None and mode == "on" else ""
         print(f"break-even RTT ({mode}): measured {said}{also}")
-    print("on: speculation; async: speculation with pre-drafting (the next block drafted while Verify is in flight); "
-          "hit rate: pre-drafts used / started. overhead/round = round wall time - verify compute - drafting on the "
-          "critical path (median); 1st round: the same for each spec-on request's first round, which carries the "
-          "prompt's features to a drafter that reads them (median). shm: spec-on requests whose payloads went "
-          "through shared memory. The split drafter sits behind a userspace delaying proxy (specsplit/netem.py), "
-          "the gateway next to the verifier.")
+    print("on: speculation; async: speculation with pre-drafting (the next block drafted while Verify is in "
+          "flight); hit rate: pre-drafts used / started. overhead/round = round wall time - compute on the "
+          "critical path = network + gateway (docs/metrics.md#time, median); 1st round: the same for each "
+          "spec-on request's first round, which carries the prompt's features to a drafter that reads them "
+          "(median). shm: spec-on requests whose payloads went through shared memory. The split drafter sits "
+          "behind a userspace delaying proxy (specsplit/tools/netem.py), the gateway next to the verifier.")
     if plot:
         _plot(points, predicted, measured_break_even(points, "on"), measured_break_even(points, "async"), plot)
         print(f"plot: {plot}")

@@ -15,10 +15,11 @@ import urllib.request
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+from specsplit import roundtime
 
 GENERATE = "specsplit.gateway.v1.Gateway/Generate"
-PROPOSE = "specsplit.draft.v1.Drafter/Propose"
-VERIFY = "specsplit.verify.v1.Verifier/Verify"
 KINDS = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 
 
@@ -129,11 +130,10 @@ class RequestReport:
     tokens: int
     rounds: int
     total_ms: float
-    draft_ms: float  # drafter compute (server-side compute of draft calls)
+    draft_ms: float  # drafter compute on the critical path (rounds that waited for their Propose)
     verify_ms: float  # target compute (prefill and verify forwards)
-    network_ms: float  # every upstream call: client duration - server duration
-    propose_network_ms: float  # the part spent on Propose calls (what a split drafter pays per round)
-    gateway_ms: float = 0.0  # the rest: gateway work, tokenising, queueing
+    network_ms: float  # calls beyond their servers' compute (specsplit.roundtime), prefill included
+    gateway_ms: float = 0.0  # the rest: the gateway's own work, tokenising, the client hop
     predraft_hits: int = 0  # rounds served by a pre-draft: no Propose on their critical path
 
     @property
@@ -141,8 +141,15 @@ class RequestReport:
         return self.total_ms / max(1, self.tokens)
 
 
+def _ms(span: Span, name: str) -> float:
+    return float(span.attributes.get(f"specsplit.{name}", 0.0) or 0.0)
+
+
+
 def requests_from(spans: list[Span]) -> list[RequestReport]:
-    """One report per Generate trace, built from its server/client span pairs."""
+    """One report per Generate trace, from the gateway's prefill and round spans: the times the
+    gateway measured and accounted once (specsplit.roundtime), the same figures as the response's
+    stats."""
     by_trace: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         by_trace[s.trace_id].append(s)
@@ -151,46 +158,24 @@ def requests_from(spans: list[Span]) -> list[RequestReport]:
         root = next((s for s in members if s.name == GENERATE and s.kind == "server"), None)
         if root is None:
             continue
-        ids = {s.span_id: s for s in members}
-        verifies = [s for s in members if s.kind == "client" and s.name == VERIFY]
-        draft = verify = network = propose_network = 0.0
-        for server in members:
-            if server.kind != "server" or server is root:
-                continue
-            client = ids.get(server.parent_id)
-            if client is None or client.kind != "client":
-                continue
-            share = _critical_share(client, root, verifies)
-            compute = float(server.attributes.get("specsplit.compute_ms", 0.0) or 0.0) * share
-            if ".draft." in server.name:
-                draft += compute
-            else:
-                verify += compute
-            gap = max(0.0, client.ms - server.ms) * share
-            network += gap
-            if server.name == PROPOSE:
-                propose_network += gap
+        prefill, rounds = None, []
+        for span in members:
+            if span.parent_id == root.span_id and span.name == "prefill":
+                prefill = span
+            elif span.parent_id == root.span_id and span.name == "round":
+                rounds.append(SimpleNamespace(**{k: _ms(span, k) for k in ("draft_ms", "verify_ms", "network_ms")},
+                                              predrafted=bool(span.attributes.get("specsplit.predrafted"))))
+        parts = roundtime.request_split(root.ms, _ms(prefill, "verify_ms") if prefill else 0.0,
+                                        _ms(prefill, "network_ms") if prefill else 0.0, rounds)
         a = root.attributes
         report = RequestReport(
             trace_id, str(a.get("specsplit.task_type", "unspecified")), str(a.get("specsplit.speculation", "?")),
             str(a.get("specsplit.prompt_digest", "")), int(a.get("specsplit.generated_tokens", 0) or 0),
-            int(a.get("specsplit.rounds", 0) or 0), root.ms, draft, verify, network, propose_network)
-        report.gateway_ms = max(0.0, report.total_ms - draft - verify - network)
+            int(a.get("specsplit.rounds", 0) or 0), root.ms, parts["draft"], parts["verify"], parts["network"],
+            parts["gateway"])
         report.predraft_hits = int(a.get("specsplit.predraft_hits", 0) or 0)
         reports.append(report)
     return sorted(reports, key=lambda r: (r.task_type, r.trace_id))
-
-
-def _critical_share(client: Span, root: Span, verifies: list[Span]) -> float:
-    """The share of a call that delayed the answer: the part inside the Generate span (sessions are
-    released after it), and for a pre-draft (a Propose started while a Verify was in flight) only
-    the part after that Verify returned."""
-    start, end = max(client.start_ns, root.start_ns), min(client.end_ns, root.end_ns)
-    if client.name == PROPOSE:
-        for v in verifies:
-            if v.start_ns <= client.start_ns < v.end_ns:
-                start = max(start, v.end_ns)
-    return max(0, end - start) / (client.end_ns - client.start_ns) if client.end_ns > client.start_ns else 1.0
 
 
 @dataclass

@@ -128,7 +128,7 @@ class RoundRecord(_message.Message):
     def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path")
+    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path", "prefill_compute_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class GenerationStats(_message.Message):
     PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_MS_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     prefill_ms: float
@@ -185,7 +186,8 @@ class GenerationStats(_message.Message):
     predraft_hits: int
     gateway_ms: float
     fast_path: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ...) -> None: ...
+    prefill_compute_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ..., prefill_compute_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")

@@ -1,0 +1,71 @@
+"""specsplit.rollback's contract, held against every cache that meets it: the target's KV cache and
+the model drafter's (the same Sequence, native and transformers), and the self-draft head's
+one-layer caches (torch and native)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specsplit import native
+from specsplit.featurehead import FeatureHead, HeadConfig, NativeHead, TorchHead
+from specsplit.modeling import KVSequence, load_model
+
+
+def _head() -> FeatureHead:
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16, rope_theta=10000.0,
+                     eps=1e-5, draft_vocab=16)
+    head = FeatureHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
+    return head.eval()
+
+
+def _sequences(models, native_kernels: bool):
+    why = native.unavailable(torch.float32, torch.device("cpu"))
+    if native_kernels and why:
+        pytest.skip(f"native kernels: {why}")
+    lm = load_model(models["target"], "float32", native=native_kernels)
+    tokens = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    return (lambda: KVSequence(lm.model)), (lambda cache, i, j: cache.forward(tokens[i:j]))
+
+
+def _head_caches(runner_type):
+    head = _head()
+    runner = runner_type(head) if runner_type is TorchHead else runner_type(head, 64)
+    feats, tokens = torch.randn(12, 32), torch.randint(0, 50, (12,)).tolist()
+    return runner.new_cache, (lambda cache, i, j: runner.step(cache, feats[i:j], tokens[i:j])[1])
+
+
+CACHES = {
+    "target/model drafter, native": lambda models: _sequences(models, True),
+    "target/model drafter, transformers": lambda models: _sequences(models, False),
+    "self head, torch": lambda models: _head_caches(TorchHead),
+    "self head, native": lambda models: _head_caches(NativeHead),
+}
+
+
+@pytest.mark.parametrize("kind", CACHES)
+def test_truncate_rolls_back_by_position(models, kind):
+    new, feed = CACHES[kind](models)
+    cache = new()
+    feed(cache, 0, 6)
+    feed(cache, 6, 9)  # positions 6..8: a rejected block
+    assert cache.length == 9
+    for bad in (10, -1):  # past the end or negative: refused, nothing changes
+        with pytest.raises(ValueError):
+            cache.truncate(bad)
+        assert cache.length == 9
+    cache.truncate(9)  # a no-op
+    cache.truncate(6)
+    assert cache.length == 6
+    again = feed(cache, 9, 12)  # written from position 6, as if 6..8 had never been fed
+    fresh = new()
+    feed(fresh, 0, 6)
+    expected = feed(fresh, 9, 12)
+    assert cache.length == fresh.length == 9
+    torch.testing.assert_close(again.float(), expected.float(), rtol=1e-5, atol=1e-5)
+    cache.truncate(0)
+    assert cache.length == 0
