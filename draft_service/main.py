@@ -48,7 +48,7 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     telemetry.meter().create_observable_gauge(
         "specsplit.draft.memory", unit="By", description="bytes each drafter holds (DrafterInfo.memory_bytes)",
         callbacks=[lambda _: [Observation(d.memory_bytes, {"drafter": name}) for name, d in drafters.items()]])
-    fast = fastpath.offer(worker, servicer.propose_frame, "draft", settings.server.shared_memory)
+    fast = fastpath.offer(worker, servicer.rounds.frame, "draft", settings.server.shared_memory)
     servicer.fast_path = str(fast.path) if fast else ""
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,

@@ -16,9 +16,8 @@ from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
-from specsplit.serving import answer
+from specsplit.serving import Rounds
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
-from specsplit.telemetry import record_compute
 from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")
@@ -52,6 +51,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
         self.fast_path = ""  # the fast-path socket announced to sessions that mapped their segment
+        self.rounds = Rounds(worker, self.propose, pb.ProposeRequest, lambda response: response.draft_ns)
 
     async def Info(self, request, context):
         infos = [pb.DrafterInfo(**vars(d.description), memory_bytes=d.memory_bytes,
@@ -101,17 +101,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                        fast_path=self.fast_path if entry.segment else "")
 
     async def Propose(self, request, context):
-        response = await answer(self._worker.run(self.propose, request), context)
-        record_compute(response.draft_ns)
-        return response
+        return await self.rounds.unary(request, context)
 
     async def ProposeStream(self, requests, context):
-        async for request in requests:
-            yield await answer(self._worker.run(self.propose, request), context)
-
-    def propose_frame(self, body: bytes) -> bytes:
-        """The fast path's handler (on the worker thread)."""
-        return self.propose(pb.ProposeRequest.FromString(body)).SerializeToString()
+        async for response in self.rounds.stream(requests, context):
+            yield response
 
     def propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
         """One round's sync and drafting, on the worker thread (the one owner of drafter state);

@@ -18,6 +18,7 @@ from specsplit import fastpath, shm
 from specsplit.errors import Failure
 from specsplit.sessions import SessionTable
 from specsplit.settings import ClientTLS, ServerSettings
+from specsplit.telemetry import record_compute
 from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit")
@@ -95,6 +96,28 @@ async def answer(work: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any
         return await work
     except Failure as e:
         await context.abort(e.code, e.message)
+
+
+class Rounds:
+    """A service's round handler (blocking, run on the worker thread, raising Failure) offered the
+    three ways a round arrives: a unary call, a session's gRPC stream, and fast-path frames."""
+
+    def __init__(self, worker: ModelWorker, handle: Callable[[Any], Any], request_type,
+                 compute_ns: Callable[[Any], int]):
+        self._worker, self._handle, self._type, self._compute_ns = worker, handle, request_type, compute_ns
+
+    async def unary(self, request, context):
+        response = await answer(self._worker.run(self._handle, request), context)
+        record_compute(self._compute_ns(response))
+        return response
+
+    async def stream(self, requests, context):
+        async for request in requests:
+            yield await answer(self._worker.run(self._handle, request), context)
+
+    def frame(self, body: bytes) -> bytes:
+        """The fast path's handler (already on the worker thread)."""
+        return self._handle(self._type.FromString(body)).SerializeToString()
 
 
 async def serve(

@@ -12,7 +12,7 @@ from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.errors import Failure
 from specsplit.fastllama import CacheFull
 from specsplit.modeling import LoadedModel
-from specsplit.serving import answer
+from specsplit.serving import Rounds
 from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.telemetry import record_compute
 from specsplit.verify.v1 import verify_pb2 as pb
@@ -33,6 +33,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._sessions = sessions
         self._worker = worker
         self.fast_path = ""  # the fast-path socket announced to sessions that mapped their segment
+        self.rounds = Rounds(worker, self.verify, pb.VerifyRequest, lambda response: response.forward_ns)
 
     async def Info(self, request, context):
         lm = self._lm
@@ -79,17 +80,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                   fast_path=self.fast_path if segment else "")
 
     async def Verify(self, request, context):
-        response = await answer(self._worker.run(self.verify, request), context)
-        record_compute(response.forward_ns)
-        return response
+        return await self.rounds.unary(request, context)
 
     async def VerifyStream(self, requests, context):
-        async for request in requests:
-            yield await answer(self._worker.run(self.verify, request), context)
-
-    def verify_frame(self, body: bytes) -> bytes:
-        """The fast path's handler (on the worker thread)."""
-        return self.verify(pb.VerifyRequest.FromString(body)).SerializeToString()
+        async for response in self.rounds.stream(requests, context):
+            yield response
 
     def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """One round, on the worker thread; raises Failure with the status for the caller."""

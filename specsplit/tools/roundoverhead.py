@@ -90,12 +90,12 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
                              tokenizer=tokenizer)
         servicer = VerifierServicer(lm, sessions, worker, shared_memory,
                                     Target(lm, new_sequence=lambda: _StubSequence(vocab)))
-        handler = servicer.verify_frame
+        handler = servicer.rounds.frame
     else:
         from draft_service.server import SERVICE_NAME, DrafterServicer, register
 
         servicer = DrafterServicer({"stub": _StubDrafter()}, "stub", sessions, worker, shared_memory=shared_memory)
-        handler = servicer.propose_frame
+        handler = servicer.rounds.frame
     fast = fastpath.offer(worker, handler, kind, shared_memory)
     servicer.fast_path = str(fast.path) if fast else ""
     await serve(settings, SERVICE_NAME, lambda server: register(server, servicer), sessions=sessions, worker=worker,
