@@ -126,6 +126,8 @@ class Upstream:
             raise Failure(grpc.StatusCode.UNAVAILABLE, f"{service} service: fast path {path}: {e}") from None
         finally:
             self._opening.pop(path, None)
+        for old in [p for p, known in self._fast.items() if known.closed]:
+            del self._fast[old]  # a restarted service listens on a new path
         self._fast[path] = link
         return link
 

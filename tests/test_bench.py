@@ -55,3 +55,19 @@ def test_p95_is_nearest_rank():
     assert p95([5.0]) == 5.0
     assert p95([float(i) for i in range(1, 21)]) == 19.0
     assert p95([float(i) for i in range(1, 101)]) == 95.0
+
+
+def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
+    from specsplit.tools.workload import PromptFileError
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": 7, "task_type": "code", "prompt": "def f():", "temperature": 0.5}\n\n')
+    (p,) = load_prompts(str(good))
+    assert (p.task_type, p.prompt, p.temperature) == ("code", "def f():", 0.5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_type": "code", "prompt": "a"}\n{"task_type": "code", "prompt": \n')
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:2: not JSON"):
+        load_prompts(str(bad))
+    bad.write_text('{"task_type": "code"}\n')
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: need an object with string fields task_type and prompt"):
+        load_prompts(str(bad))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specsplit.tools.topology import Point, Tally, measured_break_even
+from specsplit.tools.topology import Point, Tally, measured_break_even, pooled_off
 
 
 def _point(rtt, off_s, on_s, async_s, tokens=100, rounds=50) -> Point:
@@ -23,3 +23,9 @@ def test_break_even_is_interpolated_per_mode():
     assert points[0].predicted_break_even() == 20.0
     assert measured_break_even(points[:2], "async") is None  # never crosses within the sweep
     assert measured_break_even([_point(0.0, 4.0, 5.0, 5.0)], "on") == 0.0  # loses already at RTT 0
+    # Spec-off never reaches the drafter: its noise is pooled over the sweep, not read point by point.
+    noisy = [_point(rtt, off, 4.0 + rtt / 10, 4.0 + rtt / 20)
+             for rtt, off in ((0.0, 4.5), (5.0, 5.5), (10.0, 4.6), (20.0, 5.4), (40.0, 5.0))]
+    assert pooled_off(noisy).seconds == 25.0
+    assert measured_break_even(noisy, "on") == 10.0
+    assert noisy[0].predicted_break_even(pooled_off(noisy)) == 20.0

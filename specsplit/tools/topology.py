@@ -60,14 +60,14 @@ class Point:
     rtt_ms: float | None
     modes: dict = field(default_factory=lambda: {m: Tally() for m in MODES})
 
-    def speedup(self, mode: str = "on") -> float:
-        on, off = self.modes[mode], self.modes["off"]
+    def speedup(self, mode: str = "on", off: Tally | None = None) -> float:
+        on, off = self.modes[mode], off or self.modes["off"]
         return (on.tokens / on.seconds) / (off.tokens / off.seconds)
 
-    def predicted_break_even(self) -> float:
+    def predicted_break_even(self, off: Tally | None = None) -> float:
         """RTT at which a split drafter's round trips eat the gain (trace-report's formula), from
         this run: each round's Propose pays the RTT on top of what was measured."""
-        on, off = self.modes["on"], self.modes["off"]
+        on, off = self.modes["on"], off or self.modes["off"]
         t_on, t_off = 1e3 * on.seconds / on.tokens, 1e3 * off.seconds / off.tokens
         return max(0.0, (t_off - t_on) / (on.rounds / on.tokens))
 
@@ -125,9 +125,20 @@ def run(prompts: list[Prompt], config: StackConfig, max_new_tokens: int, repeats
     return points
 
 
+def pooled_off(points: list[Point]) -> Tally | None:
+    """Spec-off over the whole split sweep: it never reaches the drafter, so every RTT measures the
+    same thing, and pooling takes the noise of one point's spec-off out of every comparison."""
+    split = [p.modes["off"] for p in points if p.rtt_ms is not None]
+    if not split:
+        return None
+    return Tally(seconds=sum(t.seconds for t in split), tokens=sum(t.tokens for t in split))
+
+
 def measured_break_even(points: list[Point], mode: str = "on") -> float | None:
-    """Where the split sweep's speedup crosses 1, by linear interpolation; None if it never does."""
-    split = [(p.rtt_ms, p.speedup(mode)) for p in points if p.rtt_ms is not None]
+    """Where the split sweep's speedup (against the pooled spec-off) crosses 1, by linear
+    interpolation; None if it never does."""
+    off = pooled_off(points)
+    split = [(p.rtt_ms, p.speedup(mode, off)) for p in points if p.rtt_ms is not None]
     for (r0, s0), (r1, s1) in zip(split, split[1:]):
         if s0 >= 1 > s1:
             return r0 + (s0 - 1) / (s0 - s1) * (r1 - r0)
@@ -137,17 +148,20 @@ def measured_break_even(points: list[Point], mode: str = "on") -> float | None:
 def report(points: list[Point], plot: str | None) -> None:
     print(f"{'topology':<15}{'RTT ms':>7}{'on/off':>8}{'async/off':>10}{'hit rate':>9}{'acc.len':>8}"
           f"{'overhead/round ms (on, async)':>31}{'1st round':>10}{'shm':>6}")
+    off = pooled_off(points)
     for p in points:
         on, ahead = p.modes["on"], p.modes["async"]
+        baseline = off if p.rtt_ms is not None else None
         rtt = "-" if p.rtt_ms is None else f"{p.rtt_ms:g}"
         hit = f"{ahead.hits / ahead.attempts:.0%}" if ahead.attempts else "-"
         shm = f"{on.shared_memory}/{on.requests}"
-        print(f"{p.label:<15}{rtt:>7}{p.speedup('on'):>7.2f}x{p.speedup('async'):>9.2f}x{hit:>9}"
+        on_off, async_off = p.speedup("on", baseline), p.speedup("async", baseline)
+        print(f"{p.label:<15}{rtt:>7}{on_off:>7.2f}x{async_off:>9.2f}x{hit:>9}"
               f"{(on.accepted + on.rounds) / on.rounds:>8.2f}"
               f"{statistics.median(on.overhead_ms):>19.2f}{statistics.median(ahead.overhead_ms):>12.2f}"
               f"{statistics.median(on.first_ms):>10.2f}{shm:>6}")
     base = next((p for p in points if p.rtt_ms == 0), None)
-    predicted = base.predicted_break_even() if base else None
+    predicted = base.predicted_break_even(off) if base else None
     for mode in ("on", "async"):
         measured = measured_break_even(points, mode)
         said = "beyond the sweep" if measured is None else f"{measured:.1f} ms"
@@ -158,7 +172,8 @@ def report(points: list[Point], plot: str | None) -> None:
           "critical path = network + gateway (docs/metrics.md#time, median); 1st round: the same for each "
           "spec-on request's first round, which carries the prompt's features to a drafter that reads them "
           "(median). shm: spec-on requests whose payloads went through shared memory. The split drafter sits "
-          "behind a userspace delaying proxy (specsplit/tools/netem.py), the gateway next to the verifier.")
+          "behind a userspace delaying proxy (specsplit/tools/netem.py), the gateway next to the verifier; "
+          "split rows compare with spec-off pooled over the sweep (spec-off never reaches the drafter).")
     if plot:
         _plot(points, predicted, measured_break_even(points, "on"), measured_break_even(points, "async"), plot)
         print(f"plot: {plot}")
@@ -173,8 +188,9 @@ def _plot(points: list[Point], predicted: float | None, measured: float | None, 
 
     split = [p for p in points if p.rtt_ms is not None]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([p.rtt_ms for p in split], [p.speedup("on") for p in split], "o-", label="split (drafter behind RTT)")
-    ax.plot([p.rtt_ms for p in split], [p.speedup("async") for p in split], "s-", label="split, pre-drafting")
+    off = pooled_off(points)
+    ax.plot([p.rtt_ms for p in split], [p.speedup("on", off) for p in split], "o-", label="split (drafter behind RTT)")
+    ax.plot([p.rtt_ms for p in split], [p.speedup("async", off) for p in split], "s-", label="split, pre-drafting")
     for p, style in zip([p for p in points if p.rtt_ms is None], ("--", ":", "-.")):
         ax.axhline(p.speedup(), linestyle=style, color="gray", label=f"co-located, {p.label}: {p.speedup():.2f}x")
     ax.axhline(1.0, color="black", linewidth=0.8)
