@@ -6,19 +6,22 @@ import torch
 from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step, unrolled_forward
 
 
-def _head(seed=0) -> FeatureHead:
+def random_head(seed: int = 0, head_dim: int = 8) -> FeatureHead:
+    """A tiny head with random weights (not the identity start: every path must matter), reading a
+    50-token embedding, drafting over 16 of its tokens. The native kernels need head_dim % 16 == 0."""
     torch.manual_seed(seed)
-    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8, rope_theta=10000.0,
+    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=head_dim, rope_theta=10000.0,
                      eps=1e-5, draft_vocab=16)
     head = FeatureHead(cfg)
-    for p in head.parameters():  # random, not identity: every path must matter
+    for p in head.parameters():
         torch.nn.init.normal_(p, std=0.2)
     head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
     return head.eval()
 
 
+
 def test_drafting_steps_match_the_unrolled_training_forward():
-    head = _head()
+    head = random_head()
     t, n = 12, 7  # sequence length; the committed prefix holds n features
     feats, tokens = torch.randn(1, t, 32), torch.randint(0, 50, (1, t))
     with torch.no_grad():
@@ -32,7 +35,7 @@ def test_drafting_steps_match_the_unrolled_training_forward():
 
 
 def test_rolling_the_cache_back_forgets_drafted_steps():
-    head = _head(1)
+    head = random_head(1)
     feats, tokens = torch.randn(10, 32), torch.randint(0, 50, (10,)).tolist()
     cache = HeadCache()
     first = head_step(head, cache, feats[:6], tokens[:6])
@@ -90,14 +93,7 @@ def test_native_serving_computes_what_torch_serving_computes(dtype, tol):
 
     if native.unavailable(dtype, torch.device("cpu")):
         pytest.skip(native.unavailable(dtype, torch.device("cpu")))
-    torch.manual_seed(0)
-    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=16, rope_theta=10000.0,
-                     eps=1e-5, draft_vocab=16)
-    head = FeatureHead(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
-    head.eval()
+    head = random_head(0, head_dim=16)
     runners = (TorchHead(head), NativeHead(head, 64, dtype))
     caches = [r.new_cache() for r in runners]
     feats, tokens = torch.randn(10, 32), torch.randint(0, 50, (10,)).tolist()

@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_featurehead import random_head
 
 from specsplit import native
-from specsplit.featurehead import FeatureHead, HeadConfig, NativeHead, TorchHead
+from specsplit.featurehead import NativeHead, TorchHead
 from specsplit.modeling import KVSequence, load_model
-
-
-def _head() -> FeatureHead:
-    torch.manual_seed(0)
-    cfg = HeadConfig(hidden=32, intermediate=64, heads=2, kv_heads=1, head_dim=16, rope_theta=10000.0,
-                     eps=1e-5, draft_vocab=16)
-    head = FeatureHead(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
-    return head.eval()
 
 
 def _sequences(models, native_kernels: bool):
@@ -33,7 +23,7 @@ def _sequences(models, native_kernels: bool):
 
 
 def _head_caches(runner_type):
-    head = _head()
+    head = random_head(0, head_dim=16)
     runner = runner_type(head) if runner_type is TorchHead else runner_type(head, 64)
     feats, tokens = torch.randn(12, 32), torch.randint(0, 50, (12,)).tolist()
     return runner.new_cache, (lambda cache, i, j: runner.step(cache, feats[i:j], tokens[i:j])[1])
