@@ -112,8 +112,9 @@ class Running:
 @contextlib.asynccontextmanager
 async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
                         default_drafter: str = "ngram", draft_kw: dict | None = None, tls: dict | None = None,
-                        verify_kw: dict | None = None, **gateway_kw):
-    """The three real services in this process, on temp UNIX sockets or loopback TCP ports."""
+                        verify_kw: dict | None = None, shared_memory: bool = True, **gateway_kw):
+    """The three real services in this process, on temp UNIX sockets or loopback TCP ports; with
+    shared_memory False (as on separate hosts) the rounds go over gRPC streams, not the fast path."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
     from specsplit.tools.launcher import wait_serving
@@ -123,7 +124,7 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
         listen = f"unix://{tmp_path / f'{name}.sock'}" if transport == "unix" else "127.0.0.1:0"
         backend_tls = (tls or {}) if name != "gateway" else {}  # tls: the draft and verify services'
         return ServerSettings(listen=listen, address_file=str(tmp_path / f"{name}.address"), grace_s=1.0,
-                              **backend_tls)
+                              shared_memory=shared_memory, **backend_tls)
 
     async def address(name: str, task: asyncio.Task) -> str:
         path = tmp_path / f"{name}.address"

@@ -41,7 +41,10 @@ async def wait_released(stack, timeout_s: float = 5.0) -> tuple[int, int]:
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 async def test_speculation_on_equals_off_token_for_token(models, tmp_path, transport, dtype):
-    async with running_stack(tmp_path, transport, models["target"], models["draft"], dtype) as stack:
+    # unix: co-located, rounds on the fast path; tcp: as on separate hosts, rounds on gRPC streams.
+    fast = transport == "unix"
+    async with running_stack(tmp_path, transport, models["target"], models["draft"], dtype,
+                             shared_memory=fast) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
             accepted = 0
@@ -52,6 +55,7 @@ async def test_speculation_on_equals_off_token_for_token(models, tmp_path, trans
                     assert list(on.token_ids) == list(off.token_ids), (prompt, drafter)
                     assert on.text == off.text
                     assert on.stats.speculation_used and on.stats.drafter == drafter
+                    assert on.stats.fast_path is fast and off.stats.fast_path is fast
                     accepted += on.stats.accepted_tokens
                 assert off.stats.rounds == off.stats.generated_tokens - 1
                 assert off.stats.mean_acceptance_length == 1.0
@@ -208,11 +212,13 @@ async def test_internal_calls_refuse_bad_input(models, tmp_path):
         assert await wait_released(stack) == (0, 0)
 
 
-async def test_sessions_released_after_cancel_and_deadline(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["fast path", "streams"])
+async def test_sessions_released_after_cancel_and_deadline(models, tmp_path, monkeypatch, shared_memory):
     # transformers' forward: on the native one a 200-token request on the tiny model can finish
     # inside the deadline, and the deadline is what this test is about.
     monkeypatch.setenv("SPECSPLIT_NATIVE", "0")
-    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"],
+                             shared_memory=shared_memory) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
             req = request(PROMPTS[1], drafter="model", max_new_tokens=200)

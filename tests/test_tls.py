@@ -55,7 +55,7 @@ async def test_mutual_tls_accepts_the_right_certificates_and_refuses_others(mode
     server_tls = {"tls_cert": str(pki / "server.pem"), "tls_key": str(pki / "server.key"),
                   "tls_client_ca": str(pki / "ca.pem")}
     gateway_tls = ClientTLS(str(pki / "ca.pem"), str(pki / "gateway.pem"), str(pki / "gateway.key"))
-    async with running_stack(tmp_path, "tcp", models["target"], models["draft"], tls=server_tls,
+    async with running_stack(tmp_path, "tcp", models["target"], models["draft"], tls=server_tls, shared_memory=False,
                              upstream_tls=gateway_tls) as stack:
         assert await _info(stack.verify, gateway_tls) == "target"
         refused = {
@@ -75,6 +75,7 @@ async def test_mutual_tls_accepts_the_right_certificates_and_refuses_others(mode
             out = await pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(
                 text="def add(a, b):", max_new_tokens=8, speculation=pb.SPECULATION_ON, drafter="model"))
         assert len(out.token_ids) == 8 and out.stats.speculation_used
+        assert not out.stats.fast_path  # no shared memory, as across hosts: the rounds went over mTLS streams
 
 
 async def test_tls_without_client_certificates(models, tmp_path, pki):

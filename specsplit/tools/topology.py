@@ -134,15 +134,36 @@ def pooled_off(points: list[Point]) -> Tally | None:
     return Tally(seconds=sum(t.seconds for t in split), tokens=sum(t.tokens for t in split))
 
 
+def fitted(points: list[Point], mode: str = "on") -> tuple[float, float] | None:
+    """Least-squares line through the split sweep's spec-on ms per token against the RTT:
+    (intercept ms/token, slope ms/token per ms of RTT); None with fewer than two points."""
+    split = [(p.rtt_ms, 1e3 * p.modes[mode].seconds / p.modes[mode].tokens) for p in points if p.rtt_ms is not None]
+    if len(split) < 2:
+        return None
+    n = len(split)
+    mean_x, mean_y = sum(x for x, _ in split) / n, sum(y for _, y in split) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in split) / sum((x - mean_x) ** 2 for x, _ in split)
+    return mean_y - slope * mean_x, slope
+
+
 def measured_break_even(points: list[Point], mode: str = "on") -> float | None:
-    """Where the split sweep's speedup (against the pooled spec-off) crosses 1, by linear
-    interpolation; None if it never does."""
+    """Where the sweep's spec-on ms per token (a line fitted to every RTT, so one noisy point cannot
+    decide it) reaches spec-off's (pooled over the sweep); 0 if it loses at RTT 0, None if it does
+    not cross within the sweep."""
     off = pooled_off(points)
-    split = [(p.rtt_ms, p.speedup(mode, off)) for p in points if p.rtt_ms is not None]
-    for (r0, s0), (r1, s1) in zip(split, split[1:]):
-        if s0 >= 1 > s1:
-            return r0 + (s0 - 1) / (s0 - s1) * (r1 - r0)
-    return 0.0 if split and split[0][1] < 1 else None
+    split = [p for p in points if p.rtt_ms is not None]
+    if off is None or not split:
+        return None
+    t_off = 1e3 * off.seconds / off.tokens
+    line = fitted(points, mode)
+    if line is None:
+        return 0.0 if split[0].speedup(mode, off) < 1 else None
+    intercept, slope = line
+    if intercept >= t_off:
+        return 0.0
+    if slope <= 0 or (t_off - intercept) / slope > max(p.rtt_ms for p in split):
+        return None
+    return (t_off - intercept) / slope
 
 
 def report(points: list[Point], plot: str | None) -> None:
@@ -165,7 +186,13 @@ def report(points: list[Point], plot: str | None) -> None:
     for mode in ("on", "async"):
         measured = measured_break_even(points, mode)
         said = "beyond the sweep" if measured is None else f"{measured:.1f} ms"
-        also = f", predicted from the RTT-0 run {predicted:.1f} ms" if predicted is not None and mode == "on" else ""
+        also = ""
+        if predicted is not None and mode == "on":
+            on = base.modes["on"]
+            line = fitted(points, mode)
+            slope = f"; fitted slope {line[1]:.2f} ms/token per ms of RTT" if line else ""
+            also = (f", predicted from the RTT-0 run {predicted:.1f} ms (rounds per token {on.rounds / on.tokens:.2f}"
+                    f"{slope})")
         print(f"break-even RTT ({mode}): measured {said}{also}")
     print("on: speculation; async: speculation with pre-drafting (the next block drafted while Verify is in "
           "flight); hit rate: pre-drafts used / started. overhead/round = round wall time - compute on the "
@@ -173,7 +200,9 @@ def report(points: list[Point], plot: str | None) -> None:
           "spec-on request's first round, which carries the prompt's features to a drafter that reads them "
           "(median). shm: spec-on requests whose payloads went through shared memory. The split drafter sits "
           "behind a userspace delaying proxy (specsplit/tools/netem.py), the gateway next to the verifier; "
-          "split rows compare with spec-off pooled over the sweep (spec-off never reaches the drafter).")
+          "split rows compare with spec-off pooled over the sweep (spec-off never reaches the drafter); the "
+          "measured break-even is where a line fitted to the sweep's spec-on ms/token meets spec-off's, and "
+          "the formula predicts that line's slope to be the rounds per token.")
     if plot:
         _plot(points, predicted, measured_break_even(points, "on"), measured_break_even(points, "async"), plot)
         print(f"plot: {plot}")
