@@ -1,4 +1,4 @@
-"""gRPC front of the gateway: validates requests into a Plan and streams the orchestrator's chunks."""
+"""gRPC front of the gateway: validates requests into a Plan and streams the round loop's chunks."""
 
 from __future__ import annotations
 
