@@ -1,26 +1,52 @@
 """Speculative sampling through the real services is lossless: continuations sampled with
 speculation (rejection and coupled verification, a model drafter whose q differs from p) follow the
-target's own distribution, computed exactly from the model; a deliberately broken residual does not."""
+target's own distribution, and a deliberately broken variant of each method does not.
+
+The reference is computed here, independently of the project's sampling code: the target's
+logits from transformers, then temperature, top-k and top-p written out in plain Python. The
+decision rule is calibrated by simulation from that reference: with SAMPLES continuations per
+configuration, a total variation above THRESHOLD happens by chance with probability ALPHA, and the
+smallest error the test catches with probability >= 0.95 is computed and printed (DETECTS)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 
 import grpc
+import numpy as np
 import torch
 from conftest import running_stack
 
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.sampling import RESAMPLE, SamplingParams, sample, uniform, warp
+from specsplit.sampling import RESAMPLE, coupled_choice, sample, uniform
 from verify_service import engine
 
 PROMPT = "Once upon a time"
 NEW = 4  # the first token comes from prefill; the next three from one or two draft/verify rounds
-TEMPERATURE, TOP_K = 1.5, 2
-SAMPLES = 800  # sampling noise alone gives a total variation of ~0.055 over 16 outcomes
+TEMPERATURE, TOP_K, TOP_P = 1.5, 2, 0.95
+SAMPLES = 2400
+ALPHA = 1e-3  # false-alarm rate of the decision rule, per configuration
+
+
+def reference_probs(logits: list[float]) -> dict[int, float]:
+    """Temperature, then the top_k most likely, renormalised, then the smallest most-likely set whose
+    mass reaches top_p, renormalised: the documented order, in plain Python."""
+    scaled = [x / TEMPERATURE for x in logits]
+    peak = max(scaled)
+    weights = sorted(((math.exp(x - peak), i) for i, x in enumerate(scaled)), reverse=True)[:TOP_K]
+    total = sum(w for w, _ in weights)
+    kept, mass = [], 0.0
+    for w, i in weights:
+        if mass >= TOP_P:
+            break
+        kept.append((w / total, i))
+        mass += w / total
+    norm = sum(p for p, _ in kept)
+    return {i: p / norm for p, i in kept}
 
 
 def exact_distribution(model_dir, prompt_ids: list[int]) -> dict[tuple[int, ...], float]:
@@ -28,12 +54,10 @@ def exact_distribution(model_dir, prompt_ids: list[int]) -> dict[tuple[int, ...]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    params = SamplingParams(TEMPERATURE, TOP_K)
 
     @torch.inference_mode()
     def dist(ids: list[int]) -> dict[int, float]:
-        probs = warp(model(torch.tensor([ids])).logits[0, -1:], params)[0]
-        return {int(t): float(probs[t]) for t in probs.nonzero()[:, 0]}
+        return reference_probs(model(torch.tensor([ids])).logits[0, -1].tolist())
 
     out: Counter = Counter()
 
@@ -53,6 +77,26 @@ def total_variation(counts: Counter, exact: dict) -> float:
     return sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(counts) | set(exact)) / 2
 
 
+def calibrate(exact: dict, sims: int = 4000) -> tuple[float, float]:
+    """(threshold, detects): the total variation that SAMPLES draws from `exact` exceed with
+    probability ALPHA, and the smallest error (mass moved from the likeliest outcome to the least
+    likely one) whose draws exceed that threshold with probability >= 0.95."""
+    rng = np.random.default_rng(0)
+    p = np.array(sorted(exact.values(), reverse=True))
+
+    def tvs(q: np.ndarray) -> np.ndarray:
+        draws = rng.multinomial(SAMPLES, q, size=sims) / SAMPLES
+        return np.abs(draws - p).sum(axis=1) / 2
+
+    threshold = float(np.quantile(tvs(p), 1 - ALPHA))
+    for delta in np.arange(0.005, 0.3, 0.0025):
+        q = p.copy()
+        q[0], q[-1] = q[0] - delta, q[-1] + delta
+        if (tvs(q) > threshold).mean() >= 0.95:
+            return threshold, float(delta)
+    raise AssertionError("no error up to 0.3 is detectable: too few samples for this distribution")
+
+
 def broken_rejection_accept(probs, draft, proposals, seed, start):
     """Rejection sampling with the classic mistake: resampling from p instead of norm(max(0, p - q))."""
     for i, token in enumerate(draft):
@@ -61,6 +105,15 @@ def broken_rejection_accept(probs, draft, proposals, seed, start):
         if uniform(seed, start + i, 1) >= min(1.0, float(probs[i, token]) / q_tok):
             return i, sample(probs[i], seed, start + i, RESAMPLE), "recovered"
     return len(draft), sample(probs[len(draft)], seed, start + len(draft), RESAMPLE), "bonus"
+
+
+def broken_coupled_accept(probs, draft, seed, start):
+    """Coupled verification with a plausible mistake: a draft token the target could have chosen
+    (p > 0) is accepted, instead of only the one its (seed, position) noise chooses."""
+    accepted = 0
+    while accepted < len(draft) and float(probs[accepted, draft[accepted]]) > 0:
+        accepted += 1
+    return accepted, coupled_choice(probs[accepted], seed, start + accepted)
 
 
 async def continuations(gw, method: int, speculation: int) -> tuple[Counter, int]:
@@ -72,37 +125,48 @@ async def continuations(gw, method: int, speculation: int) -> tuple[Counter, int
         response = await gw.Generate(pb.GenerateRequest(
             text=PROMPT, max_new_tokens=NEW, stop=pb.StopConditions(ignore_eos=True), speculation=speculation,
             drafter="model", gamma=3,
-            sampling=pb.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, seed=seed, method=method)))
+            sampling=pb.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed,
+                                       method=method)))
         assert len(response.token_ids) == NEW
         counts[tuple(response.token_ids[1:])] += 1
         drafted += response.stats.drafted_tokens
 
-    for first in range(0, SAMPLES, 32):
-        await asyncio.gather(*(one(seed) for seed in range(first, min(first + 32, SAMPLES))))
+    for first in range(0, SAMPLES, 48):
+        await asyncio.gather(*(one(seed) for seed in range(first, min(first + 48, SAMPLES))))
     return counts, drafted
 
 
-async def test_sampled_continuations_follow_the_target_and_a_broken_residual_does_not(models, tmp_path, monkeypatch):
+async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not(models, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     prompt_ids = AutoTokenizer.from_pretrained(models["target"]).encode(PROMPT)
     exact = exact_distribution(models["target"], prompt_ids)
     assert len(exact) > 4 and max(exact.values()) < 0.6  # a spread the test can see
+    threshold, detects = calibrate(exact)
     tv = {}
+    rejection, coupled = cpb.VERIFY_METHOD_REJECTION, cpb.VERIFY_METHOD_COUPLED
     async with running_stack(tmp_path, "unix", models["target"], models["draft"], "float32") as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
-            for name, method, speculation in (("off", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_OFF),
-                                              ("rejection", cpb.VERIFY_METHOD_REJECTION, pb.SPECULATION_ON),
-                                              ("coupled", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_ON)):
+            for name, method, speculation in (("off", coupled, pb.SPECULATION_OFF),
+                                              ("rejection", rejection, pb.SPECULATION_ON),
+                                              ("coupled", coupled, pb.SPECULATION_ON)):
                 counts, drafted = await continuations(gw, method, speculation)
                 tv[name] = total_variation(counts, exact)
                 assert drafted >= (SAMPLES if speculation == pb.SPECULATION_ON else 0)
-            monkeypatch.setattr(engine, "rejection_accept", broken_rejection_accept)
-            counts, _ = await continuations(gw, cpb.VERIFY_METHOD_REJECTION, pb.SPECULATION_ON)
-            tv["broken"] = total_variation(counts, exact)
-    print(f"total variation from the exact distribution over {len(exact)} outcomes: {tv}")
+            for name, method, attr, broken in (("broken rejection", rejection, "rejection_accept",
+                                                broken_rejection_accept),
+                                               ("broken coupled", coupled, "coupled_accept", broken_coupled_accept)):
+                with monkeypatch.context() as m:
+                    m.setattr(engine, attr, broken)
+                    counts, _ = await continuations(gw, method, pb.SPECULATION_ON)
+                tv[name] = total_variation(counts, exact)
+    print(f"\n{SAMPLES} continuations per configuration over {len(exact)} outcomes; at a false-alarm rate of "
+          f"{ALPHA} the test flags a total variation above {threshold:.3f} and catches an error of {detects:.3f} "
+          f"or more with probability >= 0.95; measured: " + ", ".join(f"{k} {v:.3f}" for k, v in tv.items()))
+    # spec-off is the control: it also checks the services' warp and sampler against this reference.
     for name in ("off", "rejection", "coupled"):
-        assert tv[name] < 0.1, tv  # 1200 samples measured: off 0.044, rejection 0.050
-    assert tv["broken"] > 0.2, tv  # 1200 samples measured: 0.31
-
+        assert tv[name] <= threshold, tv
+    for name in ("broken rejection", "broken coupled"):
+        assert tv[name] > threshold, tv
+    assert detects < 0.06  # the test is at least this sharp (the old one: ~0.07)
