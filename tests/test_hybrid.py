@@ -1,4 +1,5 @@
-"""The hybrid's order: a long n-gram match, then the head, then a short match."""
+"""The hybrid's choice: before it has learnt anything, a long n-gram match, then the head, then a
+short match; then by the accepted drafts each source earned in the session."""
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
 from draft_service.drafters.hybrid import HybridDrafter
@@ -29,9 +30,30 @@ def test_long_match_beats_the_head():
 
 def test_head_beats_a_short_match_and_the_short_match_fills_in_when_it_is_unsure():
     session_tokens = [5, 6, 7, 9, 7]  # only a 1-token match: (7) -> 9
+
     def propose(head: list[int], tokens: list[int]) -> Proposal:
-        return HybridDrafter(NgramDrafter(), Head(head), 2).propose(DraftSession(tokens), 3)
+        hybrid = HybridDrafter(NgramDrafter(), Head(head), 2)
+        return hybrid.propose(hybrid.start(tokens), 3)
 
     assert propose([42, 43], session_tokens) == Proposal([42, 43], "self")
     assert propose([], session_tokens) == Proposal([9, 7], "ngram")
     assert propose([], [1, 2, 3]) == Proposal([], "")
+
+
+def test_the_source_that_keeps_getting_accepted_wins():
+    # The text repeats "1 2 3 4" with one-token matches everywhere (1 -> 2 -> 3 -> 4 -> 1...), and the
+    # head is always wrong: after a few rounds the hybrid trusts the short match it started by doubting.
+    hybrid = HybridDrafter(NgramDrafter(max_n=1), Head([42, 43]), min_match=2)
+    session = hybrid.start([1, 2, 3, 4, 1])
+    sources = []
+    for _ in range(8):
+        last = session.tokens[-1]
+        following = [(last + i) % 4 + 1 for i in range(4)]  # the cycle continues
+        proposal = hybrid.propose(session, 3)
+        accepted = 0
+        while accepted < len(proposal.tokens) and proposal.tokens[accepted] == following[accepted]:
+            accepted += 1
+        session.sync(len(session.tokens), following[:accepted + 1])
+        sources.append(proposal.source)
+    assert sources[0] == "self" and sources[-1] == "ngram", sources
+    assert sources[-3:] == ["ngram"] * 3

@@ -1,12 +1,55 @@
-"""Retrieval first, the self-drafter otherwise: copying pays when the text repeats (rewrites,
-templated output), the head everywhere else. Most reliable first: an n-gram match of at least
-`min_match` tokens, then the head (which drafts nothing when it is unsure), then a shorter match."""
+"""Retrieval or the self-drafter, chosen per round by expected gain. Each source's accepted drafts
+per round are learnt within the session (the next Propose's sync shows how many of the last
+drafts the target kept): an n-gram match by its length (1, 2, 3+ tokens), the head as one source.
+A round's value is (expected accepted + 1) / (1 + the source's cost in target steps), and drafting
+nothing is worth 1; the head's cost is its measured drafting time over the measured time between
+rounds. Priors give the old
+fixed order before anything is learnt: a match of `min_match` tokens or more, then the head,
+then a shorter match; the head drafting nothing (unsure) lets a match fill in."""
 
 from __future__ import annotations
+
+import time
 
 from draft_service.drafters.base import DrafterDescription, Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.selfdraft import SelfDrafter, SelfSession
+
+DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
+PRIOR_WEIGHT = 2.0  # the priors count as this many rounds
+HEAD_COST = 0.1  # the head's cost per drafted token in target steps until measured
+
+
+class _Mean:
+    """A decayed mean of accepted drafts per round, starting from a prior."""
+
+    def __init__(self, prior: float):
+        self.total, self.weight = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
+
+    def add(self, value: float) -> None:
+        self.total = self.total * DECAY + value
+        self.weight = self.weight * DECAY + 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight
+
+
+class _Choice:
+    """What the hybrid learns within one session."""
+
+    def __init__(self, min_match: int):
+        # Priors in the old order: long match (1.5) > head (1.0) > short match (0.4).
+        self.means = {n: _Mean(1.5 if n >= min_match else 0.4) for n in (1, 2, 3)}
+        self.means["self"] = _Mean(1.0)
+        self.pending: tuple[object, int, list[int]] | None = None  # (source, position, drafts) last round
+        self.head_ms = None  # decayed head drafting time per round
+        self.round_ms = None  # decayed time between Proposes (a round)
+        self.last_call = 0.0
+
+
+def _decay(old: float | None, new: float) -> float:
+    return new if old is None else old * DECAY + new * (1 - DECAY)
 
 
 class HybridDrafter:
@@ -24,16 +67,55 @@ class HybridDrafter:
         return self.head.memory_bytes  # the store is shared with the ngram drafter, counted there
 
     def start(self, prompt: list[int]) -> SelfSession:
-        return self.head.start(prompt)
+        session = self.head.start(prompt)
+        session.choice = _Choice(self.min_match)
+        return session
 
     def propose(self, session: SelfSession, gamma: int) -> Proposal:
+        choice = _learn(session)
         drafts, n = self.ngram.match(session.tokens, gamma)
-        if n >= self.min_match:
-            return Proposal(drafts, "ngram")
-        proposal = self.head.propose(session, gamma)
-        if proposal.tokens or not drafts:
-            return proposal
-        return Proposal(drafts, "ngram")
+        key = min(n, 3)
+        head_value = (choice.means["self"].value + 1) / (1 + self._head_cost(choice, gamma))
+        # Drafting nothing is worth 1 (the target's own token, at no extra cost): the head must beat
+        # that as well as the match.
+        match_value = min(choice.means[key].value, len(drafts)) + 1 if drafts else 1.0
+        proposal = None
+        if head_value > match_value:
+            started = time.perf_counter()
+            proposal = self.head.propose(session, gamma)
+            if proposal.tokens:
+                choice.head_ms = _decay(choice.head_ms, (time.perf_counter() - started) * 1e3)
+        if proposal is None or not proposal.tokens:
+            proposal = Proposal(drafts, "ngram" if drafts else "")
+        source = "self" if proposal.source == "self" else key
+        choice.pending = (source, len(session.tokens), list(proposal.tokens)) if proposal.tokens else None
+        return proposal
+
+    def _head_cost(self, choice: _Choice, gamma: int) -> float:
+        """The head's drafting time per round in target steps (the time between rounds less it)."""
+        if choice.head_ms is None or choice.round_ms is None or choice.round_ms <= choice.head_ms:
+            return HEAD_COST * gamma
+        return choice.head_ms / (choice.round_ms - choice.head_ms)
 
     def end(self, session: SelfSession) -> None:
         self.ngram.end(session)
+
+
+def _learn(session: SelfSession) -> _Choice:
+    """Counts how many of the last round's drafts the target kept, now that the sync told us, and
+    times the round."""
+    choice: _Choice = session.choice
+    now = time.perf_counter()
+    if choice.last_call:
+        choice.round_ms = _decay(choice.round_ms, (now - choice.last_call) * 1e3)
+    choice.last_call = now
+    if choice.pending is not None:
+        source, at, drafts = choice.pending
+        kept = session.tokens[at:]
+        if len(kept) <= len(drafts) + 1:  # exactly one round committed (not a pre-draft's assumption)
+            accepted = 0
+            while accepted < min(len(drafts), len(kept)) and kept[accepted] == drafts[accepted]:
+                accepted += 1
+            choice.means[source].add(accepted)
+        choice.pending = None
+    return choice
