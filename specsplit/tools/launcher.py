@@ -76,10 +76,12 @@ class Stack:
             return "127.0.0.1:0"
         raise ValueError(f"unknown transport {self.config.transport!r}; use unix or tcp")
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], entry: tuple[str, ...] = ()) -> None:
+        """Starts service `name` (`specsplit serve NAME`, or `python -m *entry` taking the same
+        --listen, --address-file, --threads and --no-shm flags)."""
         address_file = self.run_dir / f"{name}.address"
         address_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "specsplit.cli", "serve", name, "--listen", self._listen(name),
+        cmd = [sys.executable, "-m", *(entry or ("specsplit.cli", "serve", name)), "--listen", self._listen(name),
                "--address-file", str(address_file), *args]
         if self.config.threads:
             cmd += ["--threads", str(self.config.threads)]

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import torch
 
+from gateway.controller import p95
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.tools.launcher import Stack, StackConfig, die_with_launcher
 
 TOKEN = 100  # what the stub drafter proposes and the stub verifier chooses
 TRANSPORTS = (("shared memory", "unix", True), ("unix socket", "unix", False), ("tcp loopback", "tcp", False))
@@ -102,73 +99,41 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
                 fast_path=fast)
 
 
-class _Stack:
-    """Stub verify and draft services and the real gateway, as child processes."""
+class _StubStack(Stack):
+    """The stub verify and draft services and the real gateway, as the launcher runs a stack."""
 
-    def __init__(self, transport: str, shared_memory: bool):
-        self.dir = Path(tempfile.mkdtemp(prefix="specsplit-rounds-"))
-        self.transport, self.shared_memory = transport, shared_memory
-        self.procs: list[subprocess.Popen] = []
-
-    def _listen(self, name: str) -> str:
-        return f"unix://{self.dir / f'{name}.sock'}" if self.transport == "unix" else "127.0.0.1:0"
-
-    def _spawn(self, name: str, cmd: list[str]) -> str:
-        from specsplit.tools.launcher import PARENT_ENV, wait_serving
-
-        address = self.dir / f"{name}.address"
-        flags = ["--listen", self._listen(name), "--address-file", str(address)]
-        flags += [] if self.shared_memory else ["--no-shm"]
-        log = open(self.dir / f"{name}.log", "ab")
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
-        self.procs.append(subprocess.Popen([sys.executable, "-m", *cmd, *flags], stdout=log,
-                                           stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + 120
-        while not address.exists():
-            if self.procs[-1].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start: {(self.dir / f'{name}.log').read_text()[-2000:]}")
-            time.sleep(0.05)
-        wait_serving(address.read_text().strip(), 60)
-        return address.read_text().strip()
-
-    def start(self) -> str:
-        verify = self._spawn("verify", ["specsplit.tools.roundoverhead", "serve", "verify"])
-        draft = self._spawn("draft", ["specsplit.tools.roundoverhead", "serve", "draft"])
-        return self._spawn("gateway", ["specsplit.cli", "serve", "gateway", "--verify", verify, "--draft", draft,
-                                       "--tokenizer", "default", "--predraft", "off"])
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    def start(self, timeout_s: float = 120.0, draft_via=None) -> str:
+        try:
+            for name in ("verify", "draft"):
+                self._spawn(name, [], entry=("specsplit.tools.roundoverhead", "serve", name))
+            self._await(["verify", "draft"], timeout_s)
+            self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
+                                    "--tokenizer", "default", "--predraft", "off"])
+            self._await(["gateway"], timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.addresses["gateway"]
 
 
 def measure(transport: str, shared_memory: bool, requests: int, tokens: int, gamma: int) -> dict:
     """Per-round overhead, network and gateway shares (ms) of spec-on requests through one stack."""
-    stack = _Stack(transport, shared_memory)
-    try:
-        with grpc.insecure_channel(stack.start()) as channel:
-            stub = pb_grpc.GatewayStub(channel)
-            request = pb.GenerateRequest(text="Count: one two three", max_new_tokens=tokens, gamma=gamma,
-                                         speculation=pb.SPECULATION_ON, predraft=pb.PREDRAFT_OFF)
-            stub.Generate(request, timeout=60)  # warm-up
-            overhead, network, gateway, fast = [], [], [], 0
-            for _ in range(requests):
-                stats = stub.Generate(request, timeout=60).stats
-                fast += stats.fast_path
-                for r in stats.round_records:
-                    overhead.append(r.network_ms + r.gateway_ms)
-                    network.append(r.network_ms)
-                    gateway.append(r.gateway_ms)
-    finally:
-        stack.stop()
-    ordered = sorted(overhead)
+    with _StubStack(StackConfig(transport=transport, shared_memory=shared_memory)) as stack, \
+            grpc.insecure_channel(stack.start()) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        request = pb.GenerateRequest(text="Count: one two three", max_new_tokens=tokens, gamma=gamma,
+                                     speculation=pb.SPECULATION_ON, predraft=pb.PREDRAFT_OFF)
+        stub.Generate(request, timeout=60)  # warm-up
+        overhead, network, gateway, fast = [], [], [], 0
+        for _ in range(requests):
+            stats = stub.Generate(request, timeout=60).stats
+            fast += stats.fast_path
+            for r in stats.round_records:
+                overhead.append(r.network_ms + r.gateway_ms)
+                network.append(r.network_ms)
+                gateway.append(r.gateway_ms)
     return {"rounds": len(overhead), "median": statistics.median(overhead),
-            "p95": ordered[max(0, int(0.95 * len(ordered)) - 1)], "network": statistics.median(network),
+            "p95": p95(overhead), "network": statistics.median(network),
             "gateway": statistics.median(gateway), "fast_path": f"{fast}/{requests}"}
 
 
@@ -192,10 +157,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("kind", choices=["verify", "draft"])
     parser.add_argument("--listen", required=True)
     parser.add_argument("--address-file", required=True)
+    parser.add_argument("--threads", type=int, default=0)  # accepted as the launcher passes it; unused
     parser.add_argument("--no-shm", action="store_true")
     args = parser.parse_args(argv)
-    from specsplit.tools.launcher import die_with_launcher
-
     die_with_launcher()
     asyncio.run(_serve_stub(args.kind, args.listen, args.address_file, not args.no_shm))
 
