@@ -12,7 +12,7 @@ from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter, OutputStore
 from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
-from specsplit import default_model, fastpath, runtime, telemetry
+from specsplit import default_model, runtime, telemetry
 from specsplit.serving import serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import DraftSettings
@@ -48,8 +48,7 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     telemetry.meter().create_observable_gauge(
         "specsplit.draft.memory", unit="By", description="bytes each drafter holds (DrafterInfo.memory_bytes)",
         callbacks=[lambda _: [Observation(d.memory_bytes, {"drafter": name}) for name, d in drafters.items()]])
-    fast = fastpath.offer(worker, servicer.rounds.frame, "draft", settings.server.shared_memory)
-    servicer.fast_path = str(fast.path) if fast else ""
+    fast = servicer.rounds.open_fast_path("draft", settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
                 interceptors=tel.server_interceptors(), fast_path=fast)

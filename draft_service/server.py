@@ -50,7 +50,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._proposal_top_k = proposal_top_k
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
-        self.fast_path = ""  # the fast-path socket announced to sessions that mapped their segment
         self.rounds = Rounds(worker, self.propose, pb.ProposeRequest, lambda response: response.draft_ns)
 
     async def Info(self, request, context):
@@ -98,7 +97,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         entry.segment = shm.try_attach(request.shm_segment, self._shared_memory)
         return pb.StartSessionResponse(drafter=name, prefill_ns=prefill_ns,
                                        shm_nonce=entry.segment.nonce if entry.segment else b"",
-                                       fast_path=self.fast_path if entry.segment else "")
+                                       fast_path=self.rounds.fast_path if entry.segment else "")
 
     async def Propose(self, request, context):
         return await self.rounds.unary(request, context)

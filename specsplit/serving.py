@@ -105,6 +105,17 @@ class Rounds:
     def __init__(self, worker: ModelWorker, handle: Callable[[Any], Any], request_type,
                  compute_ns: Callable[[Any], int]):
         self._worker, self._handle, self._type, self._compute_ns = worker, handle, request_type, compute_ns
+        self.fast_server: fastpath.FastPathServer | None = None
+
+    def open_fast_path(self, name: str, enabled: bool) -> fastpath.FastPathServer | None:
+        """Serves the frames on a fast-path socket when shared memory is on and one can be made."""
+        self.fast_server = fastpath.offer(self._worker, self.frame, name, enabled)
+        return self.fast_server
+
+    @property
+    def fast_path(self) -> str:
+        """The socket announced to sessions that mapped their segment; empty: none."""
+        return str(self.fast_server.path) if self.fast_server else ""
 
     async def unary(self, request, context):
         response = await answer(self._worker.run(self._handle, request), context)

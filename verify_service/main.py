@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from specsplit import fastpath, runtime, telemetry
+from specsplit import runtime, telemetry
 from specsplit.serving import serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import VerifySettings
@@ -40,8 +40,7 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
-    fast = fastpath.offer(worker, servicer.rounds.frame, "verify", settings.server.shared_memory)
-    servicer.fast_path = str(fast.path) if fast else ""
+    fast = servicer.rounds.open_fast_path("verify", settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
                 interceptors=tel.server_interceptors(), fast_path=fast)

@@ -32,7 +32,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._target = target or Target(lm)
         self._sessions = sessions
         self._worker = worker
-        self.fast_path = ""  # the fast-path socket announced to sessions that mapped their segment
         self.rounds = Rounds(worker, self.verify, pb.VerifyRequest, lambda response: response.forward_ns)
 
     async def Info(self, request, context):
@@ -77,7 +76,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
                                   forward_ns=result.forward_ns, features=_features(result, 0, segment),
                                   shm_nonce=segment.nonce if segment else b"",
-                                  fast_path=self.fast_path if segment else "")
+                                  fast_path=self.rounds.fast_path if segment else "")
 
     async def Verify(self, request, context):
         return await self.rounds.unary(request, context)

@@ -66,7 +66,7 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
     """The real servicer and server of `kind` around a stub model."""
     from transformers import AutoTokenizer
 
-    from specsplit import default_model, fastpath
+    from specsplit import default_model
     from specsplit.modeling import tokenizer_fingerprint
     from specsplit.serving import serve
     from specsplit.sessions import SessionTable
@@ -87,14 +87,11 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
                              tokenizer=tokenizer)
         servicer = VerifierServicer(lm, sessions, worker, shared_memory,
                                     Target(lm, new_sequence=lambda: _StubSequence(vocab)))
-        handler = servicer.rounds.frame
     else:
         from draft_service.server import SERVICE_NAME, DrafterServicer, register
 
         servicer = DrafterServicer({"stub": _StubDrafter()}, "stub", sessions, worker, shared_memory=shared_memory)
-        handler = servicer.rounds.frame
-    fast = fastpath.offer(worker, handler, kind, shared_memory)
-    servicer.fast_path = str(fast.path) if fast else ""
+    fast = servicer.rounds.open_fast_path(kind, shared_memory)
     await serve(settings, SERVICE_NAME, lambda server: register(server, servicer), sessions=sessions, worker=worker,
                 fast_path=fast)
 
