@@ -98,12 +98,13 @@ class Instruments:
         records = [_record(r) for r in request.rounds]
         stats = _stats(request, records, generated, self._exact)
         common = self._common(request)
-        self._spans(request, records, common)
-        drafter = plan.drafter if drafting else ""
-        position = 1
+        positions = [1]  # output position of each round's first token
         for record in records:
+            positions.append(positions[-1] + record.accepted + 1)
+        self._spans(request, records, positions, common)
+        drafter = plan.drafter if drafting else ""
+        for record, position in zip(records, positions):
             self._metrics.round(record, plan.task_type, drafter, position)
-            position += record.accepted + 1
         self._metrics.request(stats)
         self._controller.observe(plan.task_type, plan.drafter, plan.decision, outcome(stats), plan.predraft)
         _describe(trace.get_current_span(), stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
@@ -122,13 +123,13 @@ class Instruments:
     def _common(self, request: Request) -> dict:
         return {"specsplit.task_type": request.plan.task_type or "unspecified", **self._transport}
 
-    def _spans(self, request: Request, records: list[pb.RoundRecord], common: dict) -> None:
+    def _spans(self, request: Request, records: list[pb.RoundRecord], positions: list[int], common: dict) -> None:
         """One span per round, under the current (Generate) span, with the times they really had."""
         if not trace.get_current_span().is_recording():
             return
         offset = time.time_ns() - time.perf_counter_ns()  # perf_counter marks -> wall clock
-        start, position = request.decode_mark + offset, 1
-        for i, (r, record) in enumerate(zip(request.rounds, records)):
+        start = request.decode_mark + offset
+        for i, (r, record, position) in enumerate(zip(request.rounds, records, positions)):
             span = tracer().start_span("round", start_time=start, attributes={
                 **common, "specsplit.round": i, "specsplit.position": position,
                 "specsplit.gamma": request.plan.gamma if request.drafting else 0,
@@ -141,7 +142,6 @@ class Instruments:
                 "specsplit.proposal_bytes": record.proposal_bytes, "specsplit.predrafted": record.predrafted})
             start += r.round_ns
             span.end(end_time=start)
-            position += record.accepted + 1
 
 
 def outcome(stats: pb.GenerationStats) -> Outcome:
@@ -170,11 +170,11 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
     bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.drafted)
     params, method = wire.sampling(plan.sampling)
     sampled = params.temperature > 0
-    end = time.perf_counter()
+    end = time.perf_counter_ns()
     return pb.GenerationStats(
         prompt_tokens=len(plan.prompt_ids), generated_tokens=generated, prefill_ms=request.prefill_ns / 1e6,
         prefill_compute_ms=request.prefill_verify_ns / 1e6,
-        decode_ms=(end - request.decode_start) * 1e3, total_ms=(end - request.started) * 1e3,
+        decode_ms=(end - request.decode_mark) / 1e6, total_ms=(end - request.started) / 1e6,
         rounds=len(rounds), drafted_tokens=drafted, accepted_tokens=accepted,
         mean_acceptance_length=(accepted + len(rounds)) / len(rounds) if rounds else 0.0,
         speculation_used=drafting, drafter=plan.drafter if drafting else "", gamma=plan.gamma if drafting else 0,

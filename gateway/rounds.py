@@ -37,7 +37,7 @@ class RoundLoop:
 
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
-        request = Request(plan, uuid.uuid4().hex, plan.speculate, started=time.perf_counter())
+        request = Request(plan, uuid.uuid4().hex, plan.speculate, started=now())
         request.segment = self._segment(request)
         deadline = Deadline(time_remaining, self._rpc_timeout_s)
         try:
@@ -45,7 +45,6 @@ class RoundLoop:
                 await self._prefill(request, deadline)
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
             delta = text.add(request.committed, self._limit(request))
-            request.decode_start = time.perf_counter()
             mark = request.decode_mark = now()
             while not delta.finish:
                 yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)

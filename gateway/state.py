@@ -71,8 +71,9 @@ class Request:
     rounds: list[Round] = field(default_factory=list)
     prefill_ns: int = 0  # wall time of Prefill + StartSession
     prefill_verify_ns: int = 0  # the verifier's prefill compute
-    prefill_mark: int = 0  # perf_counter_ns at the prefill's start; rounds follow from decode_mark
+    # perf_counter_ns marks: the request's start, its prefill's and its decoding's (the rounds follow
+    # on from decode_mark, each round_ns long).
+    started: int = 0
+    prefill_mark: int = 0
     decode_mark: int = 0
-    started: float = 0.0  # perf_counter at the request's start
-    decode_start: float = 0.0
     fast_path: bool = False  # rounds went over the fast path (both services)
