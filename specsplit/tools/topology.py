@@ -1,8 +1,9 @@
 """`specsplit bench --topology`: the same workload co-located (shared memory, UNIX socket only, TCP
 loopback) and split with an emulated network between the gateway (next to the verifier) and the
 drafter, over a sweep of round-trip times, each with and without pre-drafting; speedup vs spec-off,
-per-round overhead, pre-draft hit rate, and the break-even RTT measured (where the speedup crosses 1)
-next to the one predicted from the RTT-0 run (docs/metrics.md)."""
+per-round overhead, pre-draft hit rate, and the break-even RTT measured (where a line fitted to the
+sweep's spec-on ms per token meets spec-off's) next to the one predicted from the RTT-0 run
+(docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class Tally:
     overhead_ms: list = field(default_factory=list)  # per round: network + gateway (wall time - compute)
     first_ms: list = field(default_factory=list)  # the same, first round only (it carries the prompt's features)
 
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.seconds / self.tokens
+
     def add(self, wall: float, out: pb.GenerateResponse) -> None:
         s = out.stats
         self.seconds += wall
@@ -68,8 +73,7 @@ class Point:
         """RTT at which a split drafter's round trips eat the gain (trace-report's formula), from
         this run: each round's Propose pays the RTT on top of what was measured."""
         on, off = self.modes["on"], off or self.modes["off"]
-        t_on, t_off = 1e3 * on.seconds / on.tokens, 1e3 * off.seconds / off.tokens
-        return max(0.0, (t_off - t_on) / (on.rounds / on.tokens))
+        return max(0.0, (off.ms_per_token - on.ms_per_token) / (on.rounds / on.tokens))
 
 
 def measure(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, point: Point) -> Point:
@@ -137,13 +141,11 @@ def pooled_off(points: list[Point]) -> Tally | None:
 def fitted(points: list[Point], mode: str = "on") -> tuple[float, float] | None:
     """Least-squares line through the split sweep's spec-on ms per token against the RTT:
     (intercept ms/token, slope ms/token per ms of RTT); None with fewer than two points."""
-    split = [(p.rtt_ms, 1e3 * p.modes[mode].seconds / p.modes[mode].tokens) for p in points if p.rtt_ms is not None]
+    split = [p for p in points if p.rtt_ms is not None]
     if len(split) < 2:
         return None
-    n = len(split)
-    mean_x, mean_y = sum(x for x, _ in split) / n, sum(y for _, y in split) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in split) / sum((x - mean_x) ** 2 for x, _ in split)
-    return mean_y - slope * mean_x, slope
+    line = statistics.linear_regression([p.rtt_ms for p in split], [p.modes[mode].ms_per_token for p in split])
+    return line.intercept, line.slope
 
 
 def measured_break_even(points: list[Point], mode: str = "on") -> float | None:
@@ -154,7 +156,7 @@ def measured_break_even(points: list[Point], mode: str = "on") -> float | None:
     split = [p for p in points if p.rtt_ms is not None]
     if off is None or not split:
         return None
-    t_off = 1e3 * off.seconds / off.tokens
+    t_off = off.ms_per_token
     line = fitted(points, mode)
     if line is None:
         return 0.0 if split[0].speedup(mode, off) < 1 else None
