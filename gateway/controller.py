@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specsplit.ewma import Ewma
 from specsplit.settings import ControllerSettings
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
@@ -34,21 +35,6 @@ class Outcome:
     generated_tokens: int
     decode_ms: float
     speculation_used: bool
-
-
-class Ewma:
-    """Exponentially decayed mean (weights sum, so early values are not biased towards 0)."""
-
-    def __init__(self, decay: float):
-        self.decay, self.total, self.weight = decay, 0.0, 0.0
-
-    def add(self, value: float, weight: float = 1.0) -> None:
-        self.total = self.total * self.decay + value * weight
-        self.weight = self.weight * self.decay + weight
-
-    @property
-    def value(self) -> float | None:
-        return self.total / self.weight if self.weight > 1e-9 else None
 
 
 def p95(values) -> float:

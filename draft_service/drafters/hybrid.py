@@ -14,25 +14,18 @@ import time
 from draft_service.drafters.base import DrafterDescription, Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.selfdraft import SelfDrafter, SelfSession
+from specsplit.ewma import Ewma
 
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
 PRIOR_WEIGHT = 2.0  # the priors count as this many rounds
 HEAD_COST = 0.1  # the head's cost per drafted token in target steps until measured
 
 
-class _Mean:
-    """A decayed mean of accepted drafts per round, starting from a prior."""
-
-    def __init__(self, prior: float):
-        self.total, self.weight = prior * PRIOR_WEIGHT, PRIOR_WEIGHT
-
-    def add(self, value: float) -> None:
-        self.total = self.total * DECAY + value
-        self.weight = self.weight * DECAY + 1
-
-    @property
-    def value(self) -> float:
-        return self.total / self.weight
+def _prior(value: float) -> Ewma:
+    """A decayed mean of accepted drafts per round that starts from `value`, worth PRIOR_WEIGHT rounds."""
+    mean = Ewma(DECAY)
+    mean.add(value, PRIOR_WEIGHT)
+    return mean
 
 
 class _Choice:
@@ -40,16 +33,12 @@ class _Choice:
 
     def __init__(self, min_match: int):
         # Priors in the old order: long match (1.5) > head (1.0) > short match (0.4).
-        self.means = {n: _Mean(1.5 if n >= min_match else 0.4) for n in (1, 2, 3)}
-        self.means["self"] = _Mean(1.0)
+        self.means = {n: _prior(1.5 if n >= min_match else 0.4) for n in (1, 2, 3)}
+        self.means["self"] = _prior(1.0)
         self.pending: tuple[object, int, list[int]] | None = None  # (source, position, drafts) last round
-        self.head_ms = None  # decayed head drafting time per round
-        self.round_ms = None  # decayed time between Proposes (a round)
+        self.head_ms = Ewma(DECAY)  # the head's drafting time per round
+        self.round_ms = Ewma(DECAY)  # the time between Proposes (a round)
         self.last_call = 0.0
-
-
-def _decay(old: float | None, new: float) -> float:
-    return new if old is None else old * DECAY + new * (1 - DECAY)
 
 
 class HybridDrafter:
@@ -84,7 +73,7 @@ class HybridDrafter:
             started = time.perf_counter()
             proposal = self.head.propose(session, gamma)
             if proposal.tokens:
-                choice.head_ms = _decay(choice.head_ms, (time.perf_counter() - started) * 1e3)
+                choice.head_ms.add((time.perf_counter() - started) * 1e3)
         if proposal is None or not proposal.tokens:
             proposal = Proposal(drafts, "ngram" if drafts else "")
         source = "self" if proposal.source == "self" else key
@@ -93,9 +82,10 @@ class HybridDrafter:
 
     def _head_cost(self, choice: _Choice, gamma: int) -> float:
         """The head's drafting time per round in target steps (the time between rounds less it)."""
-        if choice.head_ms is None or choice.round_ms is None or choice.round_ms <= choice.head_ms:
+        head, round_ = choice.head_ms.value, choice.round_ms.value
+        if head is None or round_ is None or round_ <= head:
             return HEAD_COST * gamma
-        return choice.head_ms / (choice.round_ms - choice.head_ms)
+        return head / (round_ - head)
 
     def end(self, session: SelfSession) -> None:
         self.ngram.end(session)
@@ -107,7 +97,7 @@ def _learn(session: SelfSession) -> _Choice:
     choice: _Choice = session.choice
     now = time.perf_counter()
     if choice.last_call:
-        choice.round_ms = _decay(choice.round_ms, (now - choice.last_call) * 1e3)
+        choice.round_ms.add((now - choice.last_call) * 1e3)
     choice.last_call = now
     if choice.pending is not None:
         source, at, drafts = choice.pending
