@@ -23,6 +23,7 @@ from specsplit.worker import ModelWorker
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 MAX_GAMMA = 64
+MAX_TREE = 64  # draft tokens in a token tree
 
 
 @dataclass
@@ -121,13 +122,17 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if width != entry.session.feature_dim:
                     raise ValueError(f"features of width {width}; drafter {name!r} reads "
                                      f"{f'width {entry.session.feature_dim}' if entry.session.feature_dim else 'none'}")
+            if request.tree_budget > MAX_TREE:
+                raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"tree_budget {request.tree_budget} is not in 0..{MAX_TREE}")
             proposal, draft_ns = _sync_and_propose(entry, request.base_length, list(request.new_token_ids),
-                                                   features, request.gamma)
+                                                   features, request.gamma, request.tree_budget)
         except SessionNotFound:
             raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
         except ValueError as e:
             raise Failure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        response = pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source)
+        response = pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source,
+                                      draft_parents=proposal.parents or [], draft_scores=proposal.scores or [])
         dists = _draft_probs(entry.session, proposal)
         where = entry.segment.write_proposal(dists) if dists and entry.segment is not None else None
         if where is not None:
@@ -176,12 +181,12 @@ def _measure(drafter: Drafter, gamma: int = 4, calls: int = 5) -> int:
 
 
 def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], features,
-                      gamma: int) -> tuple[Proposal, int]:
+                      gamma: int, budget: int = 0) -> tuple[Proposal, int]:
     start = time.perf_counter_ns()
     entry.session.sync(base_length, new_tokens)
     if features is not None:
         entry.session.add_features(*features)
-    proposal = entry.drafter.propose(entry.session, gamma)
+    proposal = entry.drafter.propose(entry.session, gamma, budget)
     return proposal, time.perf_counter_ns() - start
 
 

@@ -25,6 +25,7 @@ class RoundFacts:
     draft_ms: float
     verify_ms: float
     network_ms: float
+    depth: int = 0  # a token tree's longest path; 0: a chain (its depth is drafted)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class Controller:
         for r in stats.rounds:
             if r.drafted:
                 st.accepted.add(r.accepted)
-                st.rejected.add(1.0 if r.accepted < r.drafted else 0.0)
+                st.rejected.add(1.0 if r.accepted < (r.depth or r.drafted) else 0.0)
                 st.tokens_per_round.add(r.accepted + 1)
                 st.draft_ms_per_token.add(r.draft_ms / r.drafted)
                 st.network_on.add(r.network_ms)

@@ -146,7 +146,7 @@ class Instruments:
 
 def outcome(stats: pb.GenerationStats) -> Outcome:
     """A response's stats as the controller reads them."""
-    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms)
+    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth)
                     for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used)
 
 
@@ -155,7 +155,7 @@ def _record(r) -> pb.RoundRecord:
     return pb.RoundRecord(drafted=r.drafted, accepted=r.accepted, draft_ms=r.draft_ns / 1e6,
                           verify_ms=r.verify_ns / 1e6, network_ms=time_.network_ms, gateway_ms=time_.gateway_ms,
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
-                          proposal_bytes=r.proposal_bytes, predrafted=r.predrafted)
+                          proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth)
 
 
 def _prefill_network_ms(request: Request) -> float:
@@ -167,7 +167,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
     plan, drafting = request.plan, request.drafting
     drafted = sum(r.drafted for r in rounds)
     accepted = sum(r.accepted for r in rounds)
-    bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.drafted)
+    bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.depth)
     params, method = wire.sampling(plan.sampling)
     sampled = params.temperature > 0
     end = time.perf_counter_ns()
@@ -185,7 +185,8 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
         speculation_reason=plan.decision.reason if drafting == plan.speculate else "drafter-down",
         shared_memory=request.shm_verify and request.shm_draft and drafting, fast_path=request.fast_path,
-        predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits)
+        predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits,
+        tree_budget=plan.tree_budget if drafting else 0)
 
 
 def _digest(ids: list[int]) -> str:

@@ -17,7 +17,7 @@ from gateway.instruments import Instruments
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
-from specsplit import shm
+from specsplit import shm, tokentree
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
@@ -25,6 +25,7 @@ from specsplit.verify.v1 import verify_pb2 as vpb
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
+ROUND_OVERHEAD_MS = 0.5  # a round's link and gateway work beyond compute, co-located (docs/metrics.md#time)
 _DRAFTER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # AUTO goes on without
 
 
@@ -67,14 +68,18 @@ class RoundLoop:
             t = now()
             proposal = await request.drafter.call(self._propose(request, request.unsent, gamma + plan.predraft))
             draft_call = now() - t
-        drafts, guess, probs, ref, draft_ns, source = [], None, [], None, 0, ""
+        drafts, parents, guess, probs, ref, draft_ns, source = [], [], None, [], None, 0, ""
         if proposal is not None:
             tokens = proposal.draft_token_ids
-            drafts, draft_ns, source = list(tokens[:gamma]), proposal.draft_ns, proposal.source
+            draft_ns, source = proposal.draft_ns, proposal.source
+            if proposal.draft_parents:
+                drafts, parents = self._tree(request, proposal, gamma, (draft_call or draft_ns) / 1e6)
+            else:
+                drafts = list(tokens[:gamma])
             guess = tokens[gamma] if plan.predraft and len(tokens) > gamma else None
             probs, ref = payloads.for_verifier(request, proposal, len(drafts))
         check = vpb.VerifyRequest(session_id=request.session_id, length=request.length, draft_token_ids=drafts,
-                                  draft_probs=probs, draft_probs_shm=ref)
+                                  draft_probs=probs, draft_probs_shm=ref, draft_parents=parents)
         t = now()
         ahead = None
         if guess is not None and plan.max_new_tokens - request.generated - len(drafts) - 1 > 0:
@@ -95,7 +100,8 @@ class RoundLoop:
         if plan.needs_features and request.drafting:
             request.features = payloads.join(request.features, verdict.features if verdict.HasField("features")
                                              else None, request.segment)
-        request.committed = [*drafts[:verdict.num_accepted], verdict.next_token_id]
+        path = verdict.accepted_indices or range(verdict.num_accepted)
+        request.committed = [*(drafts[i] for i in path), verdict.next_token_id]
         if request.ready is not None:  # the drafter already holds these tokens
             request.base, request.unsent = verdict.length, []
         else:
@@ -105,15 +111,28 @@ class RoundLoop:
         end = now()
         request.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
-            source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted))
+            source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
+            max(tokentree.depths(parents)) if parents else len(drafts)))
         return end
+
+    def _tree(self, request: Request, proposal: dpb.ProposeResponse, gamma: int,
+              draft_ms: float) -> tuple[list[int], list[int]]:
+        """A proposed token tree cut to what pays: its best-first prefix whose expected tokens per
+        millisecond are highest at the verifier's measured cost per width (this round's drafting
+        and the link's overhead count too), and to `gamma` deep."""
+        scores = list(proposal.draft_scores)
+        size = tokentree.worth_verifying(scores, list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS) \
+            if len(scores) == len(proposal.draft_token_ids) else None
+        keep, parents = tokentree.prune(list(proposal.draft_parents), gamma, size)
+        tokens = proposal.draft_token_ids
+        return [tokens[i] for i in keep], parents
 
     def _propose(self, request: Request, new_tokens: list[int], gamma: int) -> dpb.ProposeRequest:
         """Tells the drafter what was committed since `request.base` (plus, for a pre-draft, the block
         under verification and the guess after it) and the features it lacks; they count as
         delivered: a Propose that fails fails the request."""
         message = dpb.ProposeRequest(session_id=request.session_id, base_length=request.base,
-                                     new_token_ids=new_tokens, gamma=gamma,
+                                     new_token_ids=new_tokens, gamma=gamma, tree_budget=request.plan.tree_budget,
                                      features=payloads.for_drafter(request, request.features))
         request.features, request.base, request.unsent = None, request.length, []
         return message

@@ -30,6 +30,7 @@ from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 MAX_GAMMA = 32
+MAX_TREE = 64  # draft tokens per round in a token tree (the verifier's MAX_DRAFT)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 ROLES = {"system", "user", "assistant"}
@@ -182,6 +183,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
         if request.gamma > MAX_GAMMA:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
+        if request.tree_budget > MAX_TREE:
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"tree_budget {request.tree_budget} is not in 1..{MAX_TREE} (0: the gateway's default)")
         drafter = request.drafter or b.default_drafter
         if drafter not in b.drafters:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
@@ -194,11 +198,17 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if speculate and problem:
             raise Failure(grpc.StatusCode.FAILED_PRECONDITION, problem)
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
+        tree = request.tree_budget or settings.tree_budget
+        # Trees need a verifier that takes them and a drafter-invariant method at temperature > 0.
+        if tree <= 1 or not speculate or not b.target.tree_verify or (
+                sampling.temperature > 0 and sampling.method == cpb.VERIFY_METHOD_REJECTION):
+            tree = 0
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
-                    decision=decision, predraft=speculate and self._predraft(request, drafter))
+                    decision=decision, tree_budget=tree,
+                    predraft=speculate and not tree and self._predraft(request, drafter))
 
     def _predraft(self, request: pb.GenerateRequest, drafter: str) -> bool:
         """The request's choice, else the gateway's setting; `auto`: the controller's measurement."""

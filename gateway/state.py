@@ -29,6 +29,7 @@ class Plan:
     sampling: cpb.Sampling = field(default_factory=cpb.Sampling)  # temperature 0: greedy
     decision: Decision = Decision(True, 4, "forced")  # the controller's, for this request
     predraft: bool = False  # asynchronous drafting: draft the next block while Verify is in flight
+    tree_budget: int = 0  # most draft tokens per round in a token tree; 0: chains of gamma
 
 
 class Round(NamedTuple):
@@ -45,6 +46,7 @@ class Round(NamedTuple):
     feature_bytes: int
     proposal_bytes: int
     predrafted: bool
+    depth: int  # the draft's longest path (a chain: drafted)
 
 
 @dataclass

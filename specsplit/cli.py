@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--predraft", choices=["auto", "on", "off"], default=ENV("SPECSPLIT_PREDRAFT", "auto"),
                    help="asynchronous drafting (draft the next block while Verify is in flight) for requests that "
                         "do not choose; auto: measured per task type, the faster arm wins (docs/controller.md)")
+    g.add_argument("--tree-budget", type=int, default=int(ENV("SPECSPLIT_TREE_BUDGET", "0")),
+                   help="token trees: most draft tokens per round for requests that do not say (0: chains of gamma); "
+                        "each tree is cut to the part whose expected gain pays for its verify rows")
     g.add_argument("--shm-segment-mib", type=float, default=4.0,
                    help="size of each speculative session's shared-memory segment (feature ring + proposals)")
 
@@ -148,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--spec", action="store_true", help="speculation on (refuse to fall back)")
     gen.add_argument("--drafter", default="")
     gen.add_argument("--gamma", type=int, default=0)
+    gen.add_argument("--tree-budget", type=int, default=0, help="token-tree size per round (0: the gateway's default)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--task-type", default="")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -201,6 +205,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="sampler seed at temperature > 0")
     bench.add_argument("--predraft", choices=["off", "on", "auto"], default="off",
                        help="pre-drafting in spec-on requests (auto: the gateway decides); --topology runs both")
+    bench.add_argument("--tree-budgets", default="",
+                       help="comma-separated token-tree sizes to compare for every drafter, e.g. 1,8 (1: chains; "
+                            "default: the gateway's --tree-budget)")
     bench.add_argument("--methods", default="coupled,rejection",
                        help="verify methods compared at temperature > 0")
     bench.add_argument("--store-tokens", type=int, default=0,
@@ -329,7 +336,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                    max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout,
                                    controller=controller, policy_file=a.policy,
                                    upstream_tls=ClientTLS(a.upstream_ca, a.upstream_cert, a.upstream_key)
-                                   if a.upstream_ca else None, predraft=a.predraft,
+                                   if a.upstream_ca else None, predraft=a.predraft, tree_budget=a.tree_budget,
                                    shm_segment_bytes=int(a.shm_segment_mib * 2**20))
     try:
         asyncio.run(run(settings))
@@ -393,7 +400,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print("no gateway: start one with `specsplit up` or pass --gateway", file=sys.stderr)
         return 2
     request = pb.GenerateRequest(
-        max_new_tokens=a.max_new_tokens, gamma=a.gamma, drafter=a.drafter, task_type=a.task_type,
+        max_new_tokens=a.max_new_tokens, gamma=a.gamma, tree_budget=a.tree_budget, drafter=a.drafter,
+        task_type=a.task_type,
         speculation=pb.SPECULATION_OFF if a.no_spec else pb.SPECULATION_ON if a.spec else pb.SPECULATION_AUTO,
         stop=pb.StopConditions(stop_strings=a.stop),
         sampling=pb.SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,

@@ -152,6 +152,18 @@ class KVBuffer:
         kv[:, :, :self.length] = self.kv[:, :, :self.length]
         self.kv = kv
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """After a token-tree call that wrote slots [start, length): keep the rows `rows` (one path,
+        ascending) at positions start, start + 1, ... and drop the rest, so the cache again holds one
+        sequence by position."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or start + rows[-1] >= self.length)):
+            raise ValueError(f"rows {rows} are not an ascending path inside the {self.length - start} written")
+        moved = [i for i, r in enumerate(rows) if r != i]
+        if moved:  # rows[i] >= i: ascending copies never overwrite a slot still to be read
+            src = torch.tensor([start + rows[i] for i in moved])
+            self.kv[:, :, torch.tensor(moved) + start] = self.kv[:, :, src]
+        self.length = start + len(rows)
+
 
 class FastSequence:
     """One sequence's KV cache on the native forward (a KVBuffer accounted in the model's pool)."""
@@ -171,26 +183,34 @@ class FastSequence:
     def truncate(self, length: int) -> None:
         self._buffer.truncate(length)
 
-    def _run(self, token_ids: list[int], head: int):
+    def keep(self, start: int, rows: list[int]) -> None:
+        self._buffer.keep(start, rows)
+
+    def _run(self, token_ids: list[int], head: int, parents: list[int] | None = None):
         buffer = self._buffer
         start = buffer.length
         buffer.reserve(start + len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long)
-        logits, hidden = self._lm.decoder.forward(ids, buffer.kv, start, head)
+        tree = torch.tensor(parents if parents is not None else [], dtype=torch.long)
+        logits, hidden = self._lm.decoder.forward(ids, buffer.kv, start, head, tree)
         buffer.length = start + len(token_ids)
         return logits, hidden
 
-    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: list[int], last_only: bool = False,
+                parents: list[int] | None = None) -> torch.Tensor:
         """Append `token_ids` at positions [length, length+n) and return float32 logits
-        [n, vocab] (or [1, vocab] with last_only)."""
-        return self._run(token_ids, 1 if last_only else 2)[0]
+        [n, vocab] (or [1, vocab] with last_only). parents: a token tree (row -> earlier row,
+        -1: child of the cached prefix); row r then sits at its depth and sees only its path, and
+        `keep` afterwards keeps one path."""
+        return self._run(token_ids, 1 if last_only else 2, parents)[0]
 
     def hidden(self, token_ids: list[int]) -> torch.Tensor:
         """Append `token_ids` and return their features (final-norm hidden states) [n, hidden]."""
         return self._run(token_ids, 0)[1]
 
-    def forward_with_features(self, token_ids: list[int], last_only: bool = False):
-        return self._run(token_ids, 1 if last_only else 2)
+    def forward_with_features(self, token_ids: list[int], last_only: bool = False,
+                              parents: list[int] | None = None):
+        return self._run(token_ids, 1 if last_only else 2, parents)
 
 
 def _give_back(pool: KVPool, held: list[int]) -> None:

@@ -270,14 +270,26 @@ class NativeHead:
     @torch.inference_mode()
     def step(self, cache, features: torch.Tensor, next_tokens: list[int]):
         """As head_step, plus the draft logits of the last row: (predicted features [n, d], logits [draft_vocab])."""
+        hidden, logits = self._run(cache, features, next_tokens, 1, None)
+        return hidden, logits[0]
+
+    @torch.inference_mode()
+    def tree_step(self, cache, features: torch.Tensor, next_tokens: list[int], parents: list[int]):
+        """One step over several rows of a draft tree (parents as in FastSequence.forward):
+        (predicted features [n, d], draft logits [n, draft_vocab]), each row as if its path alone
+        had been fed."""
+        return self._run(cache, features, next_tokens, 2, parents)
+
+    def _run(self, cache, features, next_tokens, head_rows, parents):
         tokens = torch.tensor(next_tokens, dtype=torch.long)
         head = self.head
         x = head.fc(torch.cat([features.float(), head.embed[tokens].float()], dim=-1))  # [n, d]
         start = cache.length
         cache.reserve(start + len(next_tokens))
-        logits, hidden = self.decoder.forward_rows(x, cache.kv, start, 1)
+        tree = torch.tensor(parents if parents is not None else [], dtype=torch.long)
+        logits, hidden = self.decoder.forward_rows(x, cache.kv, start, head_rows, tree)
         cache.length = start + len(next_tokens)
-        return hidden, logits[0]
+        return hidden, logits
 
 
 class TorchHead:

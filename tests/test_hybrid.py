@@ -18,7 +18,7 @@ class Head:
     def start(self, prompt):
         return DraftSession(prompt)
 
-    def propose(self, session, gamma):
+    def propose(self, session, gamma, budget=0):
         return Proposal(self.answer[:gamma], "self" if self.answer else "")
 
 

@@ -1,6 +1,8 @@
 """Speculative sampling through the real services is lossless: continuations sampled with
-speculation (rejection and coupled verification, a model drafter whose q differs from p) follow the
-target's own distribution, and a deliberately broken variant of each method does not.
+speculation (rejection and coupled verification of chains, coupled verification of token trees, a
+model drafter whose q differs from p) follow the target's own distribution, and a deliberately
+broken variant of each method does not. (Rejection sampling verifies chains only: the gateway
+never sends it a tree.)
 
 The reference is computed here, independently of the project's sampling code: the target's
 logits from transformers, then temperature, top-k and top-p written out in plain Python. The
@@ -29,6 +31,7 @@ PROMPT = "Once upon a time"
 NEW = 4  # the first token comes from prefill; the next three from one or two draft/verify rounds
 TEMPERATURE, TOP_K, TOP_P = 1.5, 2, 0.95
 SAMPLES = 2400
+TREE = 6  # drafts per round in the token-tree configurations (a chain of 3 and its runners-up)
 ALPHA = 1e-3  # false-alarm rate of the decision rule, per configuration
 
 
@@ -107,16 +110,23 @@ def broken_rejection_accept(probs, draft, proposals, seed, start):
     return len(draft), sample(probs[len(draft)], seed, start + len(draft), RESAMPLE), "bonus"
 
 
-def broken_coupled_accept(probs, draft, seed, start):
+
+def broken_coupled_accept(probs, draft, seed, start, parents=None):
     """Coupled verification with a plausible mistake: a draft token the target could have chosen
     (p > 0) is accepted, instead of only the one its (seed, position) noise chooses."""
-    accepted = 0
-    while accepted < len(draft) and float(probs[accepted, draft[accepted]]) > 0:
-        accepted += 1
-    return accepted, coupled_choice(probs[accepted], seed, start + accepted)
+    parents = list(range(-1, len(draft) - 1)) if parents is None else parents
+    path, row = [], 0
+    while True:
+        nxt = next((i for i, parent in enumerate(parents) if parent + 1 == row and float(probs[row][draft[i]]) > 0),
+                   None)
+        if nxt is None:
+            return path, coupled_choice(probs[row], seed, start + len(path))
+        path.append(nxt)
+        row = nxt + 1
 
 
-async def continuations(gw, method: int, speculation: int) -> tuple[Counter, int]:
+async def continuations(gw, method: int, speculation: int, tree: int = 1) -> tuple[Counter, int]:
+    """tree: token trees of that many drafts (1: chains); `drafted` then counts tree rounds."""
     counts: Counter = Counter()
     drafted = 0
 
@@ -124,12 +134,13 @@ async def continuations(gw, method: int, speculation: int) -> tuple[Counter, int
         nonlocal drafted
         response = await gw.Generate(pb.GenerateRequest(
             text=PROMPT, max_new_tokens=NEW, stop=pb.StopConditions(ignore_eos=True), speculation=speculation,
-            drafter="model", gamma=3,
+            drafter="model", gamma=3, tree_budget=tree,
             sampling=pb.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed,
                                        method=method)))
         assert len(response.token_ids) == NEW
         counts[tuple(response.token_ids[1:])] += 1
-        drafted += response.stats.drafted_tokens
+        records = response.stats.round_records
+        drafted += sum(r.drafted > r.depth for r in records) if tree > 1 else response.stats.drafted_tokens
 
     for first in range(0, SAMPLES, 48):
         await asyncio.gather(*(one(seed) for seed in range(first, min(first + 48, SAMPLES))))
@@ -148,25 +159,28 @@ async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not
     async with running_stack(tmp_path, "unix", models["target"], models["draft"], "float32") as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
-            for name, method, speculation in (("off", coupled, pb.SPECULATION_OFF),
-                                              ("rejection", rejection, pb.SPECULATION_ON),
-                                              ("coupled", coupled, pb.SPECULATION_ON)):
-                counts, drafted = await continuations(gw, method, speculation)
+            for name, method, speculation, tree in (("off", coupled, pb.SPECULATION_OFF, 1),
+                                                    ("rejection", rejection, pb.SPECULATION_ON, 1),
+                                                    ("coupled", coupled, pb.SPECULATION_ON, 1),
+                                                    ("coupled tree", coupled, pb.SPECULATION_ON, TREE)):
+                counts, drafted = await continuations(gw, method, speculation, tree)
                 tv[name] = total_variation(counts, exact)
-                assert drafted >= (SAMPLES if speculation == pb.SPECULATION_ON else 0)
-            for name, method, attr, broken in (("broken rejection", rejection, "rejection_accept",
-                                                broken_rejection_accept),
-                                               ("broken coupled", coupled, "coupled_accept", broken_coupled_accept)):
+                # Chains: every round drafted; trees: many rounds verified more than one branch.
+                assert drafted >= (0 if speculation == pb.SPECULATION_OFF else SAMPLES // 2 if tree > 1 else SAMPLES)
+            for name, method, attr, broken, tree in (
+                    ("broken rejection", rejection, "rejection_accept", broken_rejection_accept, 1),
+                    ("broken coupled", coupled, "coupled_accept", broken_coupled_accept, 1),
+                    ("broken coupled tree", coupled, "coupled_accept", broken_coupled_accept, TREE)):
                 with monkeypatch.context() as m:
                     m.setattr(engine, attr, broken)
-                    counts, _ = await continuations(gw, method, pb.SPECULATION_ON)
+                    counts, _ = await continuations(gw, method, pb.SPECULATION_ON, tree)
                 tv[name] = total_variation(counts, exact)
     print(f"\n{SAMPLES} continuations per configuration over {len(exact)} outcomes; at a false-alarm rate of "
           f"{ALPHA} the test flags a total variation above {threshold:.3f} and catches an error of {detects:.3f} "
           f"or more with probability >= 0.95; measured: " + ", ".join(f"{k} {v:.3f}" for k, v in tv.items()))
     # spec-off is the control: it also checks the services' warp and sampler against this reference.
-    for name in ("off", "rejection", "coupled"):
+    for name in ("off", "rejection", "coupled", "coupled tree"):
         assert tv[name] <= threshold, tv
-    for name in ("broken rejection", "broken coupled"):
+    for name in ("broken rejection", "broken coupled", "broken coupled tree"):
         assert tv[name] > threshold, tv
     assert detects < 0.06  # the test is at least this sharp (the old one: ~0.07)

@@ -102,9 +102,13 @@ def test_coupled_choice_samples_p_and_ignores_the_draft():
         # The committed text is the target's own choices whatever was drafted.
         alone = [coupled_choice(p, seed, 5 + i) for i in range(4)]
         for draft in ([0, 0, 0], alone[:3], [alone[0], 3 - alone[1], alone[2]]):
-            accepted, nxt = coupled_accept(probs, draft, seed, 5)
-            assert draft[:accepted] + [nxt] == alone[:accepted + 1]
-        assert coupled_accept(probs, alone[:3], seed, 5) == (3, alone[3])
+            path, nxt = coupled_accept(probs, draft, seed, 5)
+            assert [draft[i] for i in path] + [nxt] == alone[:len(path) + 1]
+        assert coupled_accept(probs, alone[:3], seed, 5) == ([0, 1, 2], alone[3])
+        # A tree: two first guesses, each with a child; the walk takes the target's own choices.
+        tree = [3 - alone[0], alone[0], alone[1], 3 - alone[1]]
+        path, nxt = coupled_accept(torch.stack([p] * 5), tree, seed, 5, [-1, -1, 1, 1])
+        assert (path, nxt) == ([1, 2], alone[2])
 
 
 def test_greedy_is_the_zero_temperature_case_of_coupled():

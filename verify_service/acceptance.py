@@ -7,31 +7,51 @@ import torch
 from specsplit.sampling import ACCEPT, coupled_choice, sample, uniform
 
 
-def greedy_accept(logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
-    """logits: [k+1, vocab] target logits at the k+1 positions after the committed prefix
-    (row i predicts the token after draft[:i]); draft: k proposed tokens.
+def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | None = None) -> tuple[list[int], int]:
+    """logits: [k+1, vocab] target logits of the call's rows (row 0: the last committed token,
+    row i + 1: draft[i]); draft: k proposed tokens, a chain or a tree (see tree_accept).
 
-    Returns (num_accepted, next_token): the longest prefix of the draft that equals the target's
-    own argmax choices, and the target's choice right after it — the recovered token at the first
-    mismatch, or the bonus token when every draft token was accepted.
+    Returns (accepted draft indices, next_token): the longest path of the draft that equals the
+    target's own argmax choices, and the target's choice right after it — the recovered token at
+    the first mismatch, or the bonus token when the path ends in a leaf.
     """
-    return _match(logits.argmax(dim=-1).tolist(), draft)
+    choices = logits.argmax(dim=-1).tolist()
+    return tree_accept(lambda row, depth: choices[row], draft, parents)
 
 
-def _match(choices: list[int], draft: list[int]) -> tuple[int, int]:
-    """The target's own choices at the k+1 positions -> (drafts accepted, the choice after them)."""
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == choices[accepted]:
-        accepted += 1
-    return accepted, choices[accepted]
+def coupled_accept(probs, draft: list[int], seed: int, start: int,
+                   parents: list[int] | None = None) -> tuple[list[int], int]:
+    """Drafter-invariant verification: probs[row] is the target's warped distribution after that
+    row's path, row 0 at absolute position `start`, a row at depth d at start + d. The target's
+    token at each position is its Gumbel-max choice under the (seed, position) noise; drafts are
+    accepted while they equal those choices. The text is a function of the seed and the target
+    alone: the same as without speculation, whatever was drafted (a chain or a tree)."""
+    return tree_accept(lambda row, depth: coupled_choice(probs[row], seed, start + depth), draft, parents)
 
 
-def coupled_accept(probs: torch.Tensor, draft: list[int], seed: int, start: int) -> tuple[int, int]:
-    """Drafter-invariant verification: probs [k+1, V] are the target's warped distributions at
-    absolute positions start..start+k. The target's token at each position is its Gumbel-max
-    choice under the (seed, position) noise; drafts are accepted while they equal those choices.
-    The text is a function of the seed and the target alone: the same as without speculation."""
-    return _match([coupled_choice(probs[i], seed, start + i) for i in range(len(draft) + 1)], draft)
+def chain(size: int) -> list[int]:
+    """The parents of a chain of `size` drafts."""
+    return list(range(-1, size - 1))
+
+
+def tree_accept(choice, draft: list[int], parents: list[int] | None) -> tuple[list[int], int]:
+    """Walks a token tree. Row 0 of the call is the last committed token, row i + 1 is draft[i],
+    whose parent is row parents[i] + 1 (row 0 when parents[i] is -1; parents None: a chain);
+    choice(row, depth) is the target's own token after that row's path. From the root, follow the
+    child equal to the target's choice while there is one. Returns (the accepted draft indices,
+    root to leaf; the target's choice after them)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(chain(len(draft)) if parents is None else parents):
+        children.setdefault(parent + 1, []).append(i)
+    path: list[int] = []
+    row = 0
+    while True:
+        token = choice(row, len(path))
+        nxt = next((i for i in children.get(row, ()) if draft[i] == token), None)
+        if nxt is None:
+            return path, token
+        path.append(nxt)
+        row = nxt + 1
 
 
 def rejection_accept(probs: torch.Tensor, draft: list[int], proposals: list[tuple[torch.Tensor, torch.Tensor]],

@@ -43,6 +43,30 @@ class VerifyResult:
     forward_ns: int
     # With features: [num_accepted + 1, hidden] for positions [length_before - 1, length - 1).
     features: torch.Tensor | None = None
+    # The accepted draft indices in order (a tree's path; 0..num_accepted-1 for a chain).
+    path: tuple[int, ...] = ()
+
+
+def check_tree(parents: list[int], size: int) -> None:
+    """A token tree as the wire carries it: one parent per draft token, an earlier index or -1."""
+    if len(parents) != size:
+        raise ValueError(f"draft_parents has {len(parents)} entries for {size} draft tokens")
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"draft_parents[{i}] = {parent}: a parent must be an earlier draft index or -1")
+
+
+class _Warped:
+    """The warped distribution of a row of logits, computed when a verification reads it (a
+    tree's walk reads only the rows on its path)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams):
+        self._logits, self._params, self._rows = logits, params, {}
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self._rows:
+            self._rows[row] = warp(self._logits[row:row + 1], self._params)[0]
+        return self._rows[row]
 
 
 class Target:
@@ -51,6 +75,9 @@ class Target:
     def __init__(self, lm: LoadedModel, new_sequence=None):
         self.lm = lm
         self._new_sequence = new_sequence or (lambda: KVSequence(lm.model))  # a session's cache
+        # Token trees need a forward that takes a tree mask and a cache that keeps one path (the
+        # native kernels); transformers' forward here verifies chains.
+        self.verifies_trees = hasattr(self._new_sequence(), "keep")
 
     def prefill(self, prompt: list[int], with_features: bool = False, sampling: SamplingParams = SamplingParams(),
                 method: str = "coupled") -> tuple[TargetSession, VerifyResult]:
@@ -64,54 +91,79 @@ class Target:
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, method=method)
         logits, features = self._forward(session, prompt, last_only=True)  # [1, vocab]
-        _, first = self._decide(session, logits, [], [], len(prompt))
+        _, first = self._decide(session, logits, [], [], len(prompt), None)
         session.tokens.append(first)
         return session, VerifyResult(0, first, len(session.tokens), time.perf_counter_ns() - start, features)
 
     def verify(self, session: TargetSession, length: int, draft: list[int],
-               proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> VerifyResult:
+               proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               parents: list[int] | None = None) -> VerifyResult:
         """proposals: for rejection sampling, the sparse distribution (ids, probs) each draft token
-        was sampled from."""
+        was sampled from. parents: the draft is a token tree (draft[i]'s parent is draft[parents[i]],
+        -1: the last committed token); None or a chain's parents: a chain."""
         if length != len(session.tokens):
             raise LengthMismatch(f"session has {len(session.tokens)} committed tokens, request says {length}")
         vocab = self.lm.vocab_size
         bad = [t for t in draft if t >= vocab]
         if bad:
             raise ValueError(f"draft token ids {bad[:4]} out of range for vocab size {vocab}")
+        if parents is not None:
+            check_tree(parents, len(draft))
+            if all(p == i - 1 for i, p in enumerate(parents)):
+                parents = None  # a chain
         proposals = proposals or []
         if self._rejects(session):
+            if parents is not None:
+                raise ValueError("rejection sampling verifies a chain of drafts, not a tree: "
+                                 "use the coupled method for token trees")
             self._check_proposals(draft, proposals)
-        self._check_room(length + len(draft) + 1)
+        if parents is not None and not hasattr(session.kv, "keep"):
+            raise ValueError("this target runs on transformers' forward, which verifies chains only "
+                             "(Info.tree_verify is false): send no draft_parents")
+        depth = self._depths(parents) if parents is not None else len(draft)
+        self._check_room(length + depth + 1)
         start = time.perf_counter_ns()
-        # Feed the last committed token and the draft: row i of the logits predicts draft[i].
-        logits, features = self._forward(session, [session.tokens[-1], *draft])  # [k+1, vocab]
+        # Feed the last committed token and the draft: row i of the logits follows the path to
+        # draft[i - 1] (a chain: predicts draft[i]).
+        rows = None if parents is None else [-1, *(p + 1 for p in parents)]
+        logits, features = self._forward(session, [session.tokens[-1], *draft], rows)  # [k+1, vocab]
         try:
-            accepted, next_token = self._decide(session, logits, draft, proposals, length)
+            path, next_token = self._decide(session, logits, draft, proposals, length, parents)
         except BaseException:
             session.kv.truncate(length - 1)  # a refused call leaves the session as it was
             raise
-        # Roll back by position: keep the cache for the committed prefix plus accepted drafts.
-        session.kv.truncate(length + accepted)
-        session.tokens += [*draft[:accepted], next_token]
+        # Roll back by position: keep the cache for the committed prefix plus the accepted path.
+        if rows is None:
+            session.kv.truncate(length + len(path))
+        else:
+            session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
+        session.tokens += [*(draft[i] for i in path), next_token]
         if features is not None:
-            features = features[:accepted + 1]
-        return VerifyResult(accepted, next_token, len(session.tokens), time.perf_counter_ns() - start, features)
+            features = features[[0, *(i + 1 for i in path)]]
+        return VerifyResult(len(path), next_token, len(session.tokens), time.perf_counter_ns() - start, features,
+                            tuple(path))
+
+    @staticmethod
+    def _depths(parents: list[int]) -> int:
+        depth: list[int] = []
+        for parent in parents:
+            depth.append(depth[parent] + 1 if parent >= 0 else 1)
+        return max(depth, default=0)
 
     @staticmethod
     def _rejects(session: TargetSession) -> bool:
         return session.sampling.temperature > 0 and session.method == "rejection"
 
     def _decide(self, session: TargetSession, logits: torch.Tensor, draft: list[int],
-                proposals: list, start: int) -> tuple[int, int]:
-        """logits [k+1, vocab] for absolute positions start..start+k -> (accepted, next token)."""
+                proposals: list, start: int, parents: list[int] | None) -> tuple[list[int], int]:
+        """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token)."""
         params = session.sampling
         if params.temperature == 0:
-            return greedy_accept(logits, draft)
-        probs = warp(logits, params)
+            return greedy_accept(logits, draft, parents)
         if session.method == "coupled":
-            return coupled_accept(probs, draft, params.seed, start)
-        accepted, token, _ = rejection_accept(probs, draft, proposals, params.seed, start)
-        return accepted, token
+            return coupled_accept(_Warped(logits, params), draft, params.seed, start, parents)
+        accepted, token, _ = rejection_accept(warp(logits, params), draft, proposals, params.seed, start)
+        return list(range(accepted)), token
 
     def _check_proposals(self, draft: list[int], proposals: list) -> None:
         if len(proposals) != len(draft):
@@ -124,10 +176,11 @@ class Target:
                 raise ValueError(f"draft token {token} has probability 0 in its proposal")
 
     @staticmethod
-    def _forward(session: TargetSession, ids: list[int], last_only: bool = False):
+    def _forward(session: TargetSession, ids: list[int], parents: list[int] | None = None, last_only: bool = False):
+        tree = {} if parents is None else {"parents": parents}
         if session.with_features:
-            return session.kv.forward_with_features(ids, last_only=last_only)
-        return session.kv.forward(ids, last_only=last_only), None
+            return session.kv.forward_with_features(ids, last_only=last_only, **tree)
+        return session.kv.forward(ids, last_only=last_only, **tree), None
 
     def _check_room(self, needed: int) -> None:
         if needed > self.lm.max_context:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import statistics
+import time
 
 import grpc
 import torch
@@ -22,9 +25,13 @@ from verify_service.engine import ContextFull, LengthMismatch, Target, TargetSes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MAX_DRAFT = 64
+WARMUP_ROWS = 17  # Info.forward_ms_by_rows covers verifies of 0..16 draft tokens
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
+    forward_ms_by_rows: list[float] = []  # set by warmup
+    _warming: asyncio.Future | None = None
+
     def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker,
                  shared_memory: bool = True, target: Target | None = None):
         self._lm = lm
@@ -35,13 +42,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.rounds = Rounds(worker, self.verify, pb.VerifyRequest, lambda response: response.forward_ns)
 
     async def Info(self, request, context):
+        if self._warming is not None:  # the costs by width are known once warmup has measured them
+            await asyncio.shield(self._warming)
         lm = self._lm
         return pb.InfoResponse(
             model_id=lm.model_id, vocab_size=lm.vocab_size, tokenizer_fingerprint=lm.fingerprint,
             max_context=lm.max_context, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
             exact=lm.exact, eos_token_ids=lm.eos_token_ids, active_sessions=len(self._sessions),
             max_sessions=self._sessions.max_sessions, param_bytes=lm.param_bytes,
-            model_fingerprint=lm.model_fingerprint, hidden_size=lm.hidden_size)
+            model_fingerprint=lm.model_fingerprint, hidden_size=lm.hidden_size,
+            tree_verify=self._target.verifies_trees, forward_ms_by_rows=self.forward_ms_by_rows)
 
     async def Prefill(self, request, context):
         if not request.session_id:
@@ -100,7 +110,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 dists = [cpb.SparseProbs(token_ids=ids, probs=probs)
                          for ids, probs in session.segment.read_proposal(ref.offset, ref.length)]
             proposals = [sparse_from(d) for d in dists]
-            result = self._target.verify(session, request.length, list(request.draft_token_ids), proposals)
+            result = self._target.verify(session, request.length, list(request.draft_token_ids), proposals,
+                                         list(request.draft_parents) or None)
         except SessionNotFound:
             raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
         except LengthMismatch as e:
@@ -113,7 +124,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
-                                 features=_features(result, request.length - 1, session.segment))
+                                 features=_features(result, request.length - 1, session.segment),
+                                 accepted_indices=result.path)
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -126,9 +138,26 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.ReleaseResponse(released=session is not None)
 
     async def warmup(self) -> None:
-        """One prefill and one 4-token verify, so the first request does not pay for lazy init."""
-        session, result = await self._worker.run(self._target.prefill, [first_id(self._lm)] * 8)
-        await self._worker.run(self._target.verify, session, len(session.tokens), [result.next_token] * 4)
+        """A prefill and verifies of every width up to WARMUP_ROWS, so the first request does not pay
+        for lazy init, and Info can say what each width costs (the median of three)."""
+        self._warming = asyncio.ensure_future(self._worker.run(self._measure_rows))
+        self.forward_ms_by_rows = await self._warming
+
+    def _measure_rows(self) -> list[float]:
+        target = self._target
+        session, result = target.prefill([first_id(self._lm)] * 32)
+        costs = []
+        for k in range(WARMUP_ROWS):
+            times = []
+            for _ in range(3):
+                length = len(session.tokens)
+                started = time.perf_counter_ns()
+                target.verify(session, length, [result.next_token] * k)
+                times.append((time.perf_counter_ns() - started) / 1e6)
+                session.kv.truncate(length - 1)
+                del session.tokens[length:]
+            costs.append(statistics.median(times))
+        return costs
 
 
 def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:

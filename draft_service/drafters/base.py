@@ -8,6 +8,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from specsplit.sampling import DRAFT, SamplingParams, gumbel, sample, warp
+from specsplit.tokentree import Tree
 
 GREEDY = SamplingParams()
 
@@ -31,12 +32,38 @@ class Proposal(NamedTuple):
     # Rejection sampling: the sparse distribution (ids, probs) each token was sampled from.
     # None: the tokens are a deterministic function of the context (a point mass each).
     probs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # A token tree (specsplit.tokentree): each token's parent index (-1: the committed tokens) and
+    # the drafter's estimate that the target follows the path to it, best first. None: a chain.
+    parents: list[int] | None = None
+    scores: list[float] | None = None
+
+
+def tree_proposal(tree: Tree, budget: int, depth: int, source: str) -> Proposal:
+    """The best `budget` nodes of `tree`, at most `depth` deep."""
+    tokens, parents, scores, _ = tree.select(budget, depth)
+    return Proposal(tokens, source if tokens else "", None, parents, scores)
 
 
 class Choice(NamedTuple):
     token: int
     top_prob: float  # the drafter's highest probability at this step, known before choosing
     q: tuple[torch.Tensor, torch.Tensor] | None  # rejection sampling: (ids, probs) the token was drawn from
+    prob: float = 1.0  # the drafter's probability of `token`
+    # The drafter's next-best token and its probability (greedy: second-largest q; coupled: the
+    # second-largest log q + noise): a token tree's sibling of `token`.
+    runner_up: tuple[int, float] | None = None
+
+
+def chain_tree(choices: list[Choice], budget: int, source: str) -> Proposal:
+    """A drafted chain with each step's runner-up as a sibling leaf, scored by the drafter's own
+    probabilities along the path; the best `budget` nodes."""
+    tree, parent, score = Tree(), -1, 1.0
+    for choice in choices:
+        if choice.runner_up is not None:
+            tree.add(parent, choice.runner_up[0], score * choice.runner_up[1])
+        score *= choice.prob
+        parent = tree.add(parent, choice.token, score)
+    return tree_proposal(tree, budget, len(choices), source)
 
 
 class DraftSession:
@@ -66,6 +93,11 @@ class DraftSession:
         raise ValueError("this drafter does not read target features")
 
     @property
+    def method_drafts_trees(self) -> bool:
+        """Token trees are verified greedily or coupled; rejection sampling verifies chains."""
+        return self.sampling.temperature == 0 or self.method == "coupled"
+
+    @property
     def output(self) -> list[int]:
         """The committed tokens after the prompt."""
         return self.tokens[self.prompt_len:]
@@ -83,14 +115,22 @@ def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None
     drafted token distributed as its q (stopping on the drawn token's own probability would not)."""
     params = session.sampling
     probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
-    top_prob, k = probs.max(-1)
+    top_prob = probs.max(-1).values
     position = len(session.tokens) + session.drafting
     q = None
+    ranked = probs
     if params.temperature > 0 and session.method == "coupled":
         noise = gumbel(params.seed, position, vocab)
         noise = noise if ids is None else noise[ids.cpu()]
-        k = (probs.log() + noise.to(probs.device)).argmax()
-    elif params.temperature > 0:
+        ranked = probs.log() + noise.to(probs.device)
+    two = ranked.topk(min(2, ranked.shape[-1]))
+    k = two.indices[0]
+    runner_up = None
+    if len(two.indices) > 1 and float(probs[two.indices[1]]) > 0:
+        second = int(two.indices[1])
+        runner_up = (second if ids is None else int(ids[second]), float(probs[second]))
+    if params.temperature > 0 and session.method == "rejection":
+        runner_up = None
         cut = probs.topk(min(session.proposal_top_k, probs.shape[-1]))
         keep = cut.values > 0
         local, values = cut.indices[keep], cut.values[keep]
@@ -99,7 +139,7 @@ def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None
         k = local[j]
         q = ((local if ids is None else ids[local]).cpu(), values)
     k = int(k)
-    return Choice(k if ids is None else int(ids[k]), float(top_prob), q)
+    return Choice(k if ids is None else int(ids[k]), float(top_prob), q, float(probs[k]), runner_up)
 
 
 def sampled_from(choices: list[Choice]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -114,8 +154,9 @@ class Drafter(Protocol):
     def start(self, prompt: list[int]) -> DraftSession:
         """A new session holding the prompt. Cheap: model work waits for the first propose."""
 
-    def propose(self, session: DraftSession, gamma: int) -> Proposal:
-        """Up to `gamma` tokens continuing session.tokens; fewer or none when it has no guess."""
+    def propose(self, session: DraftSession, gamma: int, budget: int = 0) -> Proposal:
+        """Up to `gamma` tokens continuing session.tokens; fewer or none when it has no guess. With
+        budget > 1, a token tree of up to `budget` tokens, `gamma` deep (or still a chain)."""
 
     def end(self, session: DraftSession) -> None:
         """The session is over (its output may be remembered, e.g. by a retrieval store)."""

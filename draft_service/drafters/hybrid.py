@@ -35,7 +35,8 @@ class _Choice:
         # Priors in the old order: long match (1.5) > head (1.0) > short match (0.4).
         self.means = {n: _prior(1.5 if n >= min_match else 0.4) for n in (1, 2, 3)}
         self.means["self"] = _prior(1.0)
-        self.pending: tuple[object, int, list[int]] | None = None  # (source, position, drafts) last round
+        # Last round's drafts: (position, tokens, parents or None for a chain, each token's source).
+        self.pending: tuple[int, list[int], list[int] | None, list[object]] | None = None
         self.head_ms = Ewma(DECAY)  # the head's drafting time per round
         self.round_ms = Ewma(DECAY)  # the time between Proposes (a round)
         self.last_call = 0.0
@@ -60,7 +61,7 @@ class HybridDrafter:
         session.choice = _Choice(self.min_match)
         return session
 
-    def propose(self, session: SelfSession, gamma: int) -> Proposal:
+    def propose(self, session: SelfSession, gamma: int, budget: int = 0) -> Proposal:
         choice = _learn(session)
         drafts, n = self.ngram.match(session.tokens, gamma)
         key = min(n, 3)
@@ -71,14 +72,36 @@ class HybridDrafter:
         proposal = None
         if head_value > match_value:
             started = time.perf_counter()
-            proposal = self.head.propose(session, gamma)
+            proposal = self.head.propose(session, gamma, budget)
             if proposal.tokens:
                 choice.head_ms.add((time.perf_counter() - started) * 1e3)
+        if budget > 1 and session.method_drafts_trees:
+            return self._tree(session, choice, proposal, gamma, budget)
         if proposal is None or not proposal.tokens:
             proposal = Proposal(drafts, "ngram" if drafts else "")
         source = "self" if proposal.source == "self" else key
-        choice.pending = (source, len(session.tokens), list(proposal.tokens)) if proposal.tokens else None
+        choice.pending = (len(session.tokens), list(proposal.tokens), None, [source] * len(proposal.tokens))
         return proposal
+
+    def _tree(self, session: SelfSession, choice: _Choice, head: Proposal | None, gamma: int,
+              budget: int) -> Proposal:
+        """The union of the retrieval tree (scored with this session's learnt reliability per match
+        length) and the head's tree when it ran, cut to the best `budget` nodes."""
+        # A source's mean accepted per round m as a per-token chance r (a geometric run: m = r / (1 - r)).
+        reliability = {k: m.value / (1 + m.value) for k, m in choice.means.items() if k != "self"}
+        tree, n = self.ngram.tree(session.tokens, gamma, reliability=reliability)
+        if head is not None and head.tokens:
+            nodes: list[int] = []
+            for token, parent, score in zip(head.tokens, head.parents or range(-1, len(head.tokens) - 1),
+                                            head.scores or [1.0] * len(head.tokens)):
+                nodes.append(tree.add(nodes[parent] if parent >= 0 else -1, token, score, "self"))
+        key = min(n, 3)
+        tokens, parents, scores, sources = tree.select(budget, gamma)
+        sources = ["self" if s == "self" else key for s in sources]
+        choice.pending = (len(session.tokens), tokens, parents, sources) if tokens else None
+        names = {"self" if s == "self" else "ngram" for s in sources}
+        source = "+".join(sorted(names)) if names else ""
+        return Proposal(tokens, source, None, parents, scores)
 
     def _head_cost(self, choice: _Choice, gamma: int) -> float:
         """The head's drafting time per round in target steps (the time between rounds less it)."""
@@ -100,12 +123,29 @@ def _learn(session: SelfSession) -> _Choice:
         choice.round_ms.add((now - choice.last_call) * 1e3)
     choice.last_call = now
     if choice.pending is not None:
-        source, at, drafts = choice.pending
+        at, drafts, parents, sources = choice.pending
         kept = session.tokens[at:]
         if len(kept) <= len(drafts) + 1:  # exactly one round committed (not a pre-draft's assumption)
-            accepted = 0
-            while accepted < min(len(drafts), len(kept)) and kept[accepted] == drafts[accepted]:
-                accepted += 1
-            choice.means[source].add(accepted)
+            # Each source that drafted a first token learns how far the accepted path ran on its nodes.
+            path = _accepted_path(drafts, parents, kept)
+            for source in {s for s, p in zip(sources, parents or [-1] + list(range(len(drafts) - 1))) if p == -1}:
+                run = 0
+                while run < len(path) and sources[path[run]] == source:
+                    run += 1
+                choice.means[source].add(run)
         choice.pending = None
     return choice
+
+
+def _accepted_path(drafts: list[int], parents: list[int] | None, kept: list[int]) -> list[int]:
+    """The draft indices the committed tokens `kept` followed (a chain when parents is None)."""
+    parents = parents if parents is not None else list(range(-1, len(drafts) - 1))
+    path: list[int] = []
+    at = -1
+    for token in kept:
+        nxt = next((i for i, p in enumerate(parents) if p == at and drafts[i] == token), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        at = nxt
+    return path

@@ -7,9 +7,15 @@ import threading
 from array import array
 from collections import deque
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, tree_proposal
+from specsplit.tokentree import Tree
 
 _WIDTH = 4  # bytes per token id in the search buffers
+OCCURRENCES = 8  # earlier occurrences of the matched suffix a token tree is built from
+# How often the target follows a copied continuation, per token, by the length of the match it
+# came from (1, 2, 3+ tokens; a long match in the store of earlier outputs as 3+): a prior that
+# scores tree nodes (the hybrid learns its own).
+RELIABILITY = {1: 0.35, 2: 0.6, 3: 0.75}
 _SEPARATOR = array("I", [0xFFFFFFFF]).tobytes()  # between stored outputs; matches no token id
 
 
@@ -25,6 +31,47 @@ def _find(data: bytes, suffix: bytes, end: int) -> int:
             return hit // _WIDTH
         end = hit + len(suffix) - 1
     return -1
+
+
+def _occurrences(data: bytes, suffix: bytes, end: int, limit: int) -> list[int]:
+    """Token indices of up to `limit` latest token-aligned occurrences of `suffix` ending before
+    byte `end`, latest first."""
+    hits: list[int] = []
+    while len(hits) < limit:
+        hit = _find(data, suffix, end)
+        if hit < 0:
+            break
+        hits.append(hit)
+        end = hit * _WIDTH + len(suffix) - 1
+    return hits
+
+
+def continuations(tokens: list[int], depth: int, min_n: int, max_n: int,
+                  limit: int = OCCURRENCES) -> tuple[list[list[int]], int]:
+    """What followed the latest `limit` earlier occurrences of the longest matching suffix (max_n
+    down to min_n tokens) in `tokens` itself: (up to `depth` tokens each, n), or ([], 0)."""
+    length = len(tokens)
+    data = _pack(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        hits = _occurrences(data, data[(length - n) * _WIDTH:], (length - 1) * _WIDTH, limit)
+        follows = [tokens[h + n:h + n + depth] for h in hits]
+        follows = [f for f in follows if f]
+        if follows:
+            return follows, n
+    return [], 0
+
+
+def add_continuations(tree: Tree, follows: list[list[int]], reliability: float, source: str = "ngram") -> None:
+    """Adds copied continuations as a tree: a node's score is the share of continuations that pass
+    through it times `reliability` per token of depth (SuffixDecoding's frequency estimate)."""
+    counts: dict[tuple[int, ...], int] = {}
+    for follow in follows:
+        for d in range(1, len(follow) + 1):
+            counts[tuple(follow[:d])] = counts.get(tuple(follow[:d]), 0) + 1
+    nodes: dict[tuple[int, ...], int] = {}
+    for path in sorted(counts, key=len):  # parents before children
+        score = counts[path] / len(follows) * reliability ** len(path)
+        nodes[path] = tree.add(nodes.get(path[:-1], -1), path[-1], score, source)
 
 
 def lookup(tokens: list[int], gamma: int, min_n: int, max_n: int) -> tuple[list[int], int]:
@@ -71,17 +118,24 @@ class OutputStore:
 
     def lookup(self, tokens: list[int], gamma: int, min_n: int, max_n: int) -> tuple[list[int], int]:
         """Like `lookup`, over the stored outputs; a continuation stops at the end of its output."""
+        follows, n = self.continuations(tokens, gamma, min_n, max_n, 1)
+        return (follows[0], n) if follows else ([], 0)
+
+    def continuations(self, tokens: list[int], depth: int, min_n: int, max_n: int,
+                      limit: int = OCCURRENCES) -> tuple[list[list[int]], int]:
+        """Like `continuations`, over the stored outputs."""
         data = self._data
         if not data:
             return [], 0
         for n in range(min(max_n, len(tokens)), min_n - 1, -1):
-            suffix = _pack(tokens[-n:])
-            hit = _find(data, suffix, len(data))
-            if hit >= 0:
-                follow = data[(hit + n) * _WIDTH:(hit + n + gamma) * _WIDTH]
+            follows = []
+            for hit in _occurrences(data, _pack(tokens[-n:]), len(data), limit):
+                follow = data[(hit + n) * _WIDTH:(hit + n + depth) * _WIDTH]
                 out = array("I", follow.split(_SEPARATOR, 1)[0][:len(follow) // _WIDTH * _WIDTH]).tolist()
                 if out:
-                    return out, n
+                    follows.append(out)
+            if follows:
+                return follows, n
         return [], 0
 
 
@@ -116,7 +170,24 @@ class NgramDrafter:
                 return stored, m
         return drafts, n
 
-    def propose(self, session: DraftSession, gamma: int) -> Proposal:
+    def tree(self, tokens: list[int], depth: int, tree: Tree | None = None,
+             reliability: dict | None = None) -> tuple[Tree, int]:
+        """A token tree of what followed earlier occurrences of the longest matching suffix: the
+        session's own tokens, and the store when it matches longer. Returns (tree, n matched)."""
+        reliability = reliability or RELIABILITY
+        tree = tree if tree is not None else Tree()
+        follows, n = continuations(tokens, depth, self._min_n, self._max_n)
+        if self.store is not None:
+            stored, m = self.store.continuations(tokens, depth, max(self._store_min_n, n + 1), self._store_max_n)
+            if m > n:
+                follows, n = stored, m
+        if follows:
+            add_continuations(tree, follows, reliability[min(n, 3)])
+        return tree, n
+
+    def propose(self, session: DraftSession, gamma: int, budget: int = 0) -> Proposal:
+        if budget > 1:
+            return tree_proposal(self.tree(session.tokens, gamma)[0], budget, gamma, "ngram")
         drafts, _ = self.match(session.tokens, gamma)
         return Proposal(drafts, "ngram" if drafts else "")
 

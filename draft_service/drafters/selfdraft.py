@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, choose, sampled_from
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, chain_tree, choose, sampled_from
 from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, NativeHead, TorchHead
 from specsplit.modeling import weights_fingerprint
 
@@ -134,7 +134,7 @@ class SelfDrafter:
         return SelfSession(prompt, self.head.cfg.hidden, self.runner.new_cache())
 
     @torch.inference_mode()
-    def propose(self, session: SelfSession, gamma: int) -> Proposal:
+    def propose(self, session: SelfSession, gamma: int, budget: int = 0) -> Proposal:
         n, have = len(session.tokens), len(session.features)
         if not have:
             return Proposal([], "")  # no features yet: nothing to draft from
@@ -162,6 +162,8 @@ class SelfDrafter:
             if k + 1 < gamma:
                 out, logits = runner.step(cache, pred[None], [choice.token])
                 pred = out[-1]
+        if budget > 1 and session.method_drafts_trees and choices:
+            return chain_tree(choices, budget, "self")
         return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
 
     def end(self, session: SelfSession) -> None:

@@ -9,6 +9,13 @@
 // parallelise over output panels only and keep a fixed pair of accumulators per (row, panel);
 // attention for a row at position p reads exactly keys [0, p] and nothing else.
 //
+// Token trees: a call may carry parents (row -> earlier row, or -1 for a child of the cached
+// prefix). A row then sits at position start + depth and attends the prefix [0, start) and its own
+// ancestors in depth order, read in the same order and summed the same way as if its path alone
+// had been fed as a chain: each row's result is bit-identical to decoding its path one by one.
+// Its key and value are stored in slot start + row; the caller keeps one path by moving its slots
+// down (KVBuffer.keep), so rolling back stays a length change.
+//
 // Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
 // vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
 // [N/16][K][16] fp32; activations between ops are fp32 [rows][features]; the KV
@@ -314,8 +321,10 @@ class Decoder {
   }
 
   // ids [n] at positions [start, start + n); cache [layers, 2, capacity, kv_heads, head_dim].
-  // head: 0 none, 1 last row, 2 every row. Returns (logits fp32 or empty, hidden in model dtype).
-  std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor cache, int64_t start, int64_t head) {
+  // head: 0 none, 1 last row, 2 every row. parents: empty (a chain) or [n] int64, a tree (see the
+  // top of this file). Returns (logits fp32 or empty, hidden in model dtype).
+  std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor cache, int64_t start, int64_t head,
+                                     torch::Tensor parents) {
     const int64_t n = ids.size(0), width = hidden_;
     std::vector<float> x(n * width);
     const auto* id = ids.data_ptr<int64_t>();
@@ -324,16 +333,17 @@ class Decoder {
       for (int64_t i = 0; i < width; ++i)
         x[r * width + i] = bf16_ ? bf16_to_f32(static_cast<const uint16_t*>(table)[id[r] * width + i])
                                  : static_cast<const float*>(table)[id[r] * width + i];
-    return run(x, n, cache, start, head);
+    return run(x, n, cache, start, head, parents);
   }
 
   // As forward, from input rows [n, hidden] (float32) instead of token ids: a draft head whose
   // input is a projection of the target's features.
-  std::vector<torch::Tensor> forward_rows(torch::Tensor rows, torch::Tensor cache, int64_t start, int64_t head) {
+  std::vector<torch::Tensor> forward_rows(torch::Tensor rows, torch::Tensor cache, int64_t start, int64_t head,
+                                          torch::Tensor parents) {
     TORCH_CHECK(rows.dim() == 2 && rows.size(1) == hidden_, "rows must be [n, hidden]");
     auto r = rows.to(torch::kFloat32).contiguous();
     std::vector<float> x(r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
-    return run(x, rows.size(0), cache, start, head);
+    return run(x, rows.size(0), cache, start, head, parents);
   }
 
  private:
@@ -341,12 +351,35 @@ class Decoder {
   struct Scratch {
     std::vector<float> a, qkv, att, y, gu, h;
     Rows in;
+    // Per row: its position offset from start (its depth in a tree) and the cache slots after
+    // start it attends, in depth order (ancestors, then itself).
+    std::vector<int64_t> depth;
+    std::vector<std::vector<int64_t>> path;
   };
+
+  static void shape_rows(int64_t n, torch::Tensor parents, Scratch& s) {
+    s.depth.assign(n, 0);
+    s.path.assign(n, {});
+    const bool tree = parents.defined() && parents.numel() > 0;
+    TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kInt64),
+                "parents must be int64 with one entry per row");
+    const int64_t* p = tree ? parents.contiguous().data_ptr<int64_t>() : nullptr;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t parent = tree ? p[r] : r - 1;
+      TORCH_CHECK(parent >= -1 && parent < r, "a row's parent must be an earlier row or -1");
+      if (parent >= 0) {
+        s.depth[r] = s.depth[parent] + 1;
+        s.path[r] = s.path[parent];
+      }
+      s.path[r].push_back(r);
+    }
+  }
 
   // The layers, the final norm (none when the norm weight is empty) and the output head, in one
   // OpenMP parallel region: the GEMMs and attention are shared out, the small row-wise steps run on
   // one thread between barriers (a barrier costs far less than a fork/join per op).
-  std::vector<torch::Tensor> run(std::vector<float>& x, int64_t n, torch::Tensor cache, int64_t start, int64_t head) {
+  std::vector<torch::Tensor> run(std::vector<float>& x, int64_t n, torch::Tensor cache, int64_t start, int64_t head,
+                                 torch::Tensor parents) {
     const int64_t width = hidden_;
     TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
     TORCH_CHECK(start + n <= cache.size(2), "cache too small");
@@ -357,6 +390,7 @@ class Decoder {
     std::vector<char*> kv;
     for (int64_t li = 0; li < cache.size(0); ++li) kv.push_back(static_cast<char*>(cache[li].data_ptr()));
     Scratch s;
+    shape_rows(n, parents, s);
     const int64_t inter = layers_.empty() ? 0 : layers_[0].gate_up.n / 2;
     const int64_t qkv_n = layers_.empty() ? 0 : layers_[0].qkv.n;
     s.a.resize(n * width);
@@ -405,11 +439,11 @@ class Decoder {
           for (int64_t i = 0; i < ld; ++i) s.qkv[r * ld + i] += b[i];
       }
       for (int64_t r = 0; r < n; ++r) {
-        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, start + r);
+        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, start + s.depth[r]);
         store_kv(kv, cap, s.qkv.data() + r * ld + qw, s.qkv.data() + r * ld + qw + kw, start + r);
       }
     }
-    attend_team(kv, cap, s.qkv.data(), ld, n, start, s.att.data());
+    attend_team(kv, cap, s.qkv.data(), ld, n, start, s.path, s.att.data());
 #pragma omp single
     to_rows(s.att.data(), n, qw, bf16_, s.in);
     gemm_team(l.o, s.in, n, s.y.data());
@@ -468,22 +502,27 @@ class Decoder {
     }
   }
 
-  // One task per (row, head): the row at position p attends keys [0, p] exactly.
-  // Called by every thread of the team; barrier at the end.
+  // One task per (row, head): the row attends keys [0, start) and then the slots of its path,
+  // exactly (a chain's row r: keys [0, start + r]). Called by every thread of the team; barrier
+  // at the end.
   void attend_team(const char* kv, int64_t cap, const float* qkv, int64_t ld, int64_t n, int64_t start,
-                   float* out) const {
+                   const std::vector<std::vector<int64_t>>& paths, float* out) const {
     const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
     const void* base = kv;
     std::vector<float> scores(start + n);  // this thread's
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n * heads_; ++t) {
-      const int64_t r = t / heads_, h = t % heads_, g = h / group, len = start + r + 1;
+      const int64_t r = t / heads_, h = t % heads_, g = h / group;
+      const std::vector<int64_t>& path = paths[r];
+      const int64_t len = start + static_cast<int64_t>(path.size());
+      auto slot = [&](int64_t j) { return j < start ? j : start + path[j - start]; };
       const float* q = qkv + r * ld + h * d_;
       float best = -INFINITY;
       for (int64_t j = 0; j < len; ++j) {
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(base, j, g, i, kw, 0), acc);
+        const int64_t at = slot(j);
+        for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(base, at, g, i, kw, 0), acc);
         const float s = _mm512_reduce_add_ps(acc) * scale;
         scores[j] = s;
         best = std::max(best, s);
@@ -508,7 +547,8 @@ class Decoder {
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
       for (int64_t jj = 0; jj < len; ++jj) {
         const __m512 p = _mm512_set1_ps(scores[jj]);
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(base, jj, g, c * kLanes, kw, cap), acc[c]);
+        const int64_t at = slot(jj);
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(base, at, g, c * kLanes, kw, cap), acc[c]);
       }
       float* o = out + r * heads_ * d_ + h * d_;
       for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));

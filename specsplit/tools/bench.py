@@ -84,7 +84,9 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
             counts[1] += r.drafted
             counts[2] += r.accepted
         div = first_divergence(list(off.token_ids), list(on.token_ids))
-        records.append(Record(p.task_type, p.prompt, f"{s.drafter}/{d.method}" if d.method else s.drafter,
+        label = f"{s.drafter}/{d.method}" if d.method else s.drafter
+        label += f"+tree{s.tree_budget}" if s.tree_budget else ""
+        records.append(Record(p.task_type, p.prompt, label,
                               statistics.median(off_times),
                               statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
                               s.rounds, s.drafted_tokens, s.accepted_tokens, s.draft_ms, s.verify_ms, s.network_ms,
@@ -313,7 +315,8 @@ def main(args, config: StackConfig) -> int:
         if not names:  # every drafter the stack's draft service hosts; else the gateway's default
             names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
         methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
-        drafters = [Variant(n, m) for n in names for m in methods]
+        trees = [int(t) for t in args.tree_budgets.split(",") if t] or [0]
+        drafters = [Variant(n, m, t) for n in names for m in methods for t in trees]
         for d in drafters:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
         records = []

@@ -45,10 +45,12 @@ class Variant:
 
     drafter: str
     method: str = ""  # "" greedy, else coupled | rejection
+    tree_budget: int = 0  # token trees of this many tokens; 0: the gateway's default
 
     @property
     def label(self) -> str:
-        return f"{self.drafter}/{self.method}" if self.method else self.drafter
+        label = f"{self.drafter}/{self.method}" if self.method else self.drafter
+        return f"{label}+tree{self.tree_budget}" if self.tree_budget > 1 else label
 
 
 # What every bench request says, set by main from --temperature / --seed / --predraft. Pre-drafting
@@ -59,7 +61,7 @@ REQUEST = {"temperature": 0.0, "seed": 0, "predraft": pb.PREDRAFT_OFF}
 def request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant = Variant("")) -> pb.GenerateRequest:
     method = cpb.VERIFY_METHOD_REJECTION if variant.method == "rejection" else cpb.VERIFY_METHOD_COUPLED
     req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
-                             drafter=variant.drafter, predraft=REQUEST["predraft"],
+                             drafter=variant.drafter, predraft=REQUEST["predraft"], tree_budget=variant.tree_budget,
                              sampling=pb.SamplingParams(temperature=REQUEST["temperature"] if p.temperature is None
                                                         else p.temperature, seed=REQUEST["seed"], method=method))
     req.chat.messages.add(role="user", content=p.prompt)

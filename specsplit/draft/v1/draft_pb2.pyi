@@ -80,32 +80,38 @@ class StartSessionResponse(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., prefill_ns: _Optional[int] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "base_length", "new_token_ids", "gamma", "features")
+    __slots__ = ("session_id", "base_length", "new_token_ids", "gamma", "features", "tree_budget")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_length: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     features: _common_pb2.Features
-    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    tree_budget: int
+    def __init__(self, session_id: _Optional[str] = ..., base_length: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., tree_budget: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "draft_ns", "source", "draft_probs", "draft_probs_shm")
+    __slots__ = ("draft_token_ids", "draft_ns", "source", "draft_probs", "draft_probs_shm", "draft_parents", "draft_scores")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_SHM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SCORES_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_ns: int
     source: str
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseProbs]
     draft_probs_shm: _common_pb2.ShmRef
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., draft_ns: _Optional[int] = ..., source: _Optional[str] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EndSessionRequest(_message.Message):
     __slots__ = ("session_id", "base_length", "new_token_ids")

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "exact", "eos_token_ids", "active_sessions", "max_sessions", "param_bytes", "model_fingerprint", "hidden_size")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "exact", "eos_token_ids", "active_sessions", "max_sessions", "param_bytes", "model_fingerprint", "hidden_size", "tree_verify", "forward_ms_by_rows")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class InfoResponse(_message.Message):
     PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TREE_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_BY_ROWS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -39,7 +41,9 @@ class InfoResponse(_message.Message):
     param_bytes: int
     model_fingerprint: str
     hidden_size: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    tree_verify: bool
+    forward_ms_by_rows: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., forward_ms_by_rows: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "return_features", "sampling", "shm_segment")
@@ -72,32 +76,36 @@ class PrefillResponse(_message.Message):
     def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm")
+    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_SHM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseProbs]
     draft_probs_shm: _common_pb2.ShmRef
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features")
+    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_INDICES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     length: int
     forward_ns: int
     features: _common_pb2.Features
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ...) -> None: ...
+    accepted_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

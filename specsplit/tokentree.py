@@ -1,0 +1,121 @@
+"""Token trees as drafters build them and the wire carries them: tokens in topological order,
+each with the index of its parent (-1: a child of the last committed token). A chain is the tree
+whose parents are -1, 0, 1, ...
+
+Drafters score candidate nodes (the estimated probability that the target follows the path to
+the node) and `Tree.select` keeps the best `budget` of them, best first from the root, so every
+kept node's parent is kept too. The verifier walks the tree (verify_service.acceptance)."""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node, 1 for a child of the committed tokens."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(out[parent] + 1 if parent >= 0 else 1)
+    return out
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def prune(parents: list[int], max_depth: int, size: int | None = None) -> tuple[list[int], list[int]]:
+    """The first `size` nodes (all: None) that are at most `max_depth` deep: (their indices, their
+    parents renumbered). Parents come before children, so the kept nodes are a tree."""
+    keep: list[int] = []
+    index: dict[int, int] = {}
+    for i, (parent, depth) in enumerate(zip(parents[:size], depths(parents))):
+        if depth <= max_depth:
+            index[i] = len(keep)
+            keep.append(i)
+    return keep, [index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
+
+
+class Tree:
+    """Candidate nodes with scores; children of a node have distinct tokens (adding a known child
+    keeps the higher score)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.sources: list[str] = []
+        self._children: dict[int, dict[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float, source: str = "") -> int:
+        """The node for `token` under `parent` (-1: the root), created if new; returns its index."""
+        children = self._children.setdefault(parent, {})
+        node = children.get(token)
+        if node is None:
+            node = children[token] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(score)
+            self.sources.append(source)
+        elif score > self.scores[node]:
+            self.scores[node], self.sources[node] = score, source
+        return node
+
+    def add_path(self, tokens: list[int], scores: list[float], source: str = "", parent: int = -1) -> list[int]:
+        nodes = []
+        for token, score in zip(tokens, scores):
+            parent = self.add(parent, token, score, source)
+            nodes.append(parent)
+        return nodes
+
+    def select(self, budget: int, max_depth: int,
+               min_score: float = 0.0) -> tuple[list[int], list[int], list[float], list[str]]:
+        """The best `budget` nodes (score >= min_score, at most max_depth deep), expanded best
+        first from the root: (tokens, parents, scores, sources), parents before children, so that
+        every prefix is a tree too."""
+        tie = count()
+        frontier = [(-self.scores[c], next(tie), c, 1) for c in self._children.get(-1, {}).values()]
+        heapq.heapify(frontier)
+        chosen: dict[int, int] = {}
+        tokens, parents, scores, sources = [], [], [], []
+        while frontier and len(tokens) < budget:
+            neg, _, node, depth = heapq.heappop(frontier)
+            if -neg < min_score:
+                break
+            chosen[node] = len(tokens)
+            tokens.append(self.tokens[node])
+            parent = self.parents[node]
+            parents.append(chosen[parent] if parent >= 0 else -1)
+            scores.append(self.scores[node])
+            sources.append(self.sources[node])
+            if depth < max_depth:
+                for child in self._children.get(node, {}).values():
+                    heapq.heappush(frontier, (-self.scores[child], next(tie), child, depth + 1))
+        return tokens, parents, scores, sources
+
+
+def worth_verifying(scores: list[float], forward_ms_by_rows: list[float], fixed_ms: float) -> int:
+    """How many leading nodes of a best-first tree to verify: the count m whose expected tokens per
+    round (1 + the sum of their scores, each node's chance of being on the accepted path) per
+    millisecond (the verify forward of m + 1 rows plus the round's other costs) is highest. Without a
+    cost curve, all of them."""
+    if not forward_ms_by_rows:
+        return len(scores)
+
+    def cost(rows: int) -> float:
+        curve = forward_ms_by_rows
+        if rows <= len(curve):
+            return curve[rows - 1]
+        slope = (curve[-1] - curve[-2]) if len(curve) > 1 else curve[-1]
+        return curve[-1] + slope * (rows - len(curve))
+
+    best, best_rate, gain = 0, 1.0 / (cost(1) + fixed_ms), 1.0
+    for m, score in enumerate(scores, start=1):
+        gain += score
+        rate = gain / (cost(m + 1) + fixed_ms)
+        if rate > best_rate:
+            best, best_rate = m, rate
+    return best

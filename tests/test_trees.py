@@ -1,0 +1,171 @@
+"""Token trees: the native forward gives each node the logits of decoding its path alone, the
+target verifies a tree and keeps one path, drafters build scored trees, and greedy generation with
+trees through the real services is token-identical to generation without speculation."""
+
+import grpc
+import pytest
+import torch
+from conftest import running_stack
+
+from draft_service.drafters.base import Choice, chain_tree
+from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
+from specsplit import native
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.modeling import KVSequence, load_model
+from specsplit.tokentree import Tree, depths, prune, worth_verifying
+from verify_service.engine import Target
+
+PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
+# Row 0 is the last committed token; rows 1.. a tree with two first guesses and uneven branches.
+ROWS = [11, 40, 7, 99, 3, 250, 17, 8]
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]
+
+
+def _path(row: int) -> list[int]:
+    path = []
+    while row >= 0:
+        path.append(row)
+        row = PARENTS[row]
+    return path[::-1]
+
+
+def _native(models, dtype):
+    lm = load_model(models["target"], dtype)
+    if lm.native is None:
+        pytest.skip(native.unavailable(lm.dtype, lm.device) or "no native forward")
+    return lm
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype):
+    lm = _native(models, dtype)
+    tree = KVSequence(lm.model)
+    tree.forward(PROMPT)
+    logits = tree.forward(ROWS, parents=PARENTS)
+    for row in range(len(ROWS)):
+        alone = KVSequence(lm.model)
+        alone.forward(PROMPT)
+        last = None
+        for r in _path(row):
+            last = alone.forward([ROWS[r]])[0]
+        assert torch.equal(logits[row], last), f"row {row} (path {_path(row)})"
+
+
+def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models):
+    lm = _native(models, "bfloat16")
+    seq = KVSequence(lm.model)
+    seq.forward(PROMPT)
+    seq.forward(ROWS, parents=PARENTS)
+    seq.keep(len(PROMPT), _path(7))
+    assert seq.length == len(PROMPT) + len(_path(7))
+    reference = KVSequence(lm.model)
+    reference.forward(PROMPT + [ROWS[r] for r in _path(7)])
+    assert torch.equal(seq.forward([5, 6]), reference.forward([5, 6]))
+    with pytest.raises(ValueError, match="ascending"):
+        seq.keep(len(PROMPT), [2, 1])
+
+
+def test_target_verifies_a_tree_and_commits_the_branch_it_chose(models):
+    lm = _native(models, "bfloat16")
+    target = Target(lm)
+    assert target.verifies_trees
+    plain, _ = target.prefill(PROMPT)
+    for _ in range(6):  # the target's own text, one token at a time
+        target.verify(plain, len(plain.tokens), [])
+    own = plain.tokens[len(PROMPT):]
+    session, first = target.prefill(PROMPT)
+    assert first.next_token == own[0]
+    # A wrong first guess, then the right one with a wrong and a right child, then a grandchild.
+    draft = [own[1] + 1, own[1], own[2] + 1, own[2], own[3]]
+    parents = [-1, -1, 1, 1, 3]
+    result = target.verify(session, len(session.tokens), draft, parents=parents)
+    assert result.path == (1, 3, 4) and result.num_accepted == 3
+    assert session.tokens[len(PROMPT):] == own[:5]
+    assert session.kv.length == len(session.tokens) - 1
+    target.verify(session, len(session.tokens), [])  # decoding goes on from the kept path
+    assert session.tokens[len(PROMPT):] == own[:6]
+    with pytest.raises(ValueError, match="earlier draft index"):
+        target.verify(session, len(session.tokens), [1, 2], parents=[-1, 1])
+
+
+def test_transformers_forward_refuses_trees(models):
+    target = Target(load_model(models["target"], "float32", native=False))
+    assert not target.verifies_trees
+    session, _ = target.prefill(PROMPT)
+    with pytest.raises(ValueError, match="chains only"):
+        target.verify(session, len(session.tokens), [1, 2], parents=[-1, -1])
+
+
+def test_tree_selection_keeps_parents_and_the_best_nodes():
+    tree = Tree()
+    a = tree.add(-1, 10, 0.9)
+    tree.add(a, 11, 0.5)
+    tree.add(-1, 20, 0.6)
+    b = tree.add(a, 12, 0.8)
+    tree.add(b, 13, 0.7)
+    assert tree.add(-1, 10, 0.95) == a  # a known child: one node, the higher score
+    tokens, parents, scores, _ = tree.select(4, max_depth=3)
+    assert tokens == [10, 12, 13, 20] and parents == [-1, 0, 1, -1]
+    assert scores == sorted(scores, reverse=True)
+    assert tree.select(10, max_depth=1)[0] == [10, 20]
+    assert depths([-1, 0, 1, -1, 3]) == [1, 2, 3, 1, 2]
+    assert prune([-1, 0, 1, -1, 3], 2) == ([0, 1, 3, 4], [-1, 0, -1, 2])
+    assert prune([-1, 0, 1, -1, 3], 3, size=2) == ([0, 1], [-1, 0])
+
+
+def test_expected_gain_keeps_the_nodes_that_pay_for_their_rows():
+    flat_then_steep = [10.0, 10.2, 10.4, 10.6, 20.0, 30.0]
+    assert worth_verifying([0.9, 0.8, 0.7, 0.1, 0.1], flat_then_steep, 1.0) == 3
+    assert worth_verifying([0.01, 0.01], flat_then_steep, 1.0) == 0  # 1.01 / 11.2 < 1 / 11
+    assert worth_verifying([0.9, 0.9], [], 1.0) == 2  # no cost curve: everything
+
+
+def test_retrieval_tree_counts_what_followed_every_occurrence():
+    tokens = [1, 2, 5, 6, 9, 1, 2, 5, 7, 9, 1, 2, 5, 6, 9, 1, 2]
+    follows, n = continuations(tokens, 3, 1, 3)
+    assert n == 3 and sorted(follows) == [[5, 6, 9], [5, 7, 9]]  # after [9, 1, 2], latest first
+    follows, n = continuations(tokens, 3, 1, 2)
+    assert n == 2 and sorted(follows) == [[5, 6, 9], [5, 6, 9], [5, 7, 9]]
+    tree = Tree()
+    add_continuations(tree, follows, 1.0)
+    got, parents, scores, _ = tree.select(8, 3)
+    assert got[:2] == [5, 6] and parents[:2] == [-1, 0]
+    assert scores[0] == pytest.approx(1.0) and scores[1] == pytest.approx(2 / 3)
+    assert 7 in got  # the other branch is kept too
+    proposal = NgramDrafter().propose(NgramDrafter().start(tokens), 3, budget=4)
+    assert proposal.parents is not None and len(proposal.tokens) == 4
+    assert proposal.scores == sorted(proposal.scores, reverse=True)
+
+
+def test_a_model_chain_carries_each_steps_runner_up_as_a_sibling():
+    choices = [Choice(5, 0.6, None, 0.6, (8, 0.3)), Choice(6, 0.9, None, 0.9, (9, 0.05))]
+    proposal = chain_tree(choices, 8, "model")
+    assert proposal.tokens == [5, 6, 8, 9] and proposal.parents == [-1, 0, -1, 0]
+    assert proposal.scores == pytest.approx([0.6, 0.54, 0.3, 0.03])
+    assert chain_tree(choices, 2, "model").tokens == [5, 6]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+async def test_greedy_generation_with_trees_is_identical_to_spec_off(models, tmp_path, drafter):
+    lm = load_model(models["target"], "bfloat16")
+    if lm.native is None:
+        pytest.skip("token trees need the native forward")
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"], tree_budget=8) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            trees = 0
+            for text in ("def add(a, b):\n    return a + b\ndef add(", "The quick brown fox. The quick brown"):
+                base = dict(text=text, max_new_tokens=40, drafter=drafter, stop=pb.StopConditions(ignore_eos=True))
+                off = await gw.Generate(pb.GenerateRequest(speculation=pb.SPECULATION_OFF, **base))
+                on = await gw.Generate(pb.GenerateRequest(speculation=pb.SPECULATION_ON, **base))
+                assert list(on.token_ids) == list(off.token_ids)
+                assert on.stats.tree_budget == 8
+                trees += sum(1 for r in on.stats.round_records if r.drafted > r.depth)
+                chain = await gw.Generate(pb.GenerateRequest(speculation=pb.SPECULATION_ON, tree_budget=1, **base))
+                assert chain.stats.tree_budget == 0 and list(chain.token_ids) == list(off.token_ids)
+            if drafter == "model":
+                assert trees > 0  # some rounds verified more than one branch
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await gw.Generate(pb.GenerateRequest(text="x", max_new_tokens=4, tree_budget=65))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree_budget" in bad.value.details()
