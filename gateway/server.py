@@ -198,7 +198,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if speculate and problem:
             raise Failure(grpc.StatusCode.FAILED_PRECONDITION, problem)
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
-        tree = request.tree_budget or settings.tree_budget
+        # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
+        tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else settings.tree_budget)
         # Trees need a verifier that takes them and a drafter-invariant method at temperature > 0.
         if tree <= 1 or not speculate or not b.target.tree_verify or (
                 sampling.temperature > 0 and sampling.method == cpb.VERIFY_METHOD_REJECTION):

@@ -133,9 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--predraft", choices=["auto", "on", "off"], default=ENV("SPECSPLIT_PREDRAFT", "auto"),
                    help="asynchronous drafting (draft the next block while Verify is in flight) for requests that "
                         "do not choose; auto: measured per task type, the faster arm wins (docs/controller.md)")
-    g.add_argument("--tree-budget", type=int, default=int(ENV("SPECSPLIT_TREE_BUDGET", "0")),
-                   help="token trees: most draft tokens per round for requests that do not say (0: chains of gamma); "
-                        "each tree is cut to the part whose expected gain pays for its verify rows")
+    g.add_argument("--tree-budget", type=int, default=int(ENV("SPECSPLIT_TREE_BUDGET", "8")),
+                   help="token trees: most draft tokens per round for requests that do not say (0 or 1: chains of "
+                        "gamma); each tree is cut to the part whose expected gain pays for its verify rows")
     g.add_argument("--shm-segment-mib", type=float, default=4.0,
                    help="size of each speculative session's shared-memory segment (feature ring + proposals)")
 
@@ -271,6 +271,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--tree-budget", type=int, default=8,
+                   help="the gateway's token-tree size per round for requests that do not say (0: chains)")
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
     p.add_argument("--trace-file", help="the three services append their traces here as OTLP-JSON lines "
                                         "(read them with `specsplit trace-report --file`)")
@@ -284,7 +286,7 @@ def _stack_config(a: argparse.Namespace):
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, quantize=a.quantize,
-                       drafter=a.drafter, gamma=a.gamma,
+                       drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
                        self_head=a.self_head, store_tokens=a.store_tokens,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory)

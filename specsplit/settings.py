@@ -117,6 +117,7 @@ class GatewaySettings:
     # Asynchronous drafting for requests that do not say: on | off | auto (the controller measures
     # both per task type and keeps the faster; docs/controller.md).
     predraft: str = "auto"
-    # Token trees: most draft tokens per round for requests that do not say (0 or 1: chains). The
-    # gateway keeps the part of each proposed tree whose expected gain pays for its verify rows.
+    # Token trees: most draft tokens per round for requests that do not say (0 or 1: chains; the
+    # CLI's default is 8). The gateway keeps the part of each proposed tree whose expected gain
+    # pays for its verify rows.
     tree_budget: int = 0

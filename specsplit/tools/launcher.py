@@ -52,6 +52,7 @@ class StackConfig:
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
     store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
     gamma: int = 4
+    tree_budget: int = 8  # the gateway's --tree-budget
     threads: int = 0
     run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
     trace_file: str | None = None  # the services export traces here as OTLP-JSON lines (else OTEL_* decides)
@@ -133,7 +134,8 @@ class Stack:
             self._await(["verify", "draft"], timeout_s)
             draft = draft_via(self.addresses["draft"]) if draft_via else self.addresses["draft"]
             self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", draft,
-                                    "--tokenizer", c.target_model, "--gamma", str(c.gamma)])
+                                    "--tokenizer", c.target_model, "--gamma", str(c.gamma),
+                                    "--tree-budget", str(c.tree_budget)])
             self._await(["gateway"], timeout_s)
         except BaseException:
             self.stop()
