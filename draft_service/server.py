@@ -86,6 +86,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         start = time.perf_counter_ns()
         session = await self._worker.run(drafter.start, list(request.prompt_token_ids))
         session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
+        session.verify_ms_by_rows = list(request.target_forward_ms_by_rows)
         prefill_ns = time.perf_counter_ns() - start
         entry = Entry(drafter, session)
         try:

@@ -108,6 +108,7 @@ class FastLlama:
         return FastSequence(self)
 
 
+_NONE = torch.empty(0, dtype=torch.long)
 _CHUNK = 256  # a cache grows by at least this many positions (and at least doubles)
 
 
@@ -192,7 +193,7 @@ class FastSequence:
         buffer.reserve(start + len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long)
         tree = torch.tensor(parents if parents is not None else [], dtype=torch.long)
-        logits, hidden = self._lm.decoder.forward(ids, buffer.kv, start, head, tree)
+        logits, hidden = self._lm.decoder.forward(ids, buffer.kv, start, head, tree, start, _NONE)
         buffer.length = start + len(token_ids)
         return logits, hidden
 

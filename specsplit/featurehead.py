@@ -274,20 +274,25 @@ class NativeHead:
         return hidden, logits[0]
 
     @torch.inference_mode()
-    def tree_step(self, cache, features: torch.Tensor, next_tokens: list[int], parents: list[int]):
-        """One step over several rows of a draft tree (parents as in FastSequence.forward):
-        (predicted features [n, d], draft logits [n, draft_vocab]), each row as if its path alone
-        had been fed."""
-        return self._run(cache, features, next_tokens, 2, parents)
+    def tree_step(self, cache, features: torch.Tensor, next_tokens: list[int], parents: list[int], base: int,
+                  slot_parents: list[int]):
+        """One step over several rows of a draft tree that grows over calls: the cache holds the
+        committed positions [0, base) and the tree's nodes from earlier steps in slots [base, length),
+        slot_parents[s - base] being slot s's parent slot (-1: a root). A row's parent is a row of
+        this call, -1 (a root), or -2 - s (a child of slot s). Returns (predicted features [n, d],
+        draft logits [n, draft_vocab]), each row as if its path alone had been fed."""
+        return self._run(cache, features, next_tokens, 2, parents, base, slot_parents)
 
-    def _run(self, cache, features, next_tokens, head_rows, parents):
+    def _run(self, cache, features, next_tokens, head_rows, parents, base=None, slot_parents=()):
         tokens = torch.tensor(next_tokens, dtype=torch.long)
         head = self.head
         x = head.fc(torch.cat([features.float(), head.embed[tokens].float()], dim=-1))  # [n, d]
         start = cache.length
         cache.reserve(start + len(next_tokens))
         tree = torch.tensor(parents if parents is not None else [], dtype=torch.long)
-        logits, hidden = self.decoder.forward_rows(x, cache.kv, start, head_rows, tree)
+        logits, hidden = self.decoder.forward_rows(x, cache.kv, start, head_rows, tree,
+                                                   start if base is None else base,
+                                                   torch.tensor(list(slot_parents), dtype=torch.long))
         cache.length = start + len(next_tokens)
         return hidden, logits
 

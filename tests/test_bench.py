@@ -71,3 +71,17 @@ def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
     bad.write_text('{"task_type": "code"}\n')
     with pytest.raises(PromptFileError, match=r"bad.jsonl:1: need an object with string fields task_type and prompt"):
         load_prompts(str(bad))
+
+
+def test_acceptance_by_draft_position_counts_chains_and_trees():
+    from specsplit.gateway.v1 import gateway_pb2 as gpb
+    from specsplit.tools.bench import depth_counts
+
+    rounds = [gpb.RoundRecord(drafted=4, accepted=2),  # a chain: depth 4
+              gpb.RoundRecord(drafted=6, accepted=1, depth=3),  # a tree 3 deep
+              gpb.RoundRecord(drafted=0, accepted=0)]  # nothing drafted
+    assert depth_counts(rounds) == [[2, 2], [2, 1], [2, 0], [1, 0]]
+    a = record("code", 2.0, 1.0, 20, 2, 3)
+    b = record("code", 2.0, 1.0, 20, 2, 3)
+    a.by_depth, b.by_depth = [[2, 2], [2, 1]], [[1, 1]]
+    assert summarise([a, b])[0]["by_depth"] == [[3, 3], [2, 1]]

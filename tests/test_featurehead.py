@@ -111,3 +111,40 @@ def test_native_serving_computes_what_torch_serving_computes(dtype, tol):
         c.truncate(6)
     both(feats[6:9], tokens[6:9])
     assert caches[0].length == caches[1].length == 9
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dtype, tol):
+    """NativeHead.tree_step: rows whose parents are slots of earlier calls (a draft tree grown
+    depth by depth, EAGLE-2 style) get what a chain feed of their path gives (up to the rounding of
+    the head's input projection, a torch GEMM whose result depends on the rows in the call)."""
+    from specsplit import native
+    from specsplit.featurehead import NativeHead
+
+    if native.unavailable(dtype, torch.device("cpu")):
+        pytest.skip(native.unavailable(dtype, torch.device("cpu")))
+    head = random_head(1, head_dim=16)
+    runner = NativeHead(head, 64, dtype)
+    feats, tokens = torch.randn(12, 32), torch.randint(0, 50, (12,)).tolist()
+    tree = runner.new_cache()
+    runner.step(tree, feats[:5], tokens[:5])
+    base = tree.length
+    # Depth 1: two roots (slots base, base + 1); depth 2: children of each (slots base + 2, + 3);
+    # depth 3: a child of slot base + 3.
+    out1, logits1 = runner.tree_step(tree, feats[5:7], tokens[5:7], [-1, -1], base, [])
+    out2, logits2 = runner.tree_step(tree, out1, tokens[7:9], [-2 - base, -2 - (base + 1)], base, [-1, -1])
+    out3, logits3 = runner.tree_step(tree, out2[1:], tokens[9:10], [-2 - (base + 3)], base, [-1, -1, base, base + 1])
+    chain = runner.new_cache()
+    runner.step(chain, feats[:5], tokens[:5])
+    a, la = runner.step(chain, feats[6:7], tokens[6:7])  # root 2
+    b, lb = runner.step(chain, a, tokens[8:9])  # its child
+    c, lc = runner.step(chain, b, tokens[9:10])  # and grandchild
+    def same(x, y):
+        return torch.allclose(x.float(), y.float(), atol=tol * max(1.0, float(y.abs().max())))
+
+    assert same(out1[1], a[0]) and same(logits1[1], la)
+    assert same(out2[1], b[0]) and same(logits2[1], lb)
+    assert same(out3[0], c[0]) and same(logits3[0], lc)
+    assert not same(logits3[0], la)  # the comparison can tell two nodes apart
+    with pytest.raises(RuntimeError, match="slot"):
+        runner.tree_step(tree, out1[:1], tokens[:1], [-2 - (base + 99)], base, [-1] * (tree.length - base))

@@ -57,3 +57,24 @@ def test_the_source_that_keeps_getting_accepted_wins():
         sources.append(proposal.source)
     assert sources[0] == "self" and sources[-1] == "ngram", sources
     assert sources[-3:] == ["ngram"] * 3
+
+
+def test_wide_verifies_that_cost_more_keep_a_doubtful_head_idle():
+    """The head's prior (1 accepted per round) pays where verifying 3 drafts costs what one token
+    does, not where it costs 2.5 target steps (the verifier's measured curve, sent at StartSession)."""
+    tokens = [1, 2, 3]  # no n-gram match: the head or nothing
+    for curve, expected in (([10.0] * 5, [42, 43, 44]), ([10.0, 15.0, 20.0, 25.0, 30.0], [])):
+        hybrid = HybridDrafter(NgramDrafter(), Head([42, 43, 44]), 2)
+        session = hybrid.start(tokens)
+        session.verify_ms_by_rows = curve
+        assert session.width_cost(3) == curve[3] / curve[0]
+        assert hybrid.propose(session, 3).tokens == expected
+
+
+def test_with_a_budget_the_hybrid_proposes_the_union_of_match_and_head():
+    hybrid = HybridDrafter(NgramDrafter(), Head([7, 9]), min_match=3)
+    session = hybrid.start([5, 6, 7, 8, 5, 6])  # a 2-token match: (5 6) -> 7 8; the head says 7 9
+    proposal = hybrid.propose(session, 2, budget=4)
+    assert proposal.parents is not None and proposal.source == "ngram+self"
+    paths = {tuple(proposal.tokens[j] for j in (i, p)) for i, p in enumerate(proposal.parents) if p >= 0}
+    assert proposal.tokens[0] == 7 and {(8, 7), (9, 7)} <= paths

@@ -74,6 +74,7 @@ class DraftSession:
     sampling: SamplingParams = GREEDY  # the session's sampling, as the verifier applies it
     method = "coupled"  # with temperature > 0: "coupled" (draft with the verifier's noise) or "rejection"
     proposal_top_k = 16  # rejection: sample from (and send) the drafter's top-k, renormalised
+    verify_ms_by_rows: list[float] = []  # the target's verify time by rows (StartSession); empty: unknown
 
     def __init__(self, prompt: list[int]):
         self.tokens = list(prompt)
@@ -91,6 +92,16 @@ class DraftSession:
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
         raise ValueError("this drafter does not read target features")
+
+    def width_cost(self, drafts: int) -> float:
+        """Verifying `drafts` tokens against none, in target steps (1.0 when unknown)."""
+        curve = self.verify_ms_by_rows
+        if not curve or drafts <= 0:
+            return 1.0
+        if drafts < len(curve):
+            return curve[drafts] / curve[0]
+        slope = curve[-1] - curve[-2] if len(curve) > 1 else 0.0
+        return (curve[-1] + slope * (drafts + 1 - len(curve))) / curve[0]
 
     @property
     def method_drafts_trees(self) -> bool:
@@ -140,6 +151,21 @@ def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None
         q = ((local if ids is None else ids[local]).cpu(), values)
     k = int(k)
     return Choice(k if ids is None else int(ids[k]), float(top_prob), q, float(probs[k]), runner_up)
+
+
+def candidates(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None, vocab: int,
+               k: int) -> list[tuple[int, float]]:
+    """A model drafter's `k` best next tokens with their probabilities q, best first, ranked as
+    `choose` ranks them (greedy: by q; coupled: by log q plus the verifier's noise for this
+    position): the children of a node in a token tree."""
+    params = session.sampling
+    probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
+    ranked = probs
+    if params.temperature > 0:
+        noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
+        ranked = probs.log() + (noise if ids is None else noise[ids.cpu()]).to(probs.device)
+    top = ranked.topk(min(k, ranked.shape[-1])).indices.tolist()
+    return [(i if ids is None else int(ids[i]), float(probs[i])) for i in top if float(probs[i]) > 0]
 
 
 def sampled_from(choices: list[Choice]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -1,9 +1,10 @@
 """Retrieval or the self-drafter, chosen per round by expected gain. Each source's accepted drafts
 per round are learnt within the session (the next Propose's sync shows how many of the last
 drafts the target kept): an n-gram match by its length (1, 2, 3+ tokens), the head as one source.
-A round's value is (expected accepted + 1) / (1 + the source's cost in target steps), and drafting
-nothing is worth 1; the head's cost is its measured drafting time over the measured time between
-rounds. Priors give the old
+A round's value is (expected accepted + 1) / (the cost of verifying its drafts + the source's own
+cost, in target steps), and drafting nothing is worth 1; the verify cost by width comes from the
+verifier's measurement (StartSession), the head's cost is its measured drafting time over the
+measured time between rounds. Priors give the old
 fixed order before anything is learnt: a match of `min_match` tokens or more, then the head,
 then a shorter match; the head drafting nothing (unsure) lets a match fill in."""
 
@@ -65,10 +66,13 @@ class HybridDrafter:
         choice = _learn(session)
         drafts, n = self.ngram.match(session.tokens, gamma)
         key = min(n, 3)
-        head_value = (choice.means["self"].value + 1) / (1 + self._head_cost(choice, gamma))
+        # Tokens per round over the round's cost in target steps: verifying k drafts costs
+        # width_cost(k) (measured by the verifier), the head its own drafting time on top.
+        head_value = (choice.means["self"].value + 1) / (session.width_cost(gamma) + self._head_cost(choice, gamma))
         # Drafting nothing is worth 1 (the target's own token, at no extra cost): the head must beat
         # that as well as the match.
-        match_value = min(choice.means[key].value, len(drafts)) + 1 if drafts else 1.0
+        match_value = (min(choice.means[key].value, len(drafts)) + 1) / session.width_cost(len(drafts)) \
+            if drafts else 1.0
         proposal = None
         if head_value > match_value:
             started = time.perf_counter()

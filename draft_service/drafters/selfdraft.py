@@ -9,11 +9,22 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, chain_tree, choose, sampled_from
+from draft_service.drafters.base import (
+    DrafterDescription,
+    DraftSession,
+    Proposal,
+    candidates,
+    chain_tree,
+    choose,
+    sampled_from,
+)
 from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, NativeHead, TorchHead
 from specsplit.modeling import weights_fingerprint
+from specsplit.tokentree import Tree
 
 HEAD_FORMAT = "specsplit-feature-head/1"
+WIDTH = 3  # token trees: nodes expanded per depth, and children per node
+MIN_EXPAND = 0.05  # token trees: a node whose path probability is below this is not expanded
 PACKAGED = Path(__file__).resolve().parent.parent.parent / "specsplit" / "drafts"
 
 
@@ -150,6 +161,8 @@ class SelfDrafter:
         for token in session.tokens[have + 1:n]:
             out, logits = runner.step(cache, pred[None], [token])
             pred = out[-1]
+        if budget > 1 and session.method_drafts_trees and hasattr(runner, "tree_step"):
+            return self._expand(session, cache, pred, logits, gamma, budget)
         choices = []
         confidence = 1.0
         for k in range(gamma):
@@ -165,6 +178,36 @@ class SelfDrafter:
         if budget > 1 and session.method_drafts_trees and choices:
             return chain_tree(choices, budget, "self")
         return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
+
+    def _expand(self, session: SelfSession, cache, pred: torch.Tensor, logits: torch.Tensor, gamma: int,
+                budget: int) -> Proposal:
+        """EAGLE-2's dynamic tree: at each depth the WIDTH best nodes so far (by the product of the
+        head's probabilities along their path) are expanded in one head call (a tree step over
+        their rows), each giving its WIDTH best next tokens; the best `budget` nodes are proposed,
+        best first."""
+        head, runner = self.head, self.runner
+        vocab = head.embed.shape[0]
+        tree, base, slot_parents = Tree(), cache.length, []
+        frontier = [(-1, -1, pred, logits, 1.0)]  # (tree node, cache slot, predicted feature, logits, score)
+        for depth in range(gamma):
+            session.drafting = depth
+            grown = []
+            for node, slot, feature, row_logits, score in frontier:
+                for token, prob in candidates(session, row_logits, head.vocab_ids, vocab, WIDTH):
+                    child = tree.add(node, token, score * prob, "self")
+                    grown.append((score * prob, child, slot, feature, token))
+            grown.sort(key=lambda g: -g[0])
+            grown = [g for g in grown[:WIDTH] if g[0] >= MIN_EXPAND]
+            if depth + 1 == gamma or not grown:
+                break
+            rows = [g[2] for g in grown]
+            start = cache.length
+            out, row_logits = runner.tree_step(cache, torch.stack([g[3] for g in grown]), [g[4] for g in grown],
+                                               [-1 if s < 0 else -2 - s for s in rows], base, slot_parents)
+            slot_parents += rows
+            frontier = [(g[1], start + i, out[i], row_logits[i], g[0]) for i, g in enumerate(grown)]
+        tokens, parents, scores, _ = tree.select(budget, gamma)
+        return Proposal(tokens, "self" if tokens else "", None, parents, scores)
 
     def end(self, session: SelfSession) -> None:
         pass

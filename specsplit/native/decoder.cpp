@@ -9,12 +9,14 @@
 // parallelise over output panels only and keep a fixed pair of accumulators per (row, panel);
 // attention for a row at position p reads exactly keys [0, p] and nothing else.
 //
-// Token trees: a call may carry parents (row -> earlier row, or -1 for a child of the cached
-// prefix). A row then sits at position start + depth and attends the prefix [0, start) and its own
-// ancestors in depth order, read in the same order and summed the same way as if its path alone
-// had been fed as a chain: each row's result is bit-identical to decoding its path one by one.
-// Its key and value are stored in slot start + row; the caller keeps one path by moving its slots
-// down (KVBuffer.keep), so rolling back stays a length change.
+// Token trees: a call may carry parents (row -> earlier row of the call, -1 for a child of the
+// prefix, or -2 - s for a child of cache slot s written by an earlier call, whose own parent slot
+// is slot_parents[s - base], -1 for the prefix). The prefix is [0, base) (base = start unless a
+// tree grows over several calls). A row then sits at position base + depth and attends the prefix
+// and its own ancestors in depth order, read in the same order and summed the same way as if its
+// path alone had been fed as a chain: each row's result is bit-identical to decoding its path one
+// by one. Its key and value are stored in slot start + row; the caller keeps one path by moving
+// its slots down (KVBuffer.keep), so rolling back stays a length change.
 //
 // Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
 // vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
@@ -24,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -324,7 +327,7 @@ class Decoder {
   // head: 0 none, 1 last row, 2 every row. parents: empty (a chain) or [n] int64, a tree (see the
   // top of this file). Returns (logits fp32 or empty, hidden in model dtype).
   std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor cache, int64_t start, int64_t head,
-                                     torch::Tensor parents) {
+                                     torch::Tensor parents, int64_t base, torch::Tensor slot_parents) {
     const int64_t n = ids.size(0), width = hidden_;
     std::vector<float> x(n * width);
     const auto* id = ids.data_ptr<int64_t>();
@@ -333,17 +336,17 @@ class Decoder {
       for (int64_t i = 0; i < width; ++i)
         x[r * width + i] = bf16_ ? bf16_to_f32(static_cast<const uint16_t*>(table)[id[r] * width + i])
                                  : static_cast<const float*>(table)[id[r] * width + i];
-    return run(x, n, cache, start, head, parents);
+    return run(x, n, cache, start, head, parents, base, slot_parents);
   }
 
   // As forward, from input rows [n, hidden] (float32) instead of token ids: a draft head whose
   // input is a projection of the target's features.
   std::vector<torch::Tensor> forward_rows(torch::Tensor rows, torch::Tensor cache, int64_t start, int64_t head,
-                                          torch::Tensor parents) {
+                                          torch::Tensor parents, int64_t base, torch::Tensor slot_parents) {
     TORCH_CHECK(rows.dim() == 2 && rows.size(1) == hidden_, "rows must be [n, hidden]");
     auto r = rows.to(torch::kFloat32).contiguous();
     std::vector<float> x(r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
-    return run(x, rows.size(0), cache, start, head, parents);
+    return run(x, rows.size(0), cache, start, head, parents, base, slot_parents);
   }
 
  private:
@@ -351,27 +354,41 @@ class Decoder {
   struct Scratch {
     std::vector<float> a, qkv, att, y, gu, h;
     Rows in;
-    // Per row: its position offset from start (its depth in a tree) and the cache slots after
-    // start it attends, in depth order (ancestors, then itself).
-    std::vector<int64_t> depth;
+    // Per row: the cache slots at and after base it attends, in depth order (ancestors, then its
+    // own), so that it sits at position base + path.size() - 1.
     std::vector<std::vector<int64_t>> path;
   };
 
-  static void shape_rows(int64_t n, torch::Tensor parents, Scratch& s) {
-    s.depth.assign(n, 0);
+  static void shape_rows(int64_t n, int64_t start, int64_t base, torch::Tensor parents, torch::Tensor slot_parents,
+                         Scratch& s) {
     s.path.assign(n, {});
     const bool tree = parents.defined() && parents.numel() > 0;
     TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kInt64),
                 "parents must be int64 with one entry per row");
-    const int64_t* p = tree ? parents.contiguous().data_ptr<int64_t>() : nullptr;
+    TORCH_CHECK(0 <= base && base <= start, "base must be in [0, start]");
+    TORCH_CHECK(tree || base == start, "a chain's prefix is everything before start");
+    const auto pc = tree ? parents.contiguous() : parents;
+    const int64_t* p = tree ? pc.data_ptr<int64_t>() : nullptr;
+    const auto sc = slot_parents.defined() && slot_parents.numel() ? slot_parents.contiguous() : torch::Tensor();
+    TORCH_CHECK(!sc.defined() || (sc.scalar_type() == torch::kInt64 && sc.numel() == start - base),
+                "slot_parents must be int64 with one entry per slot in [base, start)");
+    const int64_t* sp = sc.defined() ? sc.data_ptr<int64_t>() : nullptr;
     for (int64_t r = 0; r < n; ++r) {
       const int64_t parent = tree ? p[r] : r - 1;
-      TORCH_CHECK(parent >= -1 && parent < r, "a row's parent must be an earlier row or -1");
+      TORCH_CHECK(parent >= -2 - (start - 1) && parent < r, "a row's parent must be an earlier row, -1, or -2 - slot");
       if (parent >= 0) {
-        s.depth[r] = s.depth[parent] + 1;
         s.path[r] = s.path[parent];
+      } else if (parent <= -2) {  // a slot from an earlier call: its ancestry from slot_parents
+        int64_t slot = -2 - parent;
+        TORCH_CHECK(slot >= base && slot < start && sp, "a parent slot must be in [base, start) with slot_parents");
+        for (int64_t hops = 0; slot >= 0; ++hops) {
+          TORCH_CHECK(slot >= base && slot < start && hops < start - base, "slot_parents do not form a tree");
+          s.path[r].push_back(slot);
+          slot = sp[slot - base];
+        }
+        std::reverse(s.path[r].begin(), s.path[r].end());
       }
-      s.path[r].push_back(r);
+      s.path[r].push_back(start + r);
     }
   }
 
@@ -379,7 +396,7 @@ class Decoder {
   // OpenMP parallel region: the GEMMs and attention are shared out, the small row-wise steps run on
   // one thread between barriers (a barrier costs far less than a fork/join per op).
   std::vector<torch::Tensor> run(std::vector<float>& x, int64_t n, torch::Tensor cache, int64_t start, int64_t head,
-                                 torch::Tensor parents) {
+                                 torch::Tensor parents, int64_t base, torch::Tensor slot_parents) {
     const int64_t width = hidden_;
     TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
     TORCH_CHECK(start + n <= cache.size(2), "cache too small");
@@ -390,7 +407,7 @@ class Decoder {
     std::vector<char*> kv;
     for (int64_t li = 0; li < cache.size(0); ++li) kv.push_back(static_cast<char*>(cache[li].data_ptr()));
     Scratch s;
-    shape_rows(n, parents, s);
+    shape_rows(n, start, base, parents, slot_parents, s);
     const int64_t inter = layers_.empty() ? 0 : layers_[0].gate_up.n / 2;
     const int64_t qkv_n = layers_.empty() ? 0 : layers_[0].qkv.n;
     s.a.resize(n * width);
@@ -406,7 +423,7 @@ class Decoder {
     const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-      for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], kv[li], cap, x.data(), n, start, s);
+      for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], kv[li], cap, x.data(), n, start, base, s);
 #pragma omp single
       {
         if (norm)
@@ -422,7 +439,8 @@ class Decoder {
   }
 
   // One layer, called by every thread of the team.
-  void layer_team(const Layer& l, char* kv, int64_t cap, float* x, int64_t n, int64_t start, Scratch& s) {
+  void layer_team(const Layer& l, char* kv, int64_t cap, float* x, int64_t n, int64_t start, int64_t base,
+                  Scratch& s) {
     const int64_t width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_, ld = l.qkv.n;
     const int64_t inter = l.gate_up.n / 2;
 #pragma omp single
@@ -439,11 +457,11 @@ class Decoder {
           for (int64_t i = 0; i < ld; ++i) s.qkv[r * ld + i] += b[i];
       }
       for (int64_t r = 0; r < n; ++r) {
-        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, start + s.depth[r]);
+        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, base + static_cast<int64_t>(s.path[r].size()) - 1);
         store_kv(kv, cap, s.qkv.data() + r * ld + qw, s.qkv.data() + r * ld + qw + kw, start + r);
       }
     }
-    attend_team(kv, cap, s.qkv.data(), ld, n, start, s.path, s.att.data());
+    attend_team(kv, cap, s.qkv.data(), ld, n, start, base, s.path, s.att.data());
 #pragma omp single
     to_rows(s.att.data(), n, qw, bf16_, s.in);
     gemm_team(l.o, s.in, n, s.y.data());
@@ -502,10 +520,10 @@ class Decoder {
     }
   }
 
-  // One task per (row, head): the row attends keys [0, start) and then the slots of its path,
+  // One task per (row, head): the row attends keys [0, prefix) and then the slots of its path,
   // exactly (a chain's row r: keys [0, start + r]). Called by every thread of the team; barrier
   // at the end.
-  void attend_team(const char* kv, int64_t cap, const float* qkv, int64_t ld, int64_t n, int64_t start,
+  void attend_team(const char* kv, int64_t cap, const float* qkv, int64_t ld, int64_t n, int64_t start, int64_t prefix,
                    const std::vector<std::vector<int64_t>>& paths, float* out) const {
     const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
@@ -515,8 +533,8 @@ class Decoder {
     for (int64_t t = 0; t < n * heads_; ++t) {
       const int64_t r = t / heads_, h = t % heads_, g = h / group;
       const std::vector<int64_t>& path = paths[r];
-      const int64_t len = start + static_cast<int64_t>(path.size());
-      auto slot = [&](int64_t j) { return j < start ? j : start + path[j - start]; };
+      const int64_t len = prefix + static_cast<int64_t>(path.size());
+      auto slot = [&](int64_t j) { return j < prefix ? j : path[j - prefix]; };
       const float* q = qkv + r * ld + h * d_;
       float best = -INFINITY;
       for (int64_t j = 0; j < len; ++j) {

@@ -47,6 +47,21 @@ class Record:
     predraft: tuple[int, int] = (0, 0)  # pre-drafts started, used (--predraft on)
     off_ids: list[int] = None  # the spec-off output's token ids
     parts: dict = None  # the last spec-on run's time by part (specsplit.roundtime.request_split), ms
+    by_depth: list = None  # per draft depth d (1, 2, ...): [rounds that drafted that deep, rounds that accepted d]
+
+
+def depth_counts(rounds) -> list[list[int]]:
+    """Per-position acceptance from round records: at depth d (1-based), the rounds whose draft
+    (chain or tree) reached d and those whose accepted path did."""
+    counts: list[list[int]] = []
+    for r in rounds:
+        depth = r.depth or r.drafted
+        while len(counts) < depth:
+            counts.append([0, 0])
+        for d in range(depth):
+            counts[d][0] += 1
+            counts[d][1] += r.accepted > d
+    return counts
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -95,7 +110,7 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               (s.predraft_attempts, s.predraft_hits), list(off.token_ids),
                               {"total": s.total_ms, **roundtime.request_split(
                                   s.total_ms, s.prefill_compute_ms, s.prefill_ms - s.prefill_compute_ms,
-                                  s.round_records)}))
+                                  s.round_records)}, depth_counts(s.round_records)))
     return records
 
 
@@ -131,10 +146,22 @@ def summarise(records: list[Record]) -> list[dict]:
             "target_step_ms": statistics.median(steps) if steps else 0.0,
             "draft_cost_ratio": draft_ms_per_token / statistics.median(steps) if steps else 0.0,
             "by_source": _merge_sources(rs),
+            "by_depth": _merge_depths(rs),
             "proposal_bytes_per_round": sum(r.proposal_bytes for r in rs) / rounds if rounds else 0.0,
             "predraft_attempts": sum(r.predraft[0] for r in rs), "predraft_hits": sum(r.predraft[1] for r in rs),
         })
     return rows
+
+
+def _merge_depths(records: list[Record]) -> list[list[int]]:
+    merged: list[list[int]] = []
+    for r in records:
+        for d, (n, hit) in enumerate(r.by_depth or []):
+            if d == len(merged):
+                merged.append([0, 0])
+            merged[d][0] += n
+            merged[d][1] += hit
+    return merged
 
 
 def _merge_sources(records: list[Record]) -> dict[str, list[int]]:
@@ -164,6 +191,10 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
     for drafter, mix in mixes:
         parts = [f"{src} {n} rounds acc.len {(acc + n) / n:.2f}" for src, (n, _, acc) in sorted(mix.items()) if n]
         print(f"{drafter} rounds by source: " + "; ".join(parts), file=out)
+    for r in rows:
+        if r["task_type"] == "ALL" and r["by_depth"]:
+            print(f"{r['drafter']} acceptance by draft position (accepted / drafted that deep): " + " ".join(
+                f"{d}:{hit / n:.0%}" for d, (n, hit) in enumerate(r["by_depth"], 1) if n), file=out)
     for r in rows:
         if r["task_type"] == "ALL" and r["proposal_bytes_per_round"]:
             print(f"{r['drafter']}: draft distributions sent {r['proposal_bytes_per_round']:.0f} bytes per round",

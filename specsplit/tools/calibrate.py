@@ -71,11 +71,15 @@ def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     controller = Controller(ControllerSettings(gamma_start=args.gamma))
     with gateway_stub(args.gateway, config) as (stub, stack):
-        drafter = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats.drafter
+        first = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats
+        drafter, tree = first.drafter, first.tree_budget
         walls = measure(stub, prompts, drafter, args.gamma, args.max_new_tokens, args.repeats, controller)
         target, drafters = _describe(stack.addresses if stack else None, args)
     table = recommend(controller, walls, drafter, args.gamma)
-    print(f"specsplit calibrate: {len(prompts)} prompts, drafter {drafter}, gamma {args.gamma}, "
+    for entry in table.values():
+        entry["tree_budget"] = tree  # measured with token trees of this size (0: chains)
+    print(f"specsplit calibrate: {len(prompts)} prompts, drafter {drafter}, gamma {args.gamma} "
+          f"({f'token trees of up to {tree} drafts, gamma deep' if tree else 'chains'}), "
           f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}")
     print(f"{'task type':<12}{'acc.len':>8}{'alpha':>7}{'cost':>7}{'seed est.':>10}{'measured':>9}"
           f"{'model@best':>11}{'gamma':>6}  recommendation")

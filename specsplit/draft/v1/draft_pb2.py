@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.common.v1 import common_pb2 as specsplit_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especsplit/draft/v1/draft.proto\x12\x12specsplit.draft.v1\x1a specsplit/common/v1/common.proto\"\r\n\x0bInfoRequest\"\xfa\x01\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bparam_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0eneeds_features\x18\x08 \x01(\x08\x12 \n\x18target_model_fingerprint\x18\t \x01(\t\x12\x14\n\x0cmemory_bytes\x18\n \x01(\x04\x12\x1a\n\x12\x64raft_ns_per_token\x18\x0b \x01(\x04\"\x89\x01\n\x0cInfoResponse\x12\x31\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x1f.specsplit.draft.v1.DrafterInfo\x12\x17\n\x0f\x64\x65\x66\x61ult_drafter\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x03 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\r\"\xe2\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12$\n\x1ctarget_tokenizer_fingerprint\x18\x04 \x01(\t\x12 \n\x18target_model_fingerprint\x18\x05 \x01(\t\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.specsplit.common.v1.Sampling\x12\x13\n\x0bshm_segment\x18\x07 \x01(\t\"a\n\x14StartSessionResponse\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x11\n\tshm_nonce\x18\x03 \x01(\x0c\x12\x11\n\tfast_path\x18\x04 \x01(\t\"\xa5\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\r\n\x05gamma\x18\x04 \x01(\r\x12/\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x1d.specsplit.common.v1.Features\x12\x13\n\x0btree_budget\x18\x06 \x01(\r\"\xe6\x01\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x10\n\x08\x64raft_ns\x18\x02 \x01(\x04\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x35\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32 .specsplit.common.v1.SparseProbs\x12\x34\n\x0f\x64raft_probs_shm\x18\x05 \x01(\x0b\x32\x1b.specsplit.common.v1.ShmRef\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_scores\x18\x07 \x03(\x02\"S\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\"#\n\x12\x45ndSessionResponse\x12\r\n\x05\x65nded\x18\x01 \x01(\x08\x32\xc6\x03\n\x07\x44rafter\x12I\n\x04Info\x12\x1f.specsplit.draft.v1.InfoRequest\x1a .specsplit.draft.v1.InfoResponse\x12\x61\n\x0cStartSession\x12\'.specsplit.draft.v1.StartSessionRequest\x1a(.specsplit.draft.v1.StartSessionResponse\x12R\n\x07Propose\x12\".specsplit.draft.v1.ProposeRequest\x1a#.specsplit.draft.v1.ProposeResponse\x12\\\n\rProposeStream\x12\".specsplit.draft.v1.ProposeRequest\x1a#.specsplit.draft.v1.ProposeResponse(\x01\x30\x01\x12[\n\nEndSession\x12%.specsplit.draft.v1.EndSessionRequest\x1a&.specsplit.draft.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especsplit/draft/v1/draft.proto\x12\x12specsplit.draft.v1\x1a specsplit/common/v1/common.proto\"\r\n\x0bInfoRequest\"\xfa\x01\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bparam_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0eneeds_features\x18\x08 \x01(\x08\x12 \n\x18target_model_fingerprint\x18\t \x01(\t\x12\x14\n\x0cmemory_bytes\x18\n \x01(\x04\x12\x1a\n\x12\x64raft_ns_per_token\x18\x0b \x01(\x04\"\x89\x01\n\x0cInfoResponse\x12\x31\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x1f.specsplit.draft.v1.DrafterInfo\x12\x17\n\x0f\x64\x65\x66\x61ult_drafter\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\x03 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\r\"\x85\x02\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12$\n\x1ctarget_tokenizer_fingerprint\x18\x04 \x01(\t\x12 \n\x18target_model_fingerprint\x18\x05 \x01(\t\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.specsplit.common.v1.Sampling\x12\x13\n\x0bshm_segment\x18\x07 \x01(\t\x12!\n\x19target_forward_ms_by_rows\x18\x08 \x03(\x01\"a\n\x14StartSessionResponse\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x12\n\nprefill_ns\x18\x02 \x01(\x04\x12\x11\n\tshm_nonce\x18\x03 \x01(\x0c\x12\x11\n\tfast_path\x18\x04 \x01(\t\"\xa5\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\r\n\x05gamma\x18\x04 \x01(\r\x12/\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x1d.specsplit.common.v1.Features\x12\x13\n\x0btree_budget\x18\x06 \x01(\r\"\xe6\x01\n\x0fProposeResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\r\x12\x10\n\x08\x64raft_ns\x18\x02 \x01(\x04\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x35\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32 .specsplit.common.v1.SparseProbs\x12\x34\n\x0f\x64raft_probs_shm\x18\x05 \x01(\x0b\x32\x1b.specsplit.common.v1.ShmRef\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\x12\x14\n\x0c\x64raft_scores\x18\x07 \x03(\x02\"S\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\"#\n\x12\x45ndSessionResponse\x12\r\n\x05\x65nded\x18\x01 \x01(\x08\x32\xc6\x03\n\x07\x44rafter\x12I\n\x04Info\x12\x1f.specsplit.draft.v1.InfoRequest\x1a .specsplit.draft.v1.InfoResponse\x12\x61\n\x0cStartSession\x12\'.specsplit.draft.v1.StartSessionRequest\x1a(.specsplit.draft.v1.StartSessionResponse\x12R\n\x07Propose\x12\".specsplit.draft.v1.ProposeRequest\x1a#.specsplit.draft.v1.ProposeResponse\x12\\\n\rProposeStream\x12\".specsplit.draft.v1.ProposeRequest\x1a#.specsplit.draft.v1.ProposeResponse(\x01\x30\x01\x12[\n\nEndSession\x12%.specsplit.draft.v1.EndSessionRequest\x1a&.specsplit.draft.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFORESPONSE']._serialized_start=357
   _globals['_INFORESPONSE']._serialized_end=494
   _globals['_STARTSESSIONREQUEST']._serialized_start=497
-  _globals['_STARTSESSIONREQUEST']._serialized_end=723
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=725
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=822
-  _globals['_PROPOSEREQUEST']._serialized_start=825
-  _globals['_PROPOSEREQUEST']._serialized_end=990
-  _globals['_PROPOSERESPONSE']._serialized_start=993
-  _globals['_PROPOSERESPONSE']._serialized_end=1223
-  _globals['_ENDSESSIONREQUEST']._serialized_start=1225
-  _globals['_ENDSESSIONREQUEST']._serialized_end=1308
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=1310
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=1345
-  _globals['_DRAFTER']._serialized_start=1348
-  _globals['_DRAFTER']._serialized_end=1802
+  _globals['_STARTSESSIONREQUEST']._serialized_end=758
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=760
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=857
+  _globals['_PROPOSEREQUEST']._serialized_start=860
+  _globals['_PROPOSEREQUEST']._serialized_end=1025
+  _globals['_PROPOSERESPONSE']._serialized_start=1028
+  _globals['_PROPOSERESPONSE']._serialized_end=1258
+  _globals['_ENDSESSIONREQUEST']._serialized_start=1260
+  _globals['_ENDSESSIONREQUEST']._serialized_end=1343
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=1345
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=1380
+  _globals['_DRAFTER']._serialized_start=1383
+  _globals['_DRAFTER']._serialized_end=1837
 # @@protoc_insertion_point(module_scope)
