@@ -87,6 +87,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         session = await self._worker.run(drafter.start, list(request.prompt_token_ids))
         session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
         session.verify_ms_by_rows = list(request.target_forward_ms_by_rows)
+        session.task_type = request.task_type
         prefill_ns = time.perf_counter_ns() - start
         entry = Entry(drafter, session)
         try:

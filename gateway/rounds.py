@@ -181,7 +181,8 @@ class RoundLoop:
                 session_id=request.session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
                 target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
-                shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows), "draft", deadline)
+                shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows,
+                task_type=plan.task_type), "draft", deadline)
             verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]

@@ -78,3 +78,26 @@ def test_with_a_budget_the_hybrid_proposes_the_union_of_match_and_head():
     assert proposal.parents is not None and proposal.source == "ngram+self"
     paths = {tuple(proposal.tokens[j] for j in (i, p)) for i, p in enumerate(proposal.parents) if p >= 0}
     assert proposal.tokens[0] == 7 and {(8, 7), (9, 7)} <= paths
+
+
+def test_a_task_type_starts_from_what_its_earlier_sessions_learnt():
+    """The head is always wrong on "rewrite": a later rewrite session starts without it (nothing
+    matched, nothing drafted), a session of another type still starts with it, and every 8th
+    rewrite session starts from the default priors again (re-measuring the head)."""
+    hybrid = HybridDrafter(NgramDrafter(), Head([42, 43]), min_match=2)
+
+    def session(task: str):
+        s = hybrid.start([1, 2, 3])
+        s.task_type = task
+        return s
+
+    first = session("rewrite")
+    sources = []
+    for i in range(12):  # the head drafts, the target never agrees (and nothing repeats)
+        sources.append(hybrid.propose(first, 2).source)
+        first.sync(len(first.tokens), [100 + i])
+    assert sources[0] == "self" and sources[-1] == ""  # it learnt within the session
+    assert hybrid.propose(session("rewrite"), 2) == Proposal([], "")
+    assert hybrid.propose(session("code"), 2).source == "self"
+    sources = [hybrid.propose(session("rewrite"), 2).source for _ in range(6)]  # sessions 3..8
+    assert sources == [""] * 5 + ["self"]

@@ -75,6 +75,7 @@ class DraftSession:
     method = "coupled"  # with temperature > 0: "coupled" (draft with the verifier's noise) or "rejection"
     proposal_top_k = 16  # rejection: sample from (and send) the drafter's top-k, renormalised
     verify_ms_by_rows: list[float] = []  # the target's verify time by rows (StartSession); empty: unknown
+    task_type = ""  # the request's label (StartSession)
 
     def __init__(self, prompt: list[int]):
         self.tokens = list(prompt)

@@ -6,11 +6,13 @@ cost, in target steps), and drafting nothing is worth 1; the verify cost by widt
 verifier's measurement (StartSession), the head's cost is its measured drafting time over the
 measured time between rounds. Priors give the old
 fixed order before anything is learnt: a match of `min_match` tokens or more, then the head,
-then a shorter match; the head drafting nothing (unsure) lets a match fill in."""
+then a shorter match; the head drafting nothing (unsure) lets a match fill in. A session of a task
+type the service has seen starts instead from the means earlier sessions of that type learnt."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from draft_service.drafters.base import DrafterDescription, Proposal
 from draft_service.drafters.ngram import NgramDrafter
@@ -20,6 +22,9 @@ from specsplit.ewma import Ewma
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
 PRIOR_WEIGHT = 2.0  # the priors count as this many rounds
 HEAD_COST = 0.1  # the head's cost per drafted token in target steps until measured
+TASK_DECAY = 0.98  # per round, for the means a task type keeps across sessions
+TASK_TYPES = 64  # task types remembered (labels come from clients)
+EXPLORE = 8  # every n-th session of a task type starts from the default priors
 
 
 def _prior(value: float) -> Ewma:
@@ -32,10 +37,14 @@ def _prior(value: float) -> Ewma:
 class _Choice:
     """What the hybrid learns within one session."""
 
-    def __init__(self, min_match: int):
-        # Priors in the old order: long match (1.5) > head (1.0) > short match (0.4).
-        self.means = {n: _prior(1.5 if n >= min_match else 0.4) for n in (1, 2, 3)}
-        self.means["self"] = _prior(1.0)
+    def __init__(self, min_match: int, learnt: dict | None = None):
+        # Priors: what earlier sessions of the task type learnt, else the old order: long match
+        # (1.5) > head (1.0) > short match (0.4).
+        defaults = {1: 0.4, 2: 0.4, 3: 0.4, "self": 1.0}
+        defaults.update({n: 1.5 for n in (1, 2, 3) if n >= min_match})
+        learnt = learnt or {}
+        self.means = {k: _prior(learnt[k].value if isinstance(learnt.get(k), Ewma) else v)
+                      for k, v in defaults.items()}
         # Last round's drafts: (position, tokens, parents or None for a chain, each token's source).
         self.pending: tuple[int, list[int], list[int] | None, list[object]] | None = None
         self.head_ms = Ewma(DECAY)  # the head's drafting time per round
@@ -47,6 +56,7 @@ class HybridDrafter:
 
     def __init__(self, ngram: NgramDrafter, head: SelfDrafter, min_match: int = 2, name: str = "hybrid"):
         self.ngram, self.head, self.min_match = ngram, head, min_match
+        self._tasks: OrderedDict[str, dict] = OrderedDict()  # task type -> source -> Ewma, across sessions
         d = head.description
         self.description = DrafterDescription(
             name=name, kind="hybrid", model_id=d.model_id, tokenizer_fingerprint=d.tokenizer_fingerprint,
@@ -59,11 +69,25 @@ class HybridDrafter:
 
     def start(self, prompt: list[int]) -> SelfSession:
         session = self.head.start(prompt)
-        session.choice = _Choice(self.min_match)
+        session.choice = None  # made at the first propose, once the task type is known
         return session
 
+    def _task(self, task_type: str) -> dict:
+        """The service-wide means of a task type (the most recent TASK_TYPES types are kept)."""
+        means = self._tasks.pop(task_type, None) or {}
+        self._tasks[task_type] = means
+        while len(self._tasks) > TASK_TYPES:
+            self._tasks.popitem(last=False)
+        return means
+
     def propose(self, session: SelfSession, gamma: int, budget: int = 0) -> Proposal:
-        choice = _learn(session)
+        if session.choice is None:
+            task = self._task(session.task_type)
+            task["sessions"] = task.get("sessions", 0) + 1
+            # Every EXPLORE-th session of a type starts from the default priors, so that a source
+            # the type stopped using is measured again.
+            session.choice = _Choice(self.min_match, None if task["sessions"] % EXPLORE == 0 else task)
+        choice = _learn(session, self._task(session.task_type))
         drafts, n = self.ngram.match(session.tokens, gamma)
         key = min(n, 3)
         # Tokens per round over the round's cost in target steps: verifying k drafts costs
@@ -118,9 +142,9 @@ class HybridDrafter:
         self.ngram.end(session)
 
 
-def _learn(session: SelfSession) -> _Choice:
+def _learn(session: SelfSession, task: dict) -> _Choice:
     """Counts how many of the last round's drafts the target kept, now that the sync told us, and
-    times the round."""
+    times the round; the task type's means (`task`, across sessions) learn it too."""
     choice: _Choice = session.choice
     now = time.perf_counter()
     if choice.last_call:
@@ -137,6 +161,7 @@ def _learn(session: SelfSession) -> _Choice:
                 while run < len(path) and sources[path[run]] == source:
                     run += 1
                 choice.means[source].add(run)
+                task.setdefault(source, Ewma(TASK_DECAY)).add(run)
         choice.pending = None
     return choice
 

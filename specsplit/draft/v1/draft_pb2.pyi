@@ -50,7 +50,7 @@ class InfoResponse(_message.Message):
     def __init__(self, drafters: _Optional[_Iterable[_Union[DrafterInfo, _Mapping]]] = ..., default_drafter: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint", "sampling", "shm_segment", "target_forward_ms_by_rows")
+    __slots__ = ("session_id", "drafter", "prompt_token_ids", "target_tokenizer_fingerprint", "target_model_fingerprint", "sampling", "shm_segment", "target_forward_ms_by_rows", "task_type")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class StartSessionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARD_MS_BY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TASK_TYPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class StartSessionRequest(_message.Message):
     sampling: _common_pb2.Sampling
     shm_segment: str
     target_forward_ms_by_rows: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ..., target_forward_ms_by_rows: _Optional[_Iterable[float]] = ...) -> None: ...
+    task_type: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., target_tokenizer_fingerprint: _Optional[str] = ..., target_model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ..., target_forward_ms_by_rows: _Optional[_Iterable[float]] = ..., task_type: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ("drafter", "prefill_ns", "shm_nonce", "fast_path")
