@@ -26,6 +26,7 @@ class RoundFacts:
     verify_ms: float
     network_ms: float
     depth: int = 0  # a token tree's longest path; 0: a chain (its depth is drafted)
+    expected: float = 0.0  # the drafter's estimate of accepted drafts (sum of scores); 0: unscored
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,17 @@ class TypeState:
         # Pre-drafting, an A/B within speculation: decode ms per token of spec-on requests by arm.
         self.predraft_ms: dict[bool, deque[float]] = {arm: deque(maxlen=settings.window) for arm in (True, False)}
         self.predraft_turns = 0
+        # Token trees: accepted drafts per round and what the drafter's scores expected.
+        self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
+
+    @property
+    def score_scale(self) -> float:
+        """How far a drafter's scores can be trusted: accepted over expected per scored round (1.0
+        until measured), which the gateway applies before it cuts a tree by expected gain."""
+        accepted, expected = self.tree_accepted.value, self.tree_expected.value
+        if accepted is None or not expected:
+            return 1.0
+        return min(4.0, max(0.25, accepted / expected))
 
     def predraft(self) -> bool:
         """Whether the next spec-on request pre-drafts: the arms alternate until each has
@@ -198,6 +210,9 @@ class Controller:
     def predraft(self, task_type: str, drafter: str) -> bool:
         return self.state(task_type, drafter).predraft()
 
+    def score_scale(self, task_type: str, drafter: str) -> float:
+        return self.state(task_type, drafter).score_scale
+
     def observe(self, task_type: str, drafter: str, decision: Decision, stats: Outcome,
                 predraft: bool = False) -> None:
         """Learns from a finished request (`predraft`: whether it pre-drafted) and re-evaluates its
@@ -213,6 +228,9 @@ class Controller:
             else:
                 st.network_off.add(r.network_ms)
             st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)
+            if r.expected > 0:
+                st.tree_accepted.add(r.accepted)
+                st.tree_expected.add(r.expected)
         if stats.generated_tokens > 1:
             # Decode time per token: prefill depends on the prompt's length, not on speculation, and
             # would make the comparison one of prompt mixes rather than of on vs off.

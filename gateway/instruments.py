@@ -146,7 +146,7 @@ class Instruments:
 
 def outcome(stats: pb.GenerationStats) -> Outcome:
     """A response's stats as the controller reads them."""
-    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth)
+    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth, r.expected)
                     for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used)
 
 
@@ -155,7 +155,8 @@ def _record(r) -> pb.RoundRecord:
     return pb.RoundRecord(drafted=r.drafted, accepted=r.accepted, draft_ms=r.draft_ns / 1e6,
                           verify_ms=r.verify_ns / 1e6, network_ms=time_.network_ms, gateway_ms=time_.gateway_ms,
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
-                          proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth)
+                          proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
+                          expected=r.expected)
 
 
 def _prefill_network_ms(request: Request) -> float:

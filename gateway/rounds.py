@@ -68,12 +68,12 @@ class RoundLoop:
             t = now()
             proposal = await request.drafter.call(self._propose(request, request.unsent, gamma + plan.predraft))
             draft_call = now() - t
-        drafts, parents, guess, probs, ref, draft_ns, source = [], [], None, [], None, 0, ""
+        drafts, parents, guess, probs, ref, draft_ns, source, expected = [], [], None, [], None, 0, "", 0.0
         if proposal is not None:
             tokens = proposal.draft_token_ids
             draft_ns, source = proposal.draft_ns, proposal.source
             if proposal.draft_parents:
-                drafts, parents = self._tree(request, proposal, gamma, (draft_call or draft_ns) / 1e6)
+                drafts, parents, expected = self._tree(request, proposal, gamma, (draft_call or draft_ns) / 1e6)
             else:
                 drafts = list(tokens[:gamma])
             guess = tokens[gamma] if plan.predraft and len(tokens) > gamma else None
@@ -112,20 +112,25 @@ class RoundLoop:
         request.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
-            max(tokentree.depths(parents)) if parents else len(drafts)))
+            max(tokentree.depths(parents)) if parents else len(drafts), expected))
         return end
 
     def _tree(self, request: Request, proposal: dpb.ProposeResponse, gamma: int,
-              draft_ms: float) -> tuple[list[int], list[int]]:
+              draft_ms: float) -> tuple[list[int], list[int], float]:
         """A proposed token tree cut to what pays: its best-first prefix whose expected tokens per
         millisecond are highest at the verifier's measured cost per width (this round's drafting
-        and the link's overhead count too), and to `gamma` deep."""
+        and the link's overhead count too), the drafter's scores scaled by how far they have held
+        up (the controller's score_scale), and to `gamma` deep. Returns (tokens, parents, the sum
+        of the kept tokens' unscaled scores)."""
         scores = list(proposal.draft_scores)
-        size = tokentree.worth_verifying(scores, list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS) \
-            if len(scores) == len(proposal.draft_token_ids) else None
+        if len(scores) != len(proposal.draft_token_ids):
+            scores = []
+        size = tokentree.worth_verifying([s * request.plan.score_scale for s in scores],
+                                         list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS) \
+            if scores else None
         keep, parents = tokentree.prune(list(proposal.draft_parents), gamma, size)
         tokens = proposal.draft_token_ids
-        return [tokens[i] for i in keep], parents
+        return [tokens[i] for i in keep], parents, sum(scores[i] for i in keep) if scores else 0.0
 
     def _propose(self, request: Request, new_tokens: list[int], gamma: int) -> dpb.ProposeRequest:
         """Tells the drafter what was committed since `request.base` (plus, for a pre-draft, the block

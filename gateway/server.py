@@ -209,6 +209,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     drafter=drafter, task_type=request.task_type,
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
                     decision=decision, tree_budget=tree,
+                    score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
                     predraft=speculate and not tree and self._predraft(request, drafter))
 
     def _predraft(self, request: pb.GenerateRequest, drafter: str) -> bool:

@@ -30,6 +30,7 @@ class Plan:
     decision: Decision = Decision(True, 4, "forced")  # the controller's, for this request
     predraft: bool = False  # asynchronous drafting: draft the next block while Verify is in flight
     tree_budget: int = 0  # most draft tokens per round in a token tree; 0: chains of gamma
+    score_scale: float = 1.0  # the controller's calibration of the drafter's tree scores
 
 
 class Round(NamedTuple):
@@ -47,6 +48,7 @@ class Round(NamedTuple):
     proposal_bytes: int
     predrafted: bool
     depth: int  # the draft's longest path (a chain: drafted)
+    expected: float  # the drafter's estimate of accepted drafts (sum of the verified scores); 0: unscored
 
 
 @dataclass

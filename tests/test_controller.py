@@ -135,3 +135,17 @@ def test_predrafting_is_kept_where_it_pays_and_dropped_where_it_does_not():
         late = arms[40:]
         assert sum(a == wins for a in late) >= 0.85 * len(late), (network, extra, arms)
         assert any(a != wins for a in late)  # the other arm is still probed now and then
+
+
+def test_tree_scores_are_calibrated_by_what_they_earned():
+    """A drafter whose tree scores promise twice the drafts that get accepted is trusted half as
+    much; unscored rounds (chains) leave the calibration alone, and task types keep their own."""
+    controller = Controller(ControllerSettings())
+    assert controller.score_scale("code", "hybrid") == 1.0
+    rounds = [pb.RoundRecord(drafted=6, depth=3, accepted=1, expected=2.0, verify_ms=50.0),
+              pb.RoundRecord(drafted=4, accepted=3, verify_ms=50.0)]  # a chain: no expectation
+    stats = pb.GenerationStats(generated_tokens=7, decode_ms=100.0, round_records=rounds * 10, rounds=20,
+                               speculation_used=True)
+    controller.observe("code", "hybrid", controller.decide("code", "hybrid", ON, 4, 1), outcome(stats))
+    assert abs(controller.score_scale("code", "hybrid") - 0.5) < 1e-9
+    assert controller.score_scale("open", "hybrid") == 1.0
