@@ -44,16 +44,17 @@ def for_drafter(request: Request, features: cpb.Features | None) -> cpb.Features
 
 
 def for_verifier(request: Request, proposal: dpb.ProposeResponse,
-                 count: int) -> tuple[list[cpb.SparseProbs], cpb.ShmRef | None]:
-    """The first `count` draft distributions, inline or as a segment reference the verifier can read."""
+                 keep: list[int]) -> tuple[list[cpb.SparseProbs], cpb.ShmRef | None]:
+    """The draft distributions of the drafts kept (indices into the proposal), inline or, when they
+    are a prefix, as a segment reference the verifier can read."""
     if not proposal.HasField("draft_probs_shm"):
-        return list(proposal.draft_probs[:count]), None
+        return [proposal.draft_probs[i] for i in keep] if proposal.draft_probs else [], None
     ref = proposal.draft_probs_shm
-    if request.shm_verify:
-        length = request.segment.proposal_prefix(ref.offset, ref.length, count)
+    if request.shm_verify and keep == list(range(len(keep))):
+        length = request.segment.proposal_prefix(ref.offset, ref.length, len(keep))
         return [], cpb.ShmRef(offset=ref.offset, length=length)
-    dists = request.segment.read_proposal(ref.offset, ref.length)[:count]
-    return [cpb.SparseProbs(token_ids=ids, probs=probs) for ids, probs in dists], None
+    dists = request.segment.read_proposal(ref.offset, ref.length)
+    return [cpb.SparseProbs(token_ids=dists[i][0], probs=dists[i][1]) for i in keep], None
 
 
 def proves(nonce: bytes, segment: shm.Segment, service: str) -> bool:

@@ -73,11 +73,12 @@ class RoundLoop:
             tokens = proposal.draft_token_ids
             draft_ns, source = proposal.draft_ns, proposal.source
             if proposal.draft_parents:
-                drafts, parents, expected = self._tree(request, proposal, gamma, (draft_call or draft_ns) / 1e6)
+                keep, parents, expected = self._tree(request, proposal, gamma, (draft_call or draft_ns) / 1e6)
             else:
-                drafts = list(tokens[:gamma])
+                keep = list(range(min(gamma, len(tokens))))
+            drafts = [tokens[i] for i in keep]
             guess = tokens[gamma] if plan.predraft and len(tokens) > gamma else None
-            probs, ref = payloads.for_verifier(request, proposal, len(drafts))
+            probs, ref = payloads.for_verifier(request, proposal, keep)
         check = vpb.VerifyRequest(session_id=request.session_id, length=request.length, draft_token_ids=drafts,
                                   draft_probs=probs, draft_probs_shm=ref, draft_parents=parents)
         t = now()
@@ -120,8 +121,9 @@ class RoundLoop:
         """A proposed token tree cut to what pays: its best-first prefix whose expected tokens per
         millisecond are highest at the verifier's measured cost per width (this round's drafting
         and the link's overhead count too), the drafter's scores scaled by how far they have held
-        up (the controller's score_scale), and to `gamma` deep. Returns (tokens, parents, the sum
-        of the kept tokens' unscaled scores)."""
+        up (the controller's score_scale), and to `gamma` deep; an unscored tree (rejection
+        sampling's, whose layout must not depend on the drawn values) by depth only. Returns (the
+        kept indices, their parents, the sum of the kept tokens' unscaled scores)."""
         scores = list(proposal.draft_scores)
         if len(scores) != len(proposal.draft_token_ids):
             scores = []
@@ -129,8 +131,7 @@ class RoundLoop:
                                          list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS) \
             if scores else None
         keep, parents = tokentree.prune(list(proposal.draft_parents), gamma, size)
-        tokens = proposal.draft_token_ids
-        return [tokens[i] for i in keep], parents, sum(scores[i] for i in keep) if scores else 0.0
+        return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 
     def _propose(self, request: Request, new_tokens: list[int], gamma: int) -> dpb.ProposeRequest:
         """Tells the drafter what was committed since `request.base` (plus, for a pre-draft, the block

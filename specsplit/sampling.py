@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 GUMBEL, ACCEPT, RESAMPLE, DRAFT = 0, 1, 2, 3  # noise streams (DRAFT: the drafter's own samples)
+# Token trees under rejection sampling: the j-th sibling's acceptance uniform (j >= 1) and the
+# drafter's j-th extra sample at a position come from streams SIBLING_ACCEPT + j, SIBLING_DRAFT + j.
+SIBLING_ACCEPT, SIBLING_DRAFT = 16, 48
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """Speculative sampling through the real services is lossless: continuations sampled with
-speculation (rejection and coupled verification of chains, coupled verification of token trees, a
-model drafter whose q differs from p) follow the target's own distribution, and a deliberately
-broken variant of each method does not. (Rejection sampling verifies chains only: the gateway
-never sends it a tree.)
+speculation (rejection and coupled verification, of chains and of token trees, a model drafter
+whose q differs from p) follow the target's own distribution, and a deliberately broken variant
+of each method does not.
 
 The reference is computed here, independently of the project's sampling code: the target's
 logits from transformers, then temperature, top-k and top-p written out in plain Python. The
@@ -24,14 +23,14 @@ from conftest import running_stack
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.sampling import RESAMPLE, coupled_choice, sample, uniform
+from specsplit.sampling import ACCEPT, RESAMPLE, SIBLING_ACCEPT, coupled_choice, sample, uniform
 from verify_service import engine
 
 PROMPT = "Once upon a time"
 NEW = 4  # the first token comes from prefill; the next three from one or two draft/verify rounds
 TEMPERATURE, TOP_K, TOP_P = 1.5, 2, 0.95
 SAMPLES = 2400
-TREE = 6  # drafts per round in the token-tree configurations (a chain of 3 and its runners-up)
+TREE = 6  # drafts per round in the token-tree configurations (a chain of 3 and a sibling at each depth)
 ALPHA = 1e-3  # false-alarm rate of the decision rule, per configuration
 
 
@@ -100,14 +99,24 @@ def calibrate(exact: dict, sims: int = 4000) -> tuple[float, float]:
     raise AssertionError("no error up to 0.3 is detectable: too few samples for this distribution")
 
 
-def broken_rejection_accept(probs, draft, proposals, seed, start):
-    """Rejection sampling with the classic mistake: resampling from p instead of norm(max(0, p - q))."""
-    for i, token in enumerate(draft):
-        ids, q = proposals[i]
-        q_tok = float(q[ids == token].sum())
-        if uniform(seed, start + i, 1) >= min(1.0, float(probs[i, token]) / q_tok):
-            return i, sample(probs[i], seed, start + i, RESAMPLE), "recovered"
-    return len(draft), sample(probs[len(draft)], seed, start + len(draft), RESAMPLE), "bonus"
+def broken_rejection_accept(probs, draft, proposals, seed, start, parents=None):
+    """Rejection sampling with the classic mistake: every draft tested against p, and resampling
+    from p instead of the residual norm(max(0, p - q)) (over a chain or a tree's siblings)."""
+    parents = list(range(-1, len(draft) - 1)) if parents is None else parents
+    path, row = [], 0
+    while True:
+        position = start + len(path)
+        kids = [i for i, parent in enumerate(parents) if parent + 1 == row]
+        for j, child in enumerate(kids):
+            ids, q = proposals[child]
+            q_tok = float(q[ids == draft[child]].sum())
+            if uniform(seed, position, ACCEPT if j == 0 else SIBLING_ACCEPT + j) < min(
+                    1.0, float(probs[row][draft[child]]) / q_tok):
+                path.append(child)
+                row = child + 1
+                break
+        else:
+            return path, sample(probs[row], seed, position, RESAMPLE), "recovered" if kids else "bonus"
 
 
 
@@ -162,6 +171,7 @@ async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not
             for name, method, speculation, tree in (("off", coupled, pb.SPECULATION_OFF, 1),
                                                     ("rejection", rejection, pb.SPECULATION_ON, 1),
                                                     ("coupled", coupled, pb.SPECULATION_ON, 1),
+                                                    ("rejection tree", rejection, pb.SPECULATION_ON, TREE),
                                                     ("coupled tree", coupled, pb.SPECULATION_ON, TREE)):
                 counts, drafted = await continuations(gw, method, speculation, tree)
                 tv[name] = total_variation(counts, exact)
@@ -169,6 +179,7 @@ async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not
                 assert drafted >= (0 if speculation == pb.SPECULATION_OFF else SAMPLES // 2 if tree > 1 else SAMPLES)
             for name, method, attr, broken, tree in (
                     ("broken rejection", rejection, "rejection_accept", broken_rejection_accept, 1),
+                    ("broken rejection tree", rejection, "rejection_accept", broken_rejection_accept, TREE),
                     ("broken coupled", coupled, "coupled_accept", broken_coupled_accept, 1),
                     ("broken coupled tree", coupled, "coupled_accept", broken_coupled_accept, TREE)):
                 with monkeypatch.context() as m:
@@ -179,8 +190,8 @@ async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not
           f"{ALPHA} the test flags a total variation above {threshold:.3f} and catches an error of {detects:.3f} "
           f"or more with probability >= 0.95; measured: " + ", ".join(f"{k} {v:.3f}" for k, v in tv.items()))
     # spec-off is the control: it also checks the services' warp and sampler against this reference.
-    for name in ("off", "rejection", "coupled", "coupled tree"):
+    for name in ("off", "rejection", "coupled", "rejection tree", "coupled tree"):
         assert tv[name] <= threshold, tv
-    for name in ("broken rejection", "broken coupled", "broken coupled tree"):
+    for name in ("broken rejection", "broken rejection tree", "broken coupled", "broken coupled tree"):
         assert tv[name] > threshold, tv
     assert detects < 0.06  # the test is at least this sharp (the old one: ~0.07)

@@ -169,3 +169,15 @@ async def test_greedy_generation_with_trees_is_identical_to_spec_off(models, tmp
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await gw.Generate(pb.GenerateRequest(text="x", max_new_tokens=4, tree_budget=65))
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree_budget" in bad.value.details()
+
+
+def test_a_rejection_tree_keeps_its_layout_whatever_was_drawn():
+    """Under rejection sampling the siblings are second draws from the same q, placed depth by
+    depth after the chain token, never reordered or scored (which drafts are sent must not depend
+    on the values drawn); a repeated draw is left out (the verifier would surely reject it)."""
+    q = (torch.tensor([3, 5, 8]), torch.tensor([0.5, 0.3, 0.2]))
+    choices = [Choice(5, 0.5, q, 0.3, (3, 0.5)), Choice(8, 0.5, q, 0.2, None), Choice(3, 0.5, q, 0.5, (5, 0.3))]
+    proposal = chain_tree(choices, 5, "model")
+    assert proposal.tokens == [5, 3, 8, 3] and proposal.parents == [-1, -1, 0, 2]
+    assert proposal.scores is None and len(proposal.probs) == 4
+    assert chain_tree(choices, 3, "model").tokens == [5, 8, 3]  # no room for siblings

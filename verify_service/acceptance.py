@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.sampling import ACCEPT, coupled_choice, sample, uniform
+from specsplit.sampling import ACCEPT, SIBLING_ACCEPT, coupled_choice, sample, uniform
 
 
 def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | None = None) -> tuple[list[int], int]:
@@ -54,25 +54,44 @@ def tree_accept(choice, draft: list[int], parents: list[int] | None) -> tuple[li
         row = nxt + 1
 
 
-def rejection_accept(probs: torch.Tensor, draft: list[int], proposals: list[tuple[torch.Tensor, torch.Tensor]],
-                     seed: int, start: int) -> tuple[int, int, str]:
-    """Speculative sampling (Leviathan et al., Chen et al.): probs [k+1, V] target distributions;
-    draft[i] was sampled from proposals[i] = (ids, q): the drafter's (possibly truncated and
-    renormalised) distribution, sparse. Accept draft[i] with probability min(1, p/q); at the first
-    rejection sample from norm(max(0, p - q)); after k acceptances sample a bonus token from
-    probs[k]. Returns (num_accepted, next_token, "recovered" | "bonus"). The output is
-    distributed exactly as sampling from the target."""
-    for i, token in enumerate(draft):
-        ids, q = proposals[i]
-        dense_q = torch.zeros_like(probs[i]).index_put_((ids.to(probs.device),), q.to(probs.device).float())
-        p_tok, q_tok = float(probs[i, token]), float(dense_q[token])
-        if q_tok <= 0:
-            raise ValueError(f"draft token {token} at position {start + i} has probability 0 in its proposal")
-        if uniform(seed, start + i, ACCEPT) < min(1.0, p_tok / q_tok):
-            continue
-        residual = (probs[i] - dense_q).clamp_(min=0)
-        total = float(residual.sum())
-        # p <= q everywhere only when p == q up to rounding, where rejection has probability 0.
-        return i, sample(residual / total if total > 0 else probs[i], seed, start + i), "recovered"
-    k = len(draft)
-    return k, sample(probs[k], seed, start + k), "bonus"
+def rejection_accept(probs, draft: list[int], proposals: list[tuple[torch.Tensor, torch.Tensor]],
+                     seed: int, start: int, parents: list[int] | None = None) -> tuple[list[int], int, str]:
+    """Speculative sampling (Leviathan et al., Chen et al.), over a chain or a token tree
+    (SpecInfer's multi-step speculative sampling): probs[row] is the target's distribution after
+    the row's path (row 0 at absolute position `start`); draft[i] was drawn from proposals[i] =
+    (ids, q), sparse, independently of its siblings given its path (a deterministic draft: a
+    point mass). At each node the children are tried in order: child s is accepted with
+    probability min(1, r(x_s) / q_s(x_s)) with r = p at first; a rejection sets
+    r = norm(max(0, r - q_s)) before the next child. If every child is rejected the next token is
+    drawn from r ("recovered"); at a leaf from p ("bonus"). Returns (accepted path, next token,
+    kind). The output is distributed exactly as sampling from the target; a chain gives the
+    classic rule (each child's uniform from the (seed, position) ACCEPT stream, the first sibling's
+    too; later siblings' from their own streams)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(chain(len(draft)) if parents is None else parents):
+        children.setdefault(parent + 1, []).append(i)
+    path: list[int] = []
+    row = 0
+    while True:
+        position = start + len(path)
+        kids = children.get(row, [])
+        if not kids:
+            return path, sample(probs[row], seed, position), "bonus"
+        residual = probs[row]
+        for j, child in enumerate(kids):
+            ids, q = proposals[child]
+            dense_q = torch.zeros_like(residual).index_put_((ids.to(residual.device),), q.to(residual.device).float())
+            token = draft[child]
+            r_tok, q_tok = float(residual[token]), float(dense_q[token])
+            if q_tok <= 0:
+                raise ValueError(f"draft token {token} at position {position} has probability 0 in its proposal")
+            if uniform(seed, position, ACCEPT if j == 0 else SIBLING_ACCEPT + j) < min(1.0, r_tok / q_tok):
+                path.append(child)
+                row = child + 1
+                break
+            rest = (residual - dense_q).clamp_(min=0)
+            total = float(rest.sum())
+            # r <= q everywhere only when r == q up to rounding, where rejection has probability 0.
+            residual = rest / total if total > 0 else residual
+        else:
+            return path, sample(residual, seed, position), "recovered"

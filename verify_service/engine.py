@@ -113,9 +113,6 @@ class Target:
                 parents = None  # a chain
         proposals = proposals or []
         if self._rejects(session):
-            if parents is not None:
-                raise ValueError("rejection sampling verifies a chain of drafts, not a tree: "
-                                 "use the coupled method for token trees")
             self._check_proposals(draft, proposals)
         if parents is not None and not hasattr(session.kv, "keep"):
             raise ValueError("this target runs on transformers' forward, which verifies chains only "
@@ -162,8 +159,8 @@ class Target:
             return greedy_accept(logits, draft, parents)
         if session.method == "coupled":
             return coupled_accept(_Warped(logits, params), draft, params.seed, start, parents)
-        accepted, token, _ = rejection_accept(warp(logits, params), draft, proposals, params.seed, start)
-        return list(range(accepted)), token
+        path, token, _ = rejection_accept(_Warped(logits, params), draft, proposals, params.seed, start, parents)
+        return path, token
 
     def _check_proposals(self, draft: list[int], proposals: list) -> None:
         if len(proposals) != len(draft):

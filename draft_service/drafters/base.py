@@ -7,7 +7,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specsplit.sampling import DRAFT, SamplingParams, gumbel, sample, warp
+from specsplit.sampling import DRAFT, SIBLING_DRAFT, SamplingParams, gumbel, sample, warp
 from specsplit.tokentree import Tree
 
 GREEDY = SamplingParams()
@@ -56,7 +56,10 @@ class Choice(NamedTuple):
 
 def chain_tree(choices: list[Choice], budget: int, source: str) -> Proposal:
     """A drafted chain with each step's runner-up as a sibling leaf, scored by the drafter's own
-    probabilities along the path; the best `budget` nodes."""
+    probabilities along the path; the best `budget` nodes. Under rejection sampling the runner-up is
+    an independent second draw and the layout is fixed before any draw (`sampled_tree`)."""
+    if choices and choices[0].q is not None:
+        return sampled_tree(choices, budget, source)
     tree, parent, score = Tree(), -1, 1.0
     for choice in choices:
         if choice.runner_up is not None:
@@ -105,9 +108,9 @@ class DraftSession:
         return (curve[-1] + slope * (drafts + 1 - len(curve))) / curve[0]
 
     @property
-    def method_drafts_trees(self) -> bool:
-        """Token trees are verified greedily or coupled; rejection sampling verifies chains."""
-        return self.sampling.temperature == 0 or self.method == "coupled"
+    def rejects(self) -> bool:
+        """Rejection sampling: drafts are drawn from q, and token trees keep a layout fixed before the draws."""
+        return self.sampling.temperature > 0 and self.method == "rejection"
 
     @property
     def output(self) -> list[int]:
@@ -142,7 +145,6 @@ def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None
         second = int(two.indices[1])
         runner_up = (second if ids is None else int(ids[second]), float(probs[second]))
     if params.temperature > 0 and session.method == "rejection":
-        runner_up = None
         cut = probs.topk(min(session.proposal_top_k, probs.shape[-1]))
         keep = cut.values > 0
         local, values = cut.indices[keep], cut.values[keep]
@@ -150,8 +152,36 @@ def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None
         j = sample(values, params.seed, position, DRAFT)
         k = local[j]
         q = ((local if ids is None else ids[local]).cpu(), values)
+        # A second, independent draw from the same q (a token tree's sibling under rejection
+        # sampling); the same token again is dropped, as the verifier would surely reject it.
+        second = sample(values, params.seed, position, SIBLING_DRAFT + 1)
+        runner_up = None if second == j else (int(local[second] if ids is None else ids[local[second]]),
+                                              float(values[second]))
     k = int(k)
     return Choice(k if ids is None else int(ids[k]), float(top_prob), q, float(probs[k]), runner_up)
+
+
+def sampled_tree(choices: list[Choice], budget: int, source: str) -> Proposal:
+    """Rejection sampling's token tree: the sampled chain, and at its first `budget - len(chain)`
+    depths a sibling drawn independently from the same q, depth by depth (chain token first). The
+    verifier tries siblings in order (SpecInfer's multi-step speculative sampling), which is
+    lossless only if which drafts are sent, and in which order, does not depend on the values
+    drawn: so no scores (the gateway cuts such a tree by depth only) and no reordering."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    siblings, parent = max(0, budget - len(choices)), -1
+    for depth, choice in enumerate(choices):
+        node = len(tokens)
+        tokens.append(choice.token)
+        parents.append(parent)
+        probs.append(choice.q)
+        if depth < siblings and choice.runner_up is not None:
+            tokens.append(choice.runner_up[0])
+            parents.append(parent)
+            probs.append(choice.q)
+        parent = node
+    return Proposal(tokens, source if tokens else "", probs, parents, None)
 
 
 def candidates(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None, vocab: int,

@@ -103,12 +103,15 @@ class HybridDrafter:
             proposal = self.head.propose(session, gamma, budget)
             if proposal.tokens:
                 choice.head_ms.add((time.perf_counter() - started) * 1e3)
-        if budget > 1 and session.method_drafts_trees:
+        if budget > 1 and not session.rejects:
             return self._tree(session, choice, proposal, gamma, budget)
         if proposal is None or not proposal.tokens:
-            proposal = Proposal(drafts, "ngram" if drafts else "")
+            # Under rejection sampling the sources are not merged (a merged node has no one q).
+            proposal = self.ngram.propose(session, gamma, budget) if budget > 1 else \
+                Proposal(drafts, "ngram" if drafts else "")
         source = "self" if proposal.source == "self" else key
-        choice.pending = (len(session.tokens), list(proposal.tokens), None, [source] * len(proposal.tokens))
+        choice.pending = (len(session.tokens), list(proposal.tokens), proposal.parents,
+                          [source] * len(proposal.tokens))
         return proposal
 
     def _tree(self, session: SelfSession, choice: _Choice, head: Proposal | None, gamma: int,

@@ -67,7 +67,7 @@ class ModelDrafter:
             pending = [choices[-1].token]
         drafts = [c.token for c in choices]
         session.fed = tokens + drafts[:-1]
-        if budget > 1 and session.method_drafts_trees:
+        if budget > 1:
             return chain_tree(choices, budget, "model")
         return Proposal(drafts, "model", sampled_from(choices))
 

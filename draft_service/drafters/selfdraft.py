@@ -161,7 +161,7 @@ class SelfDrafter:
         for token in session.tokens[have + 1:n]:
             out, logits = runner.step(cache, pred[None], [token])
             pred = out[-1]
-        if budget > 1 and session.method_drafts_trees and hasattr(runner, "tree_step"):
+        if budget > 1 and not session.rejects and hasattr(runner, "tree_step"):
             return self._expand(session, cache, pred, logits, gamma, budget)
         choices = []
         confidence = 1.0
@@ -175,7 +175,7 @@ class SelfDrafter:
             if k + 1 < gamma:
                 out, logits = runner.step(cache, pred[None], [choice.token])
                 pred = out[-1]
-        if budget > 1 and session.method_drafts_trees and choices:
+        if budget > 1 and choices:
             return chain_tree(choices, budget, "self")
         return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
 
