@@ -34,15 +34,21 @@ def chain(size: int) -> list[int]:
     return list(range(-1, size - 1))
 
 
+def _children(size: int, parents: list[int] | None) -> dict[int, list[int]]:
+    """Row -> the draft indices whose parent it is (row 0: the last committed token), in order."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(chain(size) if parents is None else parents):
+        children.setdefault(parent + 1, []).append(i)
+    return children
+
+
 def tree_accept(choice, draft: list[int], parents: list[int] | None) -> tuple[list[int], int]:
     """Walks a token tree. Row 0 of the call is the last committed token, row i + 1 is draft[i],
     whose parent is row parents[i] + 1 (row 0 when parents[i] is -1; parents None: a chain);
     choice(row, depth) is the target's own token after that row's path. From the root, follow the
     child equal to the target's choice while there is one. Returns (the accepted draft indices,
     root to leaf; the target's choice after them)."""
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(chain(len(draft)) if parents is None else parents):
-        children.setdefault(parent + 1, []).append(i)
+    children = _children(len(draft), parents)
     path: list[int] = []
     row = 0
     while True:
@@ -67,9 +73,7 @@ def rejection_accept(probs, draft: list[int], proposals: list[tuple[torch.Tensor
     kind). The output is distributed exactly as sampling from the target; a chain gives the
     classic rule (each child's uniform from the (seed, position) ACCEPT stream, the first sibling's
     too; later siblings' from their own streams)."""
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(chain(len(draft)) if parents is None else parents):
-        children.setdefault(parent + 1, []).append(i)
+    children = _children(len(draft), parents)
     path: list[int] = []
     row = 0
     while True:
