@@ -170,6 +170,10 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
     dist.add_argument("--out", required=True, help="work directory: data shards, checkpoint, head/ (resumable)")
     dist.add_argument("--prompts", help="JSONL of {prompt, task_type} (default: the built-in distillation set)")
+    dist.add_argument("--prompt-seeds", default="0",
+                      help="built-in set: comma-separated seeds, each adding ~1,000 new prompts (new template "
+                           "combinations and rewrite passages) after those of the seeds before it, so that a "
+                           "resumed run with more seeds keeps its shards and generates more")
     dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
     dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
     dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
@@ -474,7 +478,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
                             train_minutes=a.train_minutes, max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
-                            stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens))
+                            stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
+                            prompt_seeds=tuple(int(x) for x in a.prompt_seeds.split(",") if x)))
     return 0
 
 

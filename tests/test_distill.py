@@ -26,7 +26,11 @@ def data(models, tmp_path_factory):
 
 def test_generated_features_reproduce_the_targets_own_tokens(data):
     lm, work = data
-    examples = load_examples(work / "data")
+    shards = [ex for path in gen.shard_paths(work / "data") for ex in torch.load(path, weights_only=True)]
+    assert shards and all(set(ex) == {"ids", "prompt_len", "task_type"} for ex in shards)  # ids only
+    with pytest.raises(ValueError, match="no features"):
+        load_examples(work / "data")
+    examples = load_examples(work / "data", lm, log=lambda *_: None)  # features by one prefill each
     assert len(examples) == 8
     for ex in examples:
         assert ex["features"].shape == (len(ex["ids"]) - 1, lm.hidden_size)
@@ -52,7 +56,7 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(data, models):
 
 def test_draft_vocabulary_maps_back_to_target_ids(data):
     lm, work = data
-    examples = load_examples(work / "data")
+    examples = load_examples(work / "data", lm, log=lambda *_: None)
     vocab = build_vocab(examples, 128, lm.eos_token_ids, lm.vocab_size)
     assert vocab.numel() == 128 and len(set(vocab.tolist())) == 128
     assert all(0 <= t < lm.vocab_size for t in vocab.tolist()) and set(lm.eos_token_ids) <= set(vocab.tolist())
@@ -121,3 +125,9 @@ def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, mode
     session.sync(3, [8])
     drafts = drafter.propose(session, 4).tokens
     assert len(drafts) == 4 and set(drafts) <= set(drafter.vocab_ids.tolist())
+
+
+def test_more_prompt_seeds_append_new_prompts_after_the_old_ones():
+    first, more = load_prompts(None), load_prompts(None, (0, 1))
+    assert more[:len(first)] == first and len(more) > len(first) + 300
+    assert len({r["prompt"] for r in more}) == len(more)

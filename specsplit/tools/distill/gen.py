@@ -1,8 +1,10 @@
-"""Stage 1 of distillation: the target's own greedy continuations of the prompts, with the target's
-final-norm hidden state ("feature") at every position, written in resumable shards.
+"""Stage 1 of distillation: the target's own greedy continuations of the prompts, written in
+resumable shards of token ids.
 
 The draft must imitate *this* target, so the data is what the target says, not reference text.
-Features come out of the same forward that generates, so no second teacher-forcing pass is needed.
+The shards keep token ids only (a few bytes a token; the features would be ~1 KiB a token), so a
+data set can be kept and grown over many runs; training computes the target's features of every
+position by one prefill per sequence (train.load_examples), with the forward the verifier serves.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 @torch.inference_mode()
 def generate_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
     """Greedy continuations of a left-padded batch. Each example holds `ids` (prompt + continuation,
-    ending at EOS or the budget), `features` [len(ids) - 1, hidden] (bf16: the feature of every
-    token but the last) and `prompt_len`."""
+    ending at EOS or the budget) and `prompt_len`."""
     from transformers import DynamicCache
 
     model, device = lm.model, lm.device
@@ -37,7 +38,6 @@ def generate_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: in
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [B, width]
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = DynamicCache(config=model.config)
-    feats: list[torch.Tensor] = []  # per step: [B, n, hidden]
     out_tokens: list[torch.Tensor] = []  # per step: [B]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     step_ids = ids
@@ -45,7 +45,6 @@ def generate_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: in
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         hidden = model.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                              cache=cache, use_cache=True).last_hidden_state  # [B, n, hidden]
-        feats.append(hidden.to(torch.bfloat16))
         nxt = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
         out_tokens.append(nxt)
         done |= torch.tensor([int(t) in eos for t in nxt.tolist()], device=device)
@@ -53,17 +52,13 @@ def generate_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: in
             break
         step_ids = nxt[:, None]
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
-    all_feats = torch.cat(feats, dim=1)  # [B, width + steps - 1, hidden]
     generated = torch.stack(out_tokens, dim=1).tolist()  # [B, steps]
     examples = []
     for row, prompt in enumerate(prompts):
         cont = generated[row]
         end = next((i + 1 for i, t in enumerate(cont) if t in eos), len(cont))
         seq = prompt + cont[:end]
-        start = width - len(prompt)
-        examples.append({"ids": torch.tensor(seq, dtype=torch.int32),
-                         "features": all_feats[row, start:start + len(seq) - 1].clone(),
-                         "prompt_len": len(prompt)})
+        examples.append({"ids": torch.tensor(seq, dtype=torch.int32), "prompt_len": len(prompt)})
     return examples
 
 

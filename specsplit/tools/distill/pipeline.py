@@ -41,6 +41,7 @@ class DistillSettings:
     batch_tokens: int = 1024
     kind: str = "self"  # self: a feature head; model: a standalone draft model of `layers` target layers
     layers: int = 2
+    prompt_seeds: tuple[int, ...] = (0,)  # the built-in set: each seed adds its new prompts after the others
 
 
 def distill(s: DistillSettings, log=print) -> Path:
@@ -50,7 +51,7 @@ def distill(s: DistillSettings, log=print) -> Path:
     data_dir = out / "data"
     lm = load_model(target_dir, s.dtype, s.device, exact=False)
     if "generate" in s.stages:
-        prompts = load_prompts(s.prompts)
+        prompts = load_prompts(s.prompts, s.prompt_seeds)
         log(f"generate: {len(prompts)} prompts, up to {s.max_new_tokens} new tokens each, budget {s.gen_minutes} min")
         started = time.monotonic()
         gen.run(lm, prompts, data_dir, s.gen_minutes * 60, s.batch, s.max_new_tokens)

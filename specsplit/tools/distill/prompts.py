@@ -180,10 +180,18 @@ def builtin_prompts(seed: int = 0) -> list[dict]:
     return out
 
 
-def load_prompts(path: str | None) -> list[dict]:
-    """A JSONL file of {"prompt": ..., "task_type": ...} (task_type optional), or the built-in set."""
+def load_prompts(path: str | None, seeds: tuple[int, ...] = (0,)) -> list[dict]:
+    """A JSONL file of {"prompt": ..., "task_type": ...} (task_type optional), or the built-in set:
+    the prompts of each seed that the seeds before it did not have, appended in seed order (so the
+    shards of a run with fewer seeds stay valid)."""
     if path is None:
-        return builtin_prompts()
+        seen, out = set(), []
+        for seed in seeds:
+            for row in builtin_prompts(seed):
+                if row["prompt"] not in seen:
+                    seen.add(row["prompt"])
+                    out.append(row)
+        return out
     rows = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():

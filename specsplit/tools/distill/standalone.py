@@ -82,7 +82,7 @@ class ModelStudent:
 
 def train_standalone(target, data_dir: Path, out_dir: Path, layers: int, settings: TrainSettings,
                      log=print) -> dict:
-    examples = load_examples(data_dir)
+    examples = load_examples(data_dir, target, log)
     if not examples:
         raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -35,11 +35,29 @@ class TrainSettings:
     seed: int = 0
 
 
-def load_examples(data_dir: Path) -> list[dict]:
+def load_examples(data_dir: Path, target=None, log=print) -> list[dict]:
+    """Every shard's examples; those without `features` get them from `target` (one prefill per
+    sequence: the features of every position but the last, in the target's dtype)."""
     examples = []
     for path in shard_paths(data_dir):
         examples += torch.load(path, weights_only=True)
+    missing = [ex for ex in examples if "features" not in ex]
+    if missing and target is None:
+        raise ValueError(f"{len(missing)} examples in {data_dir} have no features and no target was given")
+    if missing:
+        started = time.monotonic()
+        add_features(target, missing)
+        tokens = sum(len(ex["ids"]) - 1 for ex in missing)
+        log(f"features: {tokens} positions of {len(missing)} sequences in {time.monotonic() - started:.0f} s")
     return examples
+
+
+@torch.inference_mode()
+def add_features(target, examples: list[dict]) -> None:
+    from specsplit.modeling import KVSequence
+
+    for ex in examples:
+        ex["features"] = KVSequence(target.model).hidden(ex["ids"][:-1].tolist()).detach().cpu()
 
 
 def build_vocab(examples: list[dict], size: int, eos_ids: list[int], vocab_size: int) -> torch.Tensor:
@@ -234,7 +252,7 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, ou
           settings: TrainSettings, log=print) -> dict:
     """Trains (or resumes) a self-draft head from the target's embedding and output head (the very
     tensors the drafter reads when serving); returns the head and its metrics."""
-    examples = load_examples(data_dir)
+    examples = load_examples(data_dir, target, log)
     if not examples:
         raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
     fresh = not (out_dir / "checkpoint.pt").exists()
