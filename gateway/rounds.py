@@ -130,7 +130,7 @@ class RoundLoop:
         size = tokentree.worth_verifying([s * request.plan.score_scale for s in scores],
                                          list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS) \
             if scores else None
-        keep, parents = tokentree.prune(list(proposal.draft_parents), gamma, size)
+        keep, parents = tokentree.prune(list(proposal.draft_parents)[:len(proposal.draft_token_ids)], gamma, size)
         return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 
     def _propose(self, request: Request, new_tokens: list[int], gamma: int) -> dpb.ProposeRequest:

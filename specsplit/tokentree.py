@@ -26,12 +26,17 @@ def is_chain(parents: list[int]) -> bool:
 
 def prune(parents: list[int], max_depth: int, size: int | None = None) -> tuple[list[int], list[int]]:
     """The first `size` nodes (all: None) that are at most `max_depth` deep: (their indices, their
-    parents renumbered). Parents come before children, so the kept nodes are a tree."""
+    parents renumbered). A node whose parent is not a kept earlier node is dropped with it, so the
+    kept nodes are a tree even when the proposal was not."""
     keep: list[int] = []
     index: dict[int, int] = {}
-    for i, (parent, depth) in enumerate(zip(parents[:size], depths(parents))):
-        if depth <= max_depth:
-            index[i] = len(keep)
+    depth: dict[int, int] = {}
+    for i, parent in enumerate(parents[:size]):
+        if parent != -1 and parent not in index:
+            continue
+        d = 1 if parent == -1 else depth[parent] + 1
+        if d <= max_depth:
+            index[i], depth[i] = len(keep), d
             keep.append(i)
     return keep, [index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
 

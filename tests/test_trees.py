@@ -112,6 +112,7 @@ def test_tree_selection_keeps_parents_and_the_best_nodes():
     assert depths([-1, 0, 1, -1, 3]) == [1, 2, 3, 1, 2]
     assert prune([-1, 0, 1, -1, 3], 2) == ([0, 1, 3, 4], [-1, 0, -1, 2])
     assert prune([-1, 0, 1, -1, 3], 3, size=2) == ([0, 1], [-1, 0])
+    assert prune([-1, 5, 0, -7, 3], 3) == ([0, 2], [-1, 0])  # a malformed proposal: only its tree part
 
 
 def test_expected_gain_keeps_the_nodes_that_pay_for_their_rows():
