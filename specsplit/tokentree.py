@@ -24,6 +24,46 @@ def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
+def chain(size: int) -> list[int]:
+    """The parents of a chain of `size` drafts."""
+    return list(range(-1, size - 1))
+
+
+def follow(choice, draft: list[int], parents: list[int] | None) -> tuple[list[int], int]:
+    """Walks a token tree from the root. Row 0 is the last committed token, row i + 1 is draft[i],
+    whose parent is row parents[i] + 1 (parents None: a chain); choice(row, depth) is the token
+    taken after that row's path. Follows the child equal to the choice while there is one. Returns
+    (the followed draft indices, root to leaf; the choice after them)."""
+    children = children_of(len(draft), parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        token = choice(row, len(path))
+        nxt = next((i for i in children.get(row, ()) if draft[i] == token), None)
+        if nxt is None:
+            return path, token
+        path.append(nxt)
+        row = nxt + 1
+
+
+def children_of(size: int, parents: list[int] | None) -> dict[int, list[int]]:
+    """Row -> the draft indices whose parent it is (row 0: the last committed token), in order."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(chain(size) if parents is None else parents):
+        children.setdefault(parent + 1, []).append(i)
+    return children
+
+
+def verify_ms(forward_ms_by_rows: list[float], rows: int) -> float:
+    """A verify of `rows` rows by the verifier's measured curve (InfoResponse.forward_ms_by_rows),
+    extended past its end by its last slope (flat for a single point)."""
+    curve = forward_ms_by_rows
+    if rows <= len(curve):
+        return curve[rows - 1]
+    slope = curve[-1] - curve[-2] if len(curve) > 1 else 0.0
+    return curve[-1] + slope * (rows - len(curve))
+
+
 def prune(parents: list[int], max_depth: int, size: int | None = None) -> tuple[list[int], list[int]]:
     """The first `size` nodes (all: None) that are at most `max_depth` deep: (their indices, their
     parents renumbered). A node whose parent is not a kept earlier node is dropped with it, so the
@@ -50,14 +90,14 @@ class Tree:
         self.parents: list[int] = []
         self.scores: list[float] = []
         self.sources: list[str] = []
-        self._children: dict[int, dict[int, int]] = {}
+        self.children_of: dict[int, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, parent: int, token: int, score: float, source: str = "") -> int:
         """The node for `token` under `parent` (-1: the root), created if new; returns its index."""
-        children = self._children.setdefault(parent, {})
+        children = self.children_of.setdefault(parent, {})
         node = children.get(token)
         if node is None:
             node = children[token] = len(self.tokens)
@@ -82,7 +122,7 @@ class Tree:
         first from the root: (tokens, parents, scores, sources), parents before children, so that
         every prefix is a tree too."""
         tie = count()
-        frontier = [(-self.scores[c], next(tie), c, 1) for c in self._children.get(-1, {}).values()]
+        frontier = [(-self.scores[c], next(tie), c, 1) for c in self.children_of.get(-1, {}).values()]
         heapq.heapify(frontier)
         chosen: dict[int, int] = {}
         tokens, parents, scores, sources = [], [], [], []
@@ -97,7 +137,7 @@ class Tree:
             scores.append(self.scores[node])
             sources.append(self.sources[node])
             if depth < max_depth:
-                for child in self._children.get(node, {}).values():
+                for child in self.children_of.get(node, {}).values():
                     heapq.heappush(frontier, (-self.scores[child], next(tie), child, depth + 1))
         return tokens, parents, scores, sources
 
@@ -109,18 +149,10 @@ def worth_verifying(scores: list[float], forward_ms_by_rows: list[float], fixed_
     cost curve, all of them."""
     if not forward_ms_by_rows:
         return len(scores)
-
-    def cost(rows: int) -> float:
-        curve = forward_ms_by_rows
-        if rows <= len(curve):
-            return curve[rows - 1]
-        slope = (curve[-1] - curve[-2]) if len(curve) > 1 else curve[-1]
-        return curve[-1] + slope * (rows - len(curve))
-
-    best, best_rate, gain = 0, 1.0 / (cost(1) + fixed_ms), 1.0
+    best, best_rate, gain = 0, 1.0 / (verify_ms(forward_ms_by_rows, 1) + fixed_ms), 1.0
     for m, score in enumerate(scores, start=1):
         gain += score
-        rate = gain / (cost(m + 1) + fixed_ms)
+        rate = gain / (verify_ms(forward_ms_by_rows, m + 1) + fixed_ms)
         if rate > best_rate:
             best, best_rate = m, rate
     return best

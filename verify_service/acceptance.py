@@ -5,18 +5,19 @@ from __future__ import annotations
 import torch
 
 from specsplit.sampling import ACCEPT, SIBLING_ACCEPT, coupled_choice, sample, uniform
+from specsplit.tokentree import children_of, follow
 
 
 def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | None = None) -> tuple[list[int], int]:
     """logits: [k+1, vocab] target logits of the call's rows (row 0: the last committed token,
-    row i + 1: draft[i]); draft: k proposed tokens, a chain or a tree (see tree_accept).
+    row i + 1: draft[i]); draft: k proposed tokens, a chain or a tree (see specsplit.tokentree.follow).
 
     Returns (accepted draft indices, next_token): the longest path of the draft that equals the
     target's own argmax choices, and the target's choice right after it — the recovered token at
     the first mismatch, or the bonus token when the path ends in a leaf.
     """
     choices = logits.argmax(dim=-1).tolist()
-    return tree_accept(lambda row, depth: choices[row], draft, parents)
+    return follow(lambda row, depth: choices[row], draft, parents)
 
 
 def coupled_accept(probs, draft: list[int], seed: int, start: int,
@@ -26,38 +27,7 @@ def coupled_accept(probs, draft: list[int], seed: int, start: int,
     token at each position is its Gumbel-max choice under the (seed, position) noise; drafts are
     accepted while they equal those choices. The text is a function of the seed and the target
     alone: the same as without speculation, whatever was drafted (a chain or a tree)."""
-    return tree_accept(lambda row, depth: coupled_choice(probs[row], seed, start + depth), draft, parents)
-
-
-def chain(size: int) -> list[int]:
-    """The parents of a chain of `size` drafts."""
-    return list(range(-1, size - 1))
-
-
-def _children(size: int, parents: list[int] | None) -> dict[int, list[int]]:
-    """Row -> the draft indices whose parent it is (row 0: the last committed token), in order."""
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(chain(size) if parents is None else parents):
-        children.setdefault(parent + 1, []).append(i)
-    return children
-
-
-def tree_accept(choice, draft: list[int], parents: list[int] | None) -> tuple[list[int], int]:
-    """Walks a token tree. Row 0 of the call is the last committed token, row i + 1 is draft[i],
-    whose parent is row parents[i] + 1 (row 0 when parents[i] is -1; parents None: a chain);
-    choice(row, depth) is the target's own token after that row's path. From the root, follow the
-    child equal to the target's choice while there is one. Returns (the accepted draft indices,
-    root to leaf; the target's choice after them)."""
-    children = _children(len(draft), parents)
-    path: list[int] = []
-    row = 0
-    while True:
-        token = choice(row, len(path))
-        nxt = next((i for i in children.get(row, ()) if draft[i] == token), None)
-        if nxt is None:
-            return path, token
-        path.append(nxt)
-        row = nxt + 1
+    return follow(lambda row, depth: coupled_choice(probs[row], seed, start + depth), draft, parents)
 
 
 def rejection_accept(probs, draft: list[int], proposals: list[tuple[torch.Tensor, torch.Tensor]],
@@ -73,7 +43,7 @@ def rejection_accept(probs, draft: list[int], proposals: list[tuple[torch.Tensor
     kind). The output is distributed exactly as sampling from the target; a chain gives the
     classic rule (each child's uniform from the (seed, position) ACCEPT stream, the first sibling's
     too; later siblings' from their own streams)."""
-    children = _children(len(draft), parents)
+    children = children_of(len(draft), parents)
     path: list[int] = []
     row = 0
     while True:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specsplit import tokentree
 from specsplit.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.sampling import SamplingParams, warp
 from verify_service.acceptance import coupled_accept, greedy_accept, rejection_accept
@@ -109,15 +110,15 @@ class Target:
             raise ValueError(f"draft token ids {bad[:4]} out of range for vocab size {vocab}")
         if parents is not None:
             check_tree(parents, len(draft))
-            if all(p == i - 1 for i, p in enumerate(parents)):
-                parents = None  # a chain
+            if tokentree.is_chain(parents):
+                parents = None
         proposals = proposals or []
         if self._rejects(session):
             self._check_proposals(draft, proposals)
         if parents is not None and not hasattr(session.kv, "keep"):
             raise ValueError("this target runs on transformers' forward, which verifies chains only "
                              "(Info.tree_verify is false): send no draft_parents")
-        depth = self._depths(parents) if parents is not None else len(draft)
+        depth = max(tokentree.depths(parents), default=0) if parents is not None else len(draft)
         self._check_room(length + depth + 1)
         start = time.perf_counter_ns()
         # Feed the last committed token and the draft: row i of the logits follows the path to
@@ -139,13 +140,6 @@ class Target:
             features = features[[0, *(i + 1 for i in path)]]
         return VerifyResult(len(path), next_token, len(session.tokens), time.perf_counter_ns() - start, features,
                             tuple(path))
-
-    @staticmethod
-    def _depths(parents: list[int]) -> int:
-        depth: list[int] = []
-        for parent in parents:
-            depth.append(depth[parent] + 1 if parent >= 0 else 1)
-        return max(depth, default=0)
 
     @staticmethod
     def _rejects(session: TargetSession) -> bool:

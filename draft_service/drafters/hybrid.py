@@ -18,6 +18,7 @@ from draft_service.drafters.base import DrafterDescription, Proposal
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.selfdraft import SelfDrafter, SelfSession
 from specsplit.ewma import Ewma
+from specsplit.tokentree import chain, follow
 
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
 PRIOR_WEIGHT = 2.0  # the priors count as this many rounds
@@ -37,12 +38,14 @@ def _prior(value: float) -> Ewma:
 class _Choice:
     """What the hybrid learns within one session."""
 
-    def __init__(self, min_match: int, learnt: dict | None = None):
-        # Priors: what earlier sessions of the task type learnt, else the old order: long match
-        # (1.5) > head (1.0) > short match (0.4).
+    def __init__(self, min_match: int, task: dict | None = None, explore: bool = False):
+        # Priors: what earlier sessions of the task type learnt (`task`, which this session's
+        # rounds teach in turn), else (or exploring) the old order: long match (1.5) > head (1.0)
+        # > short match (0.4).
         defaults = {1: 0.4, 2: 0.4, 3: 0.4, "self": 1.0}
         defaults.update({n: 1.5 for n in (1, 2, 3) if n >= min_match})
-        learnt = learnt or {}
+        self.task = task if task is not None else {}
+        learnt = {} if explore else self.task
         self.means = {k: _prior(learnt[k].value if isinstance(learnt.get(k), Ewma) else v)
                       for k, v in defaults.items()}
         # Last round's drafts: (position, tokens, parents or None for a chain, each token's source).
@@ -86,8 +89,8 @@ class HybridDrafter:
             task["sessions"] = task.get("sessions", 0) + 1
             # Every EXPLORE-th session of a type starts from the default priors, so that a source
             # the type stopped using is measured again.
-            session.choice = _Choice(self.min_match, None if task["sessions"] % EXPLORE == 0 else task)
-        choice = _learn(session, self._task(session.task_type))
+            session.choice = _Choice(self.min_match, task, explore=task["sessions"] % EXPLORE == 0)
+        choice = _learn(session)
         drafts, n = self.ngram.match(session.tokens, gamma)
         key = min(n, 3)
         # Tokens per round over the round's cost in target steps: verifying k drafts costs
@@ -123,7 +126,7 @@ class HybridDrafter:
         tree, n = self.ngram.tree(session.tokens, gamma, reliability=reliability)
         if head is not None and head.tokens:
             nodes: list[int] = []
-            for token, parent, score in zip(head.tokens, head.parents or range(-1, len(head.tokens) - 1),
+            for token, parent, score in zip(head.tokens, head.parents or chain(len(head.tokens)),
                                             head.scores or [1.0] * len(head.tokens)):
                 nodes.append(tree.add(nodes[parent] if parent >= 0 else -1, token, score, "self"))
         key = min(n, 3)
@@ -145,9 +148,9 @@ class HybridDrafter:
         self.ngram.end(session)
 
 
-def _learn(session: SelfSession, task: dict) -> _Choice:
+def _learn(session: SelfSession) -> _Choice:
     """Counts how many of the last round's drafts the target kept, now that the sync told us, and
-    times the round; the task type's means (`task`, across sessions) learn it too."""
+    times the round; the task type's means (across sessions) learn it too."""
     choice: _Choice = session.choice
     now = time.perf_counter()
     if choice.last_call:
@@ -159,25 +162,16 @@ def _learn(session: SelfSession, task: dict) -> _Choice:
         if len(kept) <= len(drafts) + 1:  # exactly one round committed (not a pre-draft's assumption)
             # Each source that drafted a first token learns how far the accepted path ran on its nodes.
             path = _accepted_path(drafts, parents, kept)
-            for source in {s for s, p in zip(sources, parents or [-1] + list(range(len(drafts) - 1))) if p == -1}:
+            for source in {s for s, p in zip(sources, parents or chain(len(drafts))) if p == -1}:
                 run = 0
                 while run < len(path) and sources[path[run]] == source:
                     run += 1
                 choice.means[source].add(run)
-                task.setdefault(source, Ewma(TASK_DECAY)).add(run)
+                choice.task.setdefault(source, Ewma(TASK_DECAY)).add(run)
         choice.pending = None
     return choice
 
 
 def _accepted_path(drafts: list[int], parents: list[int] | None, kept: list[int]) -> list[int]:
     """The draft indices the committed tokens `kept` followed (a chain when parents is None)."""
-    parents = parents if parents is not None else list(range(-1, len(drafts) - 1))
-    path: list[int] = []
-    at = -1
-    for token in kept:
-        nxt = next((i for i, p in enumerate(parents) if p == at and drafts[i] == token), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        at = nxt
-    return path
+    return follow(lambda row, depth: kept[depth] if depth < len(kept) else -1, drafts, parents)[0]
