@@ -8,7 +8,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from specsplit.sampling import DRAFT, SIBLING_DRAFT, SamplingParams, gumbel, sample, warp
-from specsplit.tokentree import Tree
+from specsplit.tokentree import Tree, verify_ms
 
 GREEDY = SamplingParams()
 
@@ -102,10 +102,7 @@ class DraftSession:
         curve = self.verify_ms_by_rows
         if not curve or drafts <= 0:
             return 1.0
-        if drafts < len(curve):
-            return curve[drafts] / curve[0]
-        slope = curve[-1] - curve[-2] if len(curve) > 1 else 0.0
-        return (curve[-1] + slope * (drafts + 1 - len(curve))) / curve[0]
+        return verify_ms(curve, drafts + 1) / curve[0]
 
     @property
     def rejects(self) -> bool:
@@ -129,15 +126,10 @@ def choose(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None
     top_prob is max q, fixed before the token is drawn: a drafter that stops on it keeps every
     drafted token distributed as its q (stopping on the drawn token's own probability would not)."""
     params = session.sampling
-    probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
+    probs, ranked = _ranking(session, logits, ids, vocab)
     top_prob = probs.max(-1).values
     position = len(session.tokens) + session.drafting
     q = None
-    ranked = probs
-    if params.temperature > 0 and session.method == "coupled":
-        noise = gumbel(params.seed, position, vocab)
-        noise = noise if ids is None else noise[ids.cpu()]
-        ranked = probs.log() + noise.to(probs.device)
     two = ranked.topk(min(2, ranked.shape[-1]))
     k = two.indices[0]
     runner_up = None
@@ -189,14 +181,22 @@ def candidates(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | 
     """A model drafter's `k` best next tokens with their probabilities q, best first, ranked as
     `choose` ranks them (greedy: by q; coupled: by log q plus the verifier's noise for this
     position): the children of a node in a token tree."""
-    params = session.sampling
-    probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
-    ranked = probs
-    if params.temperature > 0:
-        noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
-        ranked = probs.log() + (noise if ids is None else noise[ids.cpu()]).to(probs.device)
+    probs, ranked = _ranking(session, logits, ids, vocab)
     top = ranked.topk(min(k, ranked.shape[-1])).indices.tolist()
     return [(i if ids is None else int(ids[i]), float(probs[i])) for i in top if float(probs[i]) > 0]
+
+
+def _ranking(session: DraftSession, logits: torch.Tensor, ids: torch.Tensor | None,
+             vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, the key its candidates are ranked by): q is the drafter's distribution warped as the
+    verifier warps p (softmax when greedy); the key is q itself, or under coupled sampling
+    log q + the verifier's Gumbel noise for the position being drafted."""
+    params = session.sampling
+    probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
+    if params.temperature > 0 and session.method == "coupled":
+        noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
+        return probs, probs.log() + (noise if ids is None else noise[ids.cpu()]).to(probs.device)
+    return probs, probs
 
 
 def sampled_from(choices: list[Choice]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

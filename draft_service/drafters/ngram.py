@@ -77,13 +77,8 @@ def add_continuations(tree: Tree, follows: list[list[int]], reliability: float, 
 def lookup(tokens: list[int], gamma: int, min_n: int, max_n: int) -> tuple[list[int], int]:
     """Longest n-gram first (max_n down to min_n): the most recent earlier occurrence of the last n
     tokens in `tokens` itself; returns (up to gamma tokens that followed it, n), or ([], 0)."""
-    length = len(tokens)
-    data = _pack(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        hit = _find(data, data[(length - n) * _WIDTH:], (length - 1) * _WIDTH)
-        if hit >= 0:
-            return tokens[hit + n:hit + n + gamma], n
-    return [], 0
+    follows, n = continuations(tokens, gamma, min_n, max_n, 1)
+    return (follows[0], n) if follows else ([], 0)
 
 
 class OutputStore:
