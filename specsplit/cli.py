@@ -23,6 +23,19 @@ from specsplit.settings import (
 )
 
 ENV = os.environ.get
+# OpenMP threads spin after each parallel region before they sleep (libgomp: 300,000 spins by
+# default). Co-located services share the cores: a verifier's threads still spinning after its
+# forward take the cores from the drafter that runs next, and the reverse (measured, hybrid+tree8 on
+# the starter prompts: drafting cost per drafted token 0.060 -> 0.046 of a target step, spec-off
+# unchanged). 20,000 spins still bridge the barriers inside one forward; no spinning at all
+# (OMP_WAIT_POLICY=PASSIVE) halves the verifier's speed. libgomp reads it once, when torch loads.
+SERVICE_SPINCOUNT = "20000"
+
+
+def quiet_spin(environ) -> None:
+    """A service's spin count, unless the user chose one (GOMP_SPINCOUNT or OMP_WAIT_POLICY)."""
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = SERVICE_SPINCOUNT
 
 
 def _server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
@@ -174,8 +187,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="built-in set: comma-separated seeds, each adding ~1,000 new prompts (new template "
                            "combinations and rewrite passages) after those of the seeds before it, so that a "
                            "resumed run with more seeds keeps its shards and generates more")
+    dist.add_argument("--data-fractions", default="1",
+                      help="comma-separated shares of the training data, e.g. 0.25,0.5,1: each trains its own "
+                           "head with the same budget and the held-out accuracy of each is printed (a data-size "
+                           "curve, kept in the card); the largest is exported")
     dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
     dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
+    dist.add_argument("--train-steps", type=int, default=0,
+                      help="also stop training at this many steps (0: the time budget alone); a machine's "
+                           "load does not change what a step-bounded run learns")
     dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
     dist.add_argument("--batch", type=int, default=8, help="prompts generated together")
     dist.add_argument("--draft-vocab", type=int, default=8192, help="size of the frequency-ranked draft vocabulary")
@@ -476,10 +496,11 @@ def cmd_distill(a: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
-                            train_minutes=a.train_minutes, max_new_tokens=a.max_new_tokens, batch=a.batch,
+                            train_minutes=a.train_minutes, train_steps=a.train_steps, max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
-                            prompt_seeds=tuple(int(x) for x in a.prompt_seeds.split(",") if x)))
+                            prompt_seeds=tuple(int(x) for x in a.prompt_seeds.split(",") if x),
+                            data_fractions=tuple(float(x) for x in a.data_fractions.split(",") if x)))
     return 0
 
 
@@ -513,6 +534,8 @@ def _build_native() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    if a.command == "serve":  # before anything imports torch (and with it libgomp)
+        quiet_spin(os.environ)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
                "distill": cmd_distill, "fetch-model": cmd_fetch_model, "trace-report": cmd_trace_report,
                "calibrate": cmd_calibrate}[a.command]

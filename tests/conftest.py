@@ -96,7 +96,8 @@ def self_head(models, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("distill")
     return distill(DistillSettings(target_model=str(models["target"]), out=str(work), dtype="float32",
                                    prompts=str(write_prompts(work / "prompts.jsonl")), gen_minutes=1.0,
-                                   train_minutes=0.1, max_new_tokens=24, batch=4, draft_vocab=128),
+                                   train_minutes=0.1, max_new_tokens=24, batch=4, draft_vocab=128,
+                                   data_fractions=(0.5, 1.0)),
                    log=lambda *_: None)
 
 

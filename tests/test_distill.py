@@ -13,7 +13,7 @@ from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
 from specsplit.modeling import load_model, weights_fingerprint
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
-from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, train
+from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, split, train
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +44,12 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(data, models):
     lm, work = data
     embed, head = target_tensors(models["target"], tied=False)
     settings = TrainSettings(budget_s=600, max_steps=40, draft_vocab=128, batch_tokens=256, lr=3e-3)
-    first = train(lm, embed, head, work / "data", work, settings, log=lambda *_: None)
+    examples = load_examples(work / "data", lm, log=lambda *_: None)
+    first = train(lm, embed, head, examples, work, settings, log=lambda *_: None)
     losses = first["losses"]
     assert len(losses) == 40 == first["metrics"]["steps"]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
-    again = train(lm, embed, head, work / "data", work, TrainSettings(**{**vars(settings), "max_steps": 50}),
+    again = train(lm, embed, head, examples, work, TrainSettings(**{**vars(settings), "max_steps": 50}),
                   log=lambda *_: None)
     assert len(again["losses"]) == 10 and again["metrics"]["steps"] == 50  # continued, not restarted
     assert torch.equal(again["head"].vocab_ids, first["head"].vocab_ids)
@@ -69,10 +70,40 @@ def test_draft_vocabulary_maps_back_to_target_ids(data):
         in vocab[:len(lm.eos_token_ids) + 1].tolist()
 
 
+def test_held_out_split_stays_put_as_the_data_grows():
+    def seq(prompt: list[int], cont: list[int]) -> dict:
+        return {"ids": torch.tensor(prompt + cont), "prompt_len": len(prompt)}
+
+    examples = [seq([i, i + 1, i + 2], [7, 8]) for i in range(200)]
+    settings = TrainSettings(budget_s=1, held_out_every=5)
+    train_small, held_small = split(examples[:100], settings)
+    train_all, held_all = split(examples, settings)
+    def ids(xs: list[dict]) -> list[tuple]:
+        return [tuple(x["ids"].tolist()) for x in xs]
+
+    def prompts(xs: list[dict]) -> set[tuple]:
+        return {tuple(x["ids"][:x["prompt_len"]].tolist()) for x in xs}
+
+    assert 10 < len(held_all) < 70 and set(ids(held_small)) <= set(ids(held_all))
+    assert ids(train_all)[:len(train_small)] == ids(train_small)  # grown data: the old sequences come first
+    # The same prompt generated twice (another seed) never sits on both sides.
+    twice = examples + [seq([i, i + 1, i + 2], [9]) for i in range(200)]
+    train_twice, held_twice = split(twice, settings)
+    assert not prompts(train_twice) & prompts(held_twice)
+    half, held_half = split(examples, TrainSettings(budget_s=1, held_out_every=5, data_fraction=0.5))
+    assert ids(half) == ids(train_all)[:round(len(train_all) / 2)] and ids(held_half) == ids(held_all)
+
+
 def test_exported_head_records_its_target_and_loads(self_head, models):
     card = json.loads((self_head / "head.json").read_text())
     assert card["target"]["model_fingerprint"] == weights_fingerprint(models["target"])
     assert card["metrics"]["steps"] > 0 and card["recipe"]["command"] == "specsplit distill"
+    # Made with --data-fractions 0.5,1: both heads trained on their share, same held-out set.
+    curve = card["metrics"]["data_curve"]
+    assert [p["data_fraction"] for p in curve] == [0.5, 1.0]
+    assert 0 < curve[0]["train_sequences"] < curve[1]["train_sequences"] == card["metrics"]["train_sequences"]
+    assert all(len(p["held_out_step_accuracy"]) == 3 for p in curve)
+    assert (self_head.parent / "self-train-data0.5" / "checkpoint.pt").is_file()
     drafter = SelfDrafter(self_head, models["target"])
     session = drafter.start([5, 6, 7])
     session.sync(3, [8])
@@ -109,7 +140,8 @@ def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, mode
     assert layer_subset(30, 2) == [0, 29] and layer_subset(30, 4) == [0, 10, 19, 29] and layer_subset(2, 4) == [0, 1]
     lm, work = data
     settings = TrainSettings(budget_s=600, max_steps=30, draft_vocab=128, batch_tokens=256, lr=3e-3)
-    result = train_standalone(lm, work / "data", tmp_path / "model-work", 1, settings, log=lambda *_: None)
+    examples = load_examples(work / "data", lm, log=lambda *_: None)
+    result = train_standalone(lm, examples, tmp_path / "model-work", 1, settings, log=lambda *_: None)
     losses = result["losses"]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     # The whole command: reuses generated data, exports an HF dir with the draft vocabulary.

@@ -33,3 +33,15 @@ def test_services_exit_when_the_launcher_is_killed(models, tmp_path):
             up.kill()
         for pid in _services(tmp_path):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def test_services_spin_briefly_unless_the_user_chose_otherwise():
+    from specsplit.cli import SERVICE_SPINCOUNT, quiet_spin
+
+    env: dict[str, str] = {}
+    quiet_spin(env)
+    assert env == {"GOMP_SPINCOUNT": SERVICE_SPINCOUNT}
+    for chosen in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        env = dict(chosen)
+        quiet_spin(env)
+        assert env == chosen

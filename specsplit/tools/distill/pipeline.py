@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from specsplit.modeling import load_model
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import load_prompts
 from specsplit.tools.distill.standalone import export_standalone, train_standalone
-from specsplit.tools.distill.train import TrainSettings, train
+from specsplit.tools.distill.train import TrainSettings, load_examples, train
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class DistillSettings:
     prompts: str | None = None  # JSONL; None: the built-in set
     gen_minutes: float = 30.0
     train_minutes: float = 30.0
+    train_steps: int = 0  # > 0: also stop at this many optimizer steps (equal work per point of a curve)
     max_new_tokens: int = 192
     batch: int = 8
     draft_vocab: int = 8192
@@ -42,6 +43,7 @@ class DistillSettings:
     kind: str = "self"  # self: a feature head; model: a standalone draft model of `layers` target layers
     layers: int = 2
     prompt_seeds: tuple[int, ...] = (0,)  # the built-in set: each seed adds its new prompts after the others
+    data_fractions: tuple[float, ...] = (1.0,)  # several: also train on leading shares of the data, same budget each
 
 
 def distill(s: DistillSettings, log=print) -> Path:
@@ -58,20 +60,36 @@ def distill(s: DistillSettings, log=print) -> Path:
         _note(out, "generate_minutes", (time.monotonic() - started) / 60)
     if s.kind not in ("self", "model"):
         raise ValueError(f"unknown kind {s.kind!r}: self or model")
-    work = out / f"{s.kind}-train"  # checkpoint and notes of this kind; the data is shared
-    work.mkdir(exist_ok=True)
-    settings = TrainSettings(budget_s=s.train_minutes * 60, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr,
+    fractions = sorted(set(s.data_fractions))
+    if not fractions or not all(0 < f <= 1 for f in fractions):
+        raise ValueError(f"data fractions must lie in (0, 1], got {list(s.data_fractions)}")
+    # The checkpoint and notes of this kind (the data is shared); smaller data fractions of a
+    # data-size curve train beside it, each in its own directory; the largest is the one exported.
+    dirs = {f: out / (f"{s.kind}-train" if f == 1 else f"{s.kind}-train-data{f:g}") for f in fractions}
+    work = dirs[fractions[-1]]
+    settings = TrainSettings(budget_s=s.train_minutes * 60, max_steps=s.train_steps, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr,
                              batch_tokens=s.batch_tokens)
     result = None
     if "train" in s.stages:
+        examples = load_examples(data_dir, lm, log)
         if s.kind == "self":
             embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
-            result = train(lm, embed, lm_head, data_dir, work, settings, log)
-        else:
-            result = train_standalone(lm, data_dir, work, s.layers, settings, log)
+        curve = []
+        for fraction, fdir in dirs.items():
+            fdir.mkdir(exist_ok=True)
+            fsettings = replace(settings, data_fraction=fraction)
+            if s.kind == "self":
+                result = train(lm, embed, lm_head, examples, fdir, fsettings, log)
+            else:
+                result = train_standalone(lm, examples, fdir, s.layers, fsettings, log)
+            curve.append({"data_fraction": fraction, **result["metrics"]})
+        if s.kind == "model":
             _note(work, "layers", result["layers"])
         _note(work, "metrics", result["metrics"])
-        _note(work, "train_settings", asdict(settings))
+        _note(work, "train_settings", asdict(replace(settings, data_fraction=fractions[-1])))
+        if len(curve) > 1:
+            _note(work, "data_curve", curve)
+            log(curve_table(curve))
     if "export" not in s.stages:
         return work
     if s.kind == "self":
@@ -83,6 +101,18 @@ def distill(s: DistillSettings, log=print) -> Path:
     export_standalone(result["module"], target_dir, work, out / "model", _card(work, lm, s))
     log(f"draft model written to {out / 'model'} (use it with --draft-model)")
     return out / "model"
+
+
+def curve_table(curve: list[dict]) -> str:
+    """Held-out accuracy per drafting step against the amount of training data."""
+    steps = len(curve[0]["held_out_step_accuracy"])
+    lines = [f"{'data':>6}{'sequences':>10}{'tokens':>9}{'steps':>7}"
+             + "".join(f"{f'step {k + 1}':>8}" for k in range(steps)) + f"{'est.acc':>8}"]
+    for p in curve:
+        lines.append(f"{p['data_fraction']:>6.0%}{p['train_sequences']:>10}{p['continuation_tokens']:>9}{p['steps']:>7}"
+                     + "".join(f"{a:>8.3f}" for a in p["held_out_step_accuracy"])
+                     + f"{p['estimated_acceptance_length_gamma4']:>8.2f}")
+    return "\n".join(lines)
 
 
 def _note(out: Path, key: str, value) -> None:
@@ -106,7 +136,8 @@ def _card(work: Path, lm, s: DistillSettings) -> dict:
                        "train": notes.get("train_settings", {}), **({"target_layers": notes["layers"]}
                                                                         if "layers" in notes else {}),
                        "generate_minutes": _notes(work.parent).get("generate_minutes")},
-            "metrics": notes.get("metrics", {})}
+            "metrics": {**notes.get("metrics", {}),
+                        **({"data_curve": notes["data_curve"]} if "data_curve" in notes else {})}}
 
 
 def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) -> None:

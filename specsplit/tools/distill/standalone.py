@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.tools.distill.train import TrainSettings, build_vocab, fit, load_examples
+from specsplit.tools.distill.train import TrainSettings, build_vocab, fit, split
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -80,17 +80,17 @@ class ModelStudent:
         return kl, [acc], int(mask.sum())
 
 
-def train_standalone(target, data_dir: Path, out_dir: Path, layers: int, settings: TrainSettings,
+def train_standalone(target, examples: list[dict], out_dir: Path, layers: int, settings: TrainSettings,
                      log=print) -> dict:
-    examples = load_examples(data_dir, target, log)
+    """Trains (or resumes) a standalone draft of `layers` target layers on `examples` (from load_examples)."""
     if not examples:
-        raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
+        raise RuntimeError("no generated data: run the generate stage first")
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_path = out_dir / DRAFT_VOCAB_FILE
     if vocab_path.exists():  # resuming: the vocabulary must not change under the checkpoint
         vocab = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long)
     else:
-        vocab = build_vocab(examples, settings.draft_vocab, target.eos_token_ids, target.vocab_size)
+        vocab = build_vocab(split(examples, settings)[0], settings.draft_vocab, target.eos_token_ids, target.vocab_size)
         vocab_path.write_text(json.dumps(vocab.tolist()))
     student = ModelStudent(target, vocab, layers, settings)
     result = fit(student, examples, out_dir, settings, log)

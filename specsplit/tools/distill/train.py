@@ -9,6 +9,7 @@ import json
 import math
 import random
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ class TrainSettings:
     lr: float = 6e-4
     batch_tokens: int = 1024
     reg_weight: float = 0.2
-    held_out_every: int = 25  # every n-th example is kept for evaluation
+    held_out_every: int = 25  # one sequence in n is kept for evaluation (by a hash of its prompt)
+    data_fraction: float = 1.0  # train on this leading share of the training sequences (data-size curves)
     checkpoint_every_s: float = 120.0
     seed: int = 0
 
@@ -142,6 +144,17 @@ def evaluate(student, examples: list[dict], settings: TrainSettings) -> list[flo
     return [h / max(n, 1) for h in hits]
 
 
+def split(examples: list[dict], settings: TrainSettings) -> tuple[list[dict], list[dict]]:
+    """(training, held-out). A sequence is held out by a hash of its prompt, so the held-out set stays
+    the same as the data grows and a prompt generated twice never sits on both sides; the training
+    set is the leading settings.data_fraction of the rest, in the order the data was generated."""
+    train_set, held = [], []
+    for ex in examples:
+        key = zlib.crc32(ex["ids"][:ex["prompt_len"]].numpy().tobytes())
+        (held if key % settings.held_out_every == 0 else train_set).append(ex)
+    return train_set[:max(1, round(len(train_set) * settings.data_fraction))], held
+
+
 def expected_acceptance(step_acc: list[float], gamma: int = 4) -> float:
     """Acceptance length (bonus included) if step k's hit rate, given the earlier ones hit, is
     step_acc[min(k, last)]: 1 + sum over k of the chance that the first k drafts all hit."""
@@ -178,8 +191,7 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
     """The training loop shared by the students: AdamW, cosine schedule over the budget, a
     checkpoint every settings.checkpoint_every_s, resume from out_dir/checkpoint.pt."""
     torch.manual_seed(settings.seed)
-    held = examples[::settings.held_out_every]
-    train_set = [ex for i, ex in enumerate(examples) if i % settings.held_out_every]
+    train_set, held = split(examples, settings)
     module = student.module
     ckpt_path = out_dir / "checkpoint.pt"
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
@@ -248,14 +260,15 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
     return {"module": module, "metrics": metrics, "losses": losses}
 
 
-def train(target, embed: torch.Tensor, lm_head: torch.Tensor, data_dir: Path, out_dir: Path,
+def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dict], out_dir: Path,
           settings: TrainSettings, log=print) -> dict:
-    """Trains (or resumes) a self-draft head from the target's embedding and output head (the very
-    tensors the drafter reads when serving); returns the head and its metrics."""
-    examples = load_examples(data_dir, target, log)
+    """Trains (or resumes) a self-draft head on `examples` (from load_examples) from the target's
+    embedding and output head (the very tensors the drafter reads when serving); returns the head
+    and its metrics."""
     if not examples:
-        raise RuntimeError(f"no generated data in {data_dir}: run the generate stage first")
+        raise RuntimeError("no generated data: run the generate stage first")
     fresh = not (out_dir / "checkpoint.pt").exists()
-    vocab = build_vocab(examples, settings.draft_vocab, target.eos_token_ids, target.vocab_size) if fresh else None
+    seen = split(examples, settings)[0]  # the vocabulary comes from the training sequences only
+    vocab = build_vocab(seen, settings.draft_vocab, target.eos_token_ids, target.vocab_size) if fresh else None
     result = fit(HeadStudent(target, embed, lm_head, vocab, settings), examples, out_dir, settings, log)
     return {"head": result["module"], **result}
