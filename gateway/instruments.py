@@ -94,7 +94,7 @@ class Instruments:
 
     def finished(self, request: Request, generated: int) -> pb.GenerationStats:
         """The request's stats; also records its metrics, spans and the controller's observation."""
-        plan, drafting = request.plan, request.drafting
+        plan, drafting = request.plan, request.drafting or bool(request.lost)
         records = [_record(r) for r in request.rounds]
         stats = _stats(request, records, generated, self._exact)
         common = self._common(request)
@@ -106,8 +106,13 @@ class Instruments:
         for record, position in zip(records, positions):
             self._metrics.round(record, plan.task_type, drafter, position)
         self._metrics.request(stats)
-        self._controller.observe(plan.task_type, plan.drafter, plan.decision, outcome(stats), plan.predraft)
-        _describe(trace.get_current_span(), stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
+        if not request.lost:  # a stall or a failover says nothing about what speculation is worth
+            self._controller.observe(plan.task_type, plan.drafter, plan.decision, outcome(stats), plan.predraft)
+        span = trace.get_current_span()
+        _describe(span, stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
+        if request.lost and span.is_recording():
+            span.add_event("drafter-lost", {"specsplit.error": request.lost,
+                                            "specsplit.rounds_after": len(records) - request.lost_at})
         return stats
 
     @contextlib.contextmanager
@@ -132,7 +137,7 @@ class Instruments:
         for i, (r, record, position) in enumerate(zip(request.rounds, records, positions)):
             span = tracer().start_span("round", start_time=start, attributes={
                 **common, "specsplit.round": i, "specsplit.position": position,
-                "specsplit.gamma": request.plan.gamma if request.drafting else 0,
+                "specsplit.gamma": request.plan.gamma if record.drafted else 0,
                 "specsplit.drafted": record.drafted, "specsplit.accepted": record.accepted,
                 "specsplit.next_token": "none" if not record.drafted else
                 ("bonus" if record.accepted == record.drafted else "recovered"),
@@ -165,7 +170,7 @@ def _prefill_network_ms(request: Request) -> float:
 
 
 def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact: bool) -> pb.GenerationStats:
-    plan, drafting = request.plan, request.drafting
+    plan, drafting = request.plan, request.drafting or bool(request.lost)
     drafted = sum(r.drafted for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.depth)
@@ -184,7 +189,8 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         gateway_ms=sum(r.gateway_ms for r in rounds), exact=exact, task_type=plan.task_type,
         round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
         seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
-        speculation_reason=plan.decision.reason if drafting == plan.speculate else "drafter-down",
+        speculation_reason="drafter-lost" if request.lost else
+        plan.decision.reason if drafting == plan.speculate else "drafter-down",
         shared_memory=request.shm_verify and request.shm_draft and drafting, fast_path=request.fast_path,
         predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits,
         tree_budget=plan.tree_budget if drafting else 0)

@@ -21,6 +21,6 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
     try:
         await serve(settings.server, SERVICE_NAME, lambda server: register(server, GatewayServicer(backends)),
                     backends.connect, stop_event=stop_event, handle_signals=handle_signals,
-                    interceptors=tel.server_interceptors())
+                    interceptors=tel.server_interceptors(), health_monitor=backends.watch_health)
     finally:
         await backends.close()

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway import payloads
+from gateway.draftwatch import DraftWatch
 from gateway.instruments import Instruments
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
@@ -31,8 +32,9 @@ _DRAFTER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 class RoundLoop:
     def __init__(self, upstream: Upstream, tokenizer, target: vpb.InfoResponse, rpc_timeout_s: float,
-                 instruments: Instruments, segments: shm.Creator | None = None, segment_bytes: int = 4 << 20):
-        self._up, self._tokenizer, self._target = upstream, tokenizer, target
+                 instruments: Instruments, watch: DraftWatch, segments: shm.Creator | None = None,
+                 segment_bytes: int = 4 << 20):
+        self._up, self._tokenizer, self._target, self._watch = upstream, tokenizer, target, watch
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
 
@@ -66,7 +68,7 @@ class RoundLoop:
         feature_bytes, draft_call = payloads.feature_bytes(request.features), 0
         if proposal is None and request.drafting and gamma >= 1:
             t = now()
-            proposal = await request.drafter.call(self._propose(request, request.unsent, gamma + plan.predraft))
+            proposal = await self._draft(request, self._propose(request, request.unsent, gamma + plan.predraft))
             draft_call = now() - t
         drafts, parents, guess, probs, ref, draft_ns, source, expected = [], [], None, [], None, 0, "", 0.0
         if proposal is not None:
@@ -84,8 +86,8 @@ class RoundLoop:
         t = now()
         ahead = None
         if guess is not None and plan.max_new_tokens - request.generated - len(drafts) - 1 > 0:
-            ahead = asyncio.ensure_future(request.drafter.call(
-                self._propose(request, [*request.unsent, *drafts, guess], plan.gamma + 1)))
+            ahead = asyncio.ensure_future(self._draft(
+                request, self._propose(request, [*request.unsent, *drafts, guess], plan.gamma + 1)))
         try:
             verdict = await request.verifier.call(check)
         finally:
@@ -95,8 +97,8 @@ class RoundLoop:
         if ahead is not None:
             request.predraft_attempts += 1
             if isinstance(pre, BaseException):
-                raise pre  # as a failed Propose: the features it carried are gone with it
-            if verdict.num_accepted == len(drafts) and verdict.next_token_id == guess:
+                raise pre
+            if pre is not None and verdict.num_accepted == len(drafts) and verdict.next_token_id == guess:
                 request.ready, request.predraft_hits = pre, request.predraft_hits + 1
         if plan.needs_features and request.drafting:
             request.features = payloads.join(request.features, verdict.features if verdict.HasField("features")
@@ -115,6 +117,31 @@ class RoundLoop:
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
             max(tokentree.depths(parents)) if parents else len(drafts), expected))
         return end
+
+    async def _draft(self, request: Request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:
+        """A Propose within its budget (DraftWatch). None when the draft service failed or overran
+        it: the request loses its drafter and goes on target-only, which is spec-off decoding (the
+        same tokens under greedy and coupled sampling; rejection sampling's output distribution)."""
+        first = not request.rounds  # a session's first Propose may carry the prompt's features: a bigger call
+        t = time.monotonic()
+        try:
+            async with asyncio.timeout(self._watch.budget(first)):
+                response = await request.drafter.call(message)
+        except (Failure, TimeoutError) as e:
+            self._lose(request, str(e) if isinstance(e, Failure) else
+                       f"draft service: no answer within its budget of {self._watch.budget(first):.3f} s")
+            return None
+        self._watch.record(first, time.monotonic() - t)
+        return response
+
+    def _lose(self, request: Request, why: str) -> None:
+        if not request.drafting:
+            return  # already lost (a pre-draft and a round's Propose can both fail)
+        request.lost, request.lost_at, request.drafting, request.ready = why, len(request.rounds), False, None
+        if request.drafter is not None:
+            request.drafter.close()
+        self._watch.lost(why)
+        log.warning("session %s goes on without drafts: %s", request.session_id, why)
 
     def _tree(self, request: Request, proposal: dpb.ProposeResponse, gamma: int,
               draft_ms: float) -> tuple[list[int], list[int], float]:
@@ -188,14 +215,14 @@ class RoundLoop:
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
                 target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
                 shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows,
-                task_type=plan.task_type), "draft", deadline)
+                task_type=plan.task_type), "draft", lambda: min(deadline(), self._watch.budget(True)))
             verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
         if isinstance(verified, BaseException):
             raise verified
         if isinstance(started, Failure) and plan.may_fall_back and started.code in _DRAFTER_DOWN:
-            log.warning("draft service unavailable, continuing without speculation: %s", started)
+            self._watch.lost(str(started))
             request.drafting, started = False, None
         elif isinstance(started, BaseException):
             raise started
@@ -204,7 +231,10 @@ class RoundLoop:
             request.shm_draft = started is not None and payloads.proves(started.shm_nonce, request.segment, "draft")
         request.verifier = await up.verify_link(verified.fast_path if request.shm_verify else "", deadline)
         if request.drafting:
-            request.drafter = await up.draft_link(started.fast_path if request.shm_draft else "", deadline)
+            try:
+                request.drafter = await up.draft_link(started.fast_path if request.shm_draft else "", deadline)
+            except Failure as e:
+                self._lose(request, str(e))
         request.fast_path = bool(request.shm_verify and verified.fast_path)
         request.prefill_ns, request.prefill_verify_ns = now() - t, verified.forward_ns
         request.committed, request.unsent = [verified.next_token_id], [verified.next_token_id]
@@ -221,7 +251,7 @@ class RoundLoop:
                 link.close()
         up = self._up
         calls = [up.verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
-        if request.drafting:
+        if request.drafting or request.lost:  # a lost drafter may only have stalled: end its session too
             calls.append(up.drafter.EndSession(dpb.EndSessionRequest(
                 session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent), timeout=5))
         for outcome in await asyncio.gather(*calls, return_exceptions=True):

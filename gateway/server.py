@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import policy
-from gateway.controller import AUTO, OFF, ON, Controller
+from gateway.controller import AUTO, OFF, ON, Controller, Decision
+from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.instruments import GatewayMetrics, Instruments
 from gateway.rounds import RoundLoop
 from gateway.state import Plan
@@ -29,6 +32,9 @@ from specsplit.verify.v1 import verify_pb2 as vpb
 from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+VERIFY_SERVICE = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
+DRAFT_SERVICE = dpb.DESCRIPTOR.services_by_name["Drafter"].full_name
+HEALTH_EVERY_S = 0.5  # how often the gateway checks its backends' health
 MAX_GAMMA = 32
 MAX_TREE = 64  # draft tokens per round in a token tree (the verifier's MAX_DRAFT)
 MAX_STOP_STRINGS = 16
@@ -69,6 +75,7 @@ class Backends:
         self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
         self.upstream = Upstream(self.verifier, self.drafter)
+        self.watch = DraftWatch(lambda: self.drafter.Info(dpb.InfoRequest(), timeout=PROBE_TIMEOUT_S))
         self.controller = Controller(settings.controller)
         # The co-located fast path: this gateway's shared-memory segments (None: off or no /dev/shm).
         self.segments = shm.Creator() if settings.server.shared_memory and shm.available() else None
@@ -99,7 +106,34 @@ class Backends:
     def incompatibility(self, name: str) -> str:
         return incompatibility(self.target, self.drafters, name)
 
+    async def watch_health(self, report) -> None:
+        """Health that tells the truth: the gateway is SERVING only while its verify service says
+        SERVING; each backend also has an entry under its own service name. A draft service that is
+        not SERVING costs speculation, not service: it is marked down (DraftWatch) and AUTO requests
+        run without it until it answers again."""
+        stubs = {VERIFY_SERVICE: health_pb2_grpc.HealthStub(self._verify_channel),
+                 DRAFT_SERVICE: health_pb2_grpc.HealthStub(self._draft_channel)}
+        seen: dict[str, bool] = {}
+        while True:
+            for name, stub in stubs.items():
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_EVERY_S * 2)
+                    serving, why = reply.status == health_pb2.HealthCheckResponse.SERVING, "not SERVING"
+                except grpc.aio.AioRpcError as e:
+                    serving, why = False, f"{e.code().name}: {e.details()}"
+                if name == DRAFT_SERVICE and not serving:
+                    self.watch.lost(f"draft service health check: {why}")
+                if seen.get(name) != serving:
+                    if name in seen:
+                        log.warning("%s is %s", name, "SERVING again" if serving else f"down ({why})")
+                    seen[name] = serving
+                    await report(name, serving)
+                    if name == VERIFY_SERVICE:
+                        await report("", serving)
+            await asyncio.sleep(HEALTH_EVERY_S)
+
     async def close(self) -> None:
+        self.watch.close()
         await self.upstream.drain(timeout_s=5)
         self.upstream.close()
         await self._verify_channel.close()
@@ -120,8 +154,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     def _loop(self) -> RoundLoop:
         b = self._backends
         instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
-        return RoundLoop(b.upstream, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments, b.segments,
-                         b.settings.shm_segment_bytes)
+        return RoundLoop(b.upstream, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments, b.watch,
+                         b.segments, b.settings.shm_segment_bytes)
 
     async def Generate(self, request, context):
         plan = await self._plan_or_abort(request, context)
@@ -192,6 +226,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         mode = MODES.get(request.speculation, AUTO)
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma, self._inflight)
+        if decision.speculate and not b.watch.up:
+            if mode != AUTO:
+                raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
+                              f"({b.watch.reason}); AUTO runs without it meanwhile")
+            decision = Decision(False, 0, "drafter-down")
         speculate = decision.speculate
         gamma = decision.gamma or request.gamma or settings.controller.gamma_start
         problem = b.incompatibility(drafter)

@@ -81,3 +81,5 @@ class Request:
     prefill_mark: int = 0
     decode_mark: int = 0
     fast_path: bool = False  # rounds went over the fast path (both services)
+    lost: str = ""  # why the drafter was lost mid-request (the rounds after it ran target-only)
+    lost_at: int = 0  # the round it was lost in

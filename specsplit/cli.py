@@ -399,12 +399,10 @@ def cmd_up(a: argparse.Namespace) -> int:
         address = stack.start()
         _last_gateway_file().write_text(address + "\n")
         print(f"gateway: {address}", flush=True)
-        while not stop.is_set():
-            for name, proc in stack.procs.items():
-                if proc.poll() is not None:
-                    print(f"{name} service exited with {proc.returncode}:\n{stack.tail(name)}", file=sys.stderr)
-                    return 1
-            stop.wait(0.5)
+        while not stop.is_set():  # only the user's signal stops the stack; a crashed service is restarted
+            for event in stack.supervise():
+                print(event, file=sys.stderr, flush=True)
+            stop.wait(0.2)
         return 0
     finally:
         codes = stack.stop()
@@ -496,7 +494,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
-                            train_minutes=a.train_minutes, train_steps=a.train_steps, max_new_tokens=a.max_new_tokens, batch=a.batch,
+                            train_minutes=a.train_minutes, train_steps=a.train_steps,
+                            max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
                             prompt_seeds=tuple(int(x) for x in a.prompt_seeds.split(",") if x),

@@ -143,11 +143,14 @@ async def serve(
     handle_signals: bool = True,
     interceptors: list[grpc.aio.ServerInterceptor] = (),
     fast_path: fastpath.FastPathServer | None = None,
+    health_monitor: Callable[[Callable[[str, bool], Awaitable[None]]], Awaitable[None]] | None = None,
 ) -> None:
     """Binds `settings.listen` (`unix:///path.sock` or `host:port`, port 0 picks one), reports
     NOT_SERVING until `warmup` finished, writes the bound address to `settings.address_file`, sweeps
     idle `sessions`, and on SIGINT/SIGTERM (or `stop_event`) flips health to NOT_SERVING, gives
-    in-flight calls `settings.grace_s`, then removes the `fast_path` socket and stops the `worker`."""
+    in-flight calls `settings.grace_s`, then removes the `fast_path` socket and stops the `worker`.
+    Once serving, `health_monitor(report)` runs until the stop and reports what it sees with
+    `await report(name, serving)` ("" for the server as a whole; the gateway: its backends)."""
     if settings.shared_memory:
         shm.reclaim_stale()  # segments of a gateway that died (SIGKILL) before it could remove them
         fastpath.reclaim_stale()  # and fast-path sockets of a service that did
@@ -161,6 +164,11 @@ async def serve(
     async def set_status(status: int) -> None:
         for name in ("", service_name):
             await health_servicer.set(name, status)
+
+    async def report(name: str, serving: bool) -> None:
+        """A health monitor's verdict: "" is the server as a whole (and its own service)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await (set_status(status) if name == "" else health_servicer.set(name, status))
 
     await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
     listen = settings.listen
@@ -180,6 +188,7 @@ async def serve(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     sweeper = asyncio.create_task(sessions.sweep(sessions.idle_timeout_s / 4)) if sessions is not None else None
+    monitor = None
     try:
         if warmup is not None and not await _unless_stopped(warmup(), stop):
             return
@@ -189,8 +198,11 @@ async def serve(
             tmp.write_text(bound + "\n")
             os.replace(tmp, settings.address_file)
         log.info("%s serving on %s", service_name, bound)
+        monitor = asyncio.ensure_future(health_monitor(report)) if health_monitor is not None else None
         await stop.wait()
     finally:
+        if monitor is not None:
+            monitor.cancel()
         await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(settings.grace_s)
         if sweeper is not None:

@@ -20,6 +20,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 PARENT_ENV = "SPECSPLIT_LAUNCHER_PID"
+RESTART_FIRST_S, RESTART_MAX_S = 0.5, 30.0  # a crashed service's restart delay, doubling up to the cap
+STABLE_S = 60.0  # a service up this long has its restart delay reset
 
 
 def die_with_launcher() -> None:
@@ -69,6 +71,10 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
+        self._commands: dict[str, tuple[list[str], tuple[str, ...]]] = {}  # how each was started
+        self._started: dict[str, float] = {}
+        self._restarts: dict[str, int] = {}  # consecutive restarts (reset once it stays up STABLE_S)
+        self._due: dict[str, float] = {}  # a crashed service's restart time
 
     def _listen(self, name: str) -> str:
         if self.config.transport == "unix":
@@ -79,10 +85,13 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], entry: tuple[str, ...] = ()) -> None:
         """Starts service `name` (`specsplit serve NAME`, or `python -m *entry` taking the same
-        --listen, --address-file, --threads and --no-shm flags)."""
+        --listen, --address-file, --threads and --no-shm flags). A restart listens where the first
+        run was bound, so the others reach it at the same address."""
         address_file = self.run_dir / f"{name}.address"
         address_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", *(entry or ("specsplit.cli", "serve", name)), "--listen", self._listen(name),
+        self._commands[name] = (args, entry)
+        listen = self.addresses.get(name) or self._listen(name)
+        cmd = [sys.executable, "-m", *(entry or ("specsplit.cli", "serve", name)), "--listen", listen,
                "--address-file", str(address_file), *args]
         if self.config.threads:
             cmd += ["--threads", str(self.config.threads)]
@@ -94,7 +103,32 @@ class Stack:
             env["SPECSPLIT_OTLP_FILE"] = str(Path(self.config.trace_file).resolve())
         env[PARENT_ENV] = str(os.getpid())
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._started[name] = time.monotonic()
         log.close()
+
+    def supervise(self) -> list[str]:
+        """Restarts the services that exited, each after a delay that doubles with its consecutive
+        crashes (RESTART_FIRST_S .. RESTART_MAX_S); returns what happened, for the log. The others
+        keep serving meanwhile: the gateway runs without drafts while the draft service is down and
+        answers UNAVAILABLE (health NOT_SERVING) while the verify service is."""
+        events, now = [], time.monotonic()
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                if now - self._started[name] > STABLE_S:
+                    self._restarts[name] = 0
+                continue
+            if name not in self._due:
+                delay = min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** self._restarts.get(name, 0))
+                self._due[name] = now + delay
+                events.append(f"{name} service exited with {proc.returncode}; restarting it in {delay:.1f} s; "
+                              f"last lines of its log:\n{self.tail(name, 5)}")
+            elif now >= self._due[name]:
+                del self._due[name]
+                self._restarts[name] = self._restarts.get(name, 0) + 1
+                self._spawn(name, *self._commands[name])
+                events.append(f"{name} service restarted (pid {self.procs[name].pid}, restart "
+                              f"{self._restarts[name]} in a row), listening on {self.addresses[name]}")
+        return events
 
     def _await(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

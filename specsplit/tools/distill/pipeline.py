@@ -67,8 +67,8 @@ def distill(s: DistillSettings, log=print) -> Path:
     # data-size curve train beside it, each in its own directory; the largest is the one exported.
     dirs = {f: out / (f"{s.kind}-train" if f == 1 else f"{s.kind}-train-data{f:g}") for f in fractions}
     work = dirs[fractions[-1]]
-    settings = TrainSettings(budget_s=s.train_minutes * 60, max_steps=s.train_steps, draft_vocab=s.draft_vocab, levels=s.levels, lr=s.lr,
-                             batch_tokens=s.batch_tokens)
+    settings = TrainSettings(budget_s=s.train_minutes * 60, max_steps=s.train_steps, draft_vocab=s.draft_vocab,
+                             levels=s.levels, lr=s.lr, batch_tokens=s.batch_tokens)
     result = None
     if "train" in s.stages:
         examples = load_examples(data_dir, lm, log)

@@ -1,0 +1,158 @@
+"""Services dying under a real `specsplit up` (three processes, supervised): a drafter killed or
+stalled mid-request costs the request its drafts, never its answer; a killed verifier fails the
+request at once with UNAVAILABLE, the gateway's health says so, and both come back after the
+supervisor restarts the service."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+PROMPT = "Repeat after me: speculation must never change the output."
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    run_dir: Path
+    gateway: str
+
+    def pid(self, name: str) -> int:
+        found = subprocess.run(["pgrep", "-f", "--", f"--address-file {self.run_dir / name}.address"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(found) == 1, (name, found)
+        return int(found[0])
+
+    def address(self, name: str) -> str:
+        return (self.run_dir / f"{name}.address").read_text().strip()
+
+    def log(self) -> str:
+        return (self.run_dir / "up.err").read_text()
+
+
+@pytest.fixture(scope="module")
+def up(models, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("up")
+    err = open(run_dir / "up.err", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(run_dir),
+                             "--target-model", str(models["target"]), "--self-head", "none", "--drafter", "ngram",
+                             "--dtype", "float32", "--tree-budget", "0"],
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("gateway: "), (line, (run_dir / "up.err").read_text())
+    try:
+        yield Up(proc, run_dir, line.split(" ", 1)[1].strip())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        err.close()
+
+
+def _request(speculation=pb.SPECULATION_ON, tokens: int = 200) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=PROMPT, max_new_tokens=tokens, speculation=speculation, gamma=4,
+                              stop=pb.StopConditions(ignore_eos=True))
+
+
+def _stream(stub, request, after_chunks: int = 0, act=lambda: None, timeout: float = 30.0):
+    """(token ids, the final stats) of a streamed request; `act` runs after `after_chunks` chunks."""
+    ids, stats = [], None
+    for i, chunk in enumerate(stub.GenerateStream(request, timeout=timeout)):
+        ids += chunk.token_ids
+        if chunk.HasField("stats"):
+            stats = chunk.stats
+        if i + 1 == after_chunks:
+            act()
+    return ids, stats
+
+
+def _until(check, timeout_s: float = 90.0, every_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+        except grpc.RpcError:
+            result = None
+        if result:
+            return result
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(every_s)
+
+
+def _speculates(stub) -> bool:
+    """A forced spec-on request runs with drafts again (UNAVAILABLE while the drafter is down)."""
+    stats = stub.Generate(_request(tokens=24), timeout=30).stats
+    return stats.speculation_used and stats.speculation_reason != "drafter-lost"
+
+
+def _health(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                          timeout=5).status
+
+
+def test_a_drafter_killed_or_stalled_mid_request_costs_drafts_not_the_answer(up):
+    with grpc.insecure_channel(up.gateway) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        reference, off = _stream(stub, _request(pb.SPECULATION_OFF))
+        assert not off.speculation_used
+        _stream(stub, _request())  # a warm drafter: its Propose budget now follows measured times
+
+        first_pid = up.pid("draft")
+        ids, stats = _stream(stub, _request(), 3, lambda: os.kill(first_pid, signal.SIGKILL))
+        assert ids == reference  # greedy: target-only rounds are spec-off decoding
+        assert stats.speculation_reason == "drafter-lost" and stats.speculation_used
+        assert not stats.round_records[-1].drafted
+        # AUTO requests meanwhile run without it; the supervisor restarts it and speculation resumes.
+        auto = stub.Generate(_request(pb.SPECULATION_AUTO, 24), timeout=30)
+        assert auto.token_ids == reference[:24]
+        _until(lambda: _speculates(stub))
+        assert up.pid("draft") != first_pid
+        assert "draft service exited with -9; restarting it" in up.log()
+
+        _stream(stub, _request())  # warm again (a new process)
+        stalled = up.pid("draft")
+        try:
+            ids, stats = _stream(stub, _request(), 3, lambda: os.kill(stalled, signal.SIGSTOP))
+            assert ids == reference and stats.speculation_reason == "drafter-lost"
+            assert _health(up.gateway) == health_pb2.HealthCheckResponse.SERVING
+            _until(lambda: _health(up.gateway, "specsplit.draft.v1.Drafter")
+                   == health_pb2.HealthCheckResponse.NOT_SERVING)
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        _until(lambda: _speculates(stub))
+        # The stalled drafter ended the sessions it was given; nothing is left open there.
+        with grpc.insecure_channel(up.address("draft")) as draft:
+            _until(lambda: dpb_grpc.DrafterStub(draft).Info(dpb.InfoRequest(), timeout=5).active_sessions == 0)
+
+
+def test_a_killed_verifier_fails_fast_with_unavailable_and_the_gateway_recovers(up):
+    with grpc.insecure_channel(up.gateway) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        reference = stub.Generate(_request(pb.SPECULATION_OFF, 64), timeout=30).token_ids
+        verify_pid = up.pid("verify")
+        with pytest.raises(grpc.RpcError) as failed:
+            _stream(stub, _request(), 3, lambda: os.kill(verify_pid, signal.SIGKILL))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "verify service" in failed.value.details()
+        # Health says so while it is down, per backend too; the draft service lost no session.
+        _until(lambda: _health(up.gateway) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        with grpc.insecure_channel(up.address("draft")) as draft:
+            _until(lambda: dpb_grpc.DrafterStub(draft).Info(dpb.InfoRequest(), timeout=5).active_sessions == 0, 10)
+        _until(lambda: _health(up.gateway) == health_pb2.HealthCheckResponse.SERVING)
+        assert _health(up.gateway, "specsplit.verify.v1.Verifier") == health_pb2.HealthCheckResponse.SERVING
+        again = _until(lambda: stub.Generate(_request(pb.SPECULATION_ON, 64), timeout=30))
+        assert again.token_ids == reference and up.pid("verify") != verify_pid
+        assert "verify service exited with -9; restarting it" in up.log()
