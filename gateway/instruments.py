@@ -106,7 +106,7 @@ class Instruments:
         for record, position in zip(records, positions):
             self._metrics.round(record, plan.task_type, drafter, position)
         self._metrics.request(stats)
-        if not request.lost:  # a stall or a failover says nothing about what speculation is worth
+        if not request.lost:  # a failover mid-request says nothing about what speculation is worth
             self._controller.observe(plan.task_type, plan.drafter, plan.decision, outcome(stats), plan.predraft)
         span = trace.get_current_span()
         _describe(span, stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
@@ -189,8 +189,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         gateway_ms=sum(r.gateway_ms for r in rounds), exact=exact, task_type=plan.task_type,
         round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
         seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
-        speculation_reason="drafter-lost" if request.lost else
-        plan.decision.reason if drafting == plan.speculate else "drafter-down",
+        speculation_reason=request.fallback or plan.decision.reason,
         shared_memory=request.shm_verify and request.shm_draft and drafting, fast_path=request.fast_path,
         predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits,
         tree_budget=plan.tree_budget if drafting else 0)

@@ -27,7 +27,9 @@ from specsplit.verify.v1 import verify_pb2 as vpb
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
 ROUND_OVERHEAD_MS = 0.5  # a round's link and gateway work beyond compute, co-located (docs/metrics.md#time)
-_DRAFTER_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}  # AUTO goes on without
+# A draft service that cannot take an AUTO request's session: it goes on without drafts.
+_NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEADLINE_EXCEEDED: "drafter-down",
+               grpc.StatusCode.RESOURCE_EXHAUSTED: "drafter-full"}
 
 
 class RoundLoop:
@@ -137,7 +139,8 @@ class RoundLoop:
     def _lose(self, request: Request, why: str) -> None:
         if not request.drafting:
             return  # already lost (a pre-draft and a round's Propose can both fail)
-        request.lost, request.lost_at, request.drafting, request.ready = why, len(request.rounds), False, None
+        request.lost, request.lost_at, request.fallback = why, len(request.rounds), "drafter-lost"
+        request.drafting, request.ready = False, None
         if request.drafter is not None:
             request.drafter.close()
         self._watch.lost(why)
@@ -221,9 +224,10 @@ class RoundLoop:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
         if isinstance(verified, BaseException):
             raise verified
-        if isinstance(started, Failure) and plan.may_fall_back and started.code in _DRAFTER_DOWN:
-            self._watch.lost(str(started))
-            request.drafting, started = False, None
+        if isinstance(started, Failure) and plan.may_fall_back and started.code in _NO_DRAFTER:
+            if started.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down
+                self._watch.lost(str(started))
+            request.drafting, started, request.fallback = False, None, _NO_DRAFTER[started.code]
         elif isinstance(started, BaseException):
             raise started
         if request.segment is not None:

@@ -81,5 +81,8 @@ class Request:
     prefill_mark: int = 0
     decode_mark: int = 0
     fast_path: bool = False  # rounds went over the fast path (both services)
-    lost: str = ""  # why the drafter was lost mid-request (the rounds after it ran target-only)
+    # Why the request has no drafter though its plan speculates (its stats' speculation_reason):
+    # drafter-down (at the start), drafter-full (its session table), drafter-lost (mid-request).
+    fallback: str = ""
+    lost: str = ""  # drafter-lost: the failure (the rounds after it ran target-only)
     lost_at: int = 0  # the round it was lost in

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from specsplit import telemetry
+from specsplit.errors import UsageError
 from specsplit.settings import (
     ClientTLS,
     ControllerSettings,
@@ -60,8 +61,24 @@ def _server_settings(a: argparse.Namespace) -> ServerSettings:
                           tls_client_ca=a.tls_client_ca, shared_memory=a.shared_memory)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line (argparse prints the whole usage first), exit code 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _list_of(convert, what: str):
+    """An argparse type: comma-separated values, each through `convert`."""
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(convert(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__)
+    parser = _Parser(prog="specsplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("fetch-model", help="convert the embedded default model into the cache (once)")
@@ -156,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     _stack_flags(up)
     up.add_argument("--store-tokens", type=int, default=262144,
                     help="earlier outputs the retrieval drafter remembers across requests (0: none)")
+    up.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
+                    help="Prometheus endpoints: the gateway's on this port, the verify service's on the next, the "
+                         "draft service's on the one after (0: none)")
 
     gen = sub.add_parser("generate", help="call Generate on a gateway")
     gen.add_argument("prompt")
@@ -183,11 +203,11 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
     dist.add_argument("--out", required=True, help="work directory: data shards, checkpoint, head/ (resumable)")
     dist.add_argument("--prompts", help="JSONL of {prompt, task_type} (default: the built-in distillation set)")
-    dist.add_argument("--prompt-seeds", default="0",
+    dist.add_argument("--prompt-seeds", default="0", type=_list_of(int, "integers"),
                       help="built-in set: comma-separated seeds, each adding ~1,000 new prompts (new template "
                            "combinations and rewrite passages) after those of the seeds before it, so that a "
                            "resumed run with more seeds keeps its shards and generates more")
-    dist.add_argument("--data-fractions", default="1",
+    dist.add_argument("--data-fractions", default="1", type=_list_of(float, "numbers"),
                       help="comma-separated shares of the training data, e.g. 0.25,0.5,1: each trains its own "
                            "head with the same budget and the held-out accuracy of each is printed (a data-size "
                            "curve, kept in the card); the largest is exported")
@@ -205,7 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
     dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     dist.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
-    dist.add_argument("--stages", default="generate,train,export", help="comma-separated subset to run")
+    dist.add_argument("--stages", default="generate,train,export", type=_list_of(str, "stage names"),
+                      help="comma-separated subset to run")
     dist.add_argument("--kind", choices=["self", "model"], default="self",
                       help="self: a feature head (--drafter self/hybrid); model: a standalone draft model of "
                            "--layers target layers (--draft-model DIR/model)")
@@ -229,10 +250,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="sampler seed at temperature > 0")
     bench.add_argument("--predraft", choices=["off", "on", "auto"], default="off",
                        help="pre-drafting in spec-on requests (auto: the gateway decides); --topology runs both")
-    bench.add_argument("--tree-budgets", default="",
+    bench.add_argument("--tree-budgets", default="", type=_list_of(int, "integers"),
                        help="comma-separated token-tree sizes to compare for every drafter, e.g. 1,8 (1: chains; "
                             "default: the gateway's --tree-budget)")
-    bench.add_argument("--methods", default="coupled,rejection",
+    bench.add_argument("--methods", default="coupled,rejection", type=_list_of(str, "method names"),
                        help="verify methods compared at temperature > 0")
     bench.add_argument("--store-tokens", type=int, default=0,
                        help="the retrieval store remembers outputs across requests; the bench runs every prompt "
@@ -243,8 +264,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--topology", action="store_true",
                        help="instead: co-located (UNIX, TCP) and split with an emulated RTT between gateway+verifier "
                             "and drafter (a userspace delaying proxy); speedup, overhead per round, break-even RTT")
-    bench.add_argument("--rtts", default="", help="with --topology: comma-separated RTTs in ms "
-                                                  "(default 0,0.5,1,2,5,10,20,40)")
+    bench.add_argument("--rtts", default="", type=_list_of(float, "numbers"),
+                       help="with --topology: comma-separated RTTs in ms (default 0,0.5,1,2,5,10,20,40)")
     bench.add_argument("--plot", default="specsplit-topology.png", help="with --topology: PNG of the curve")
     bench.add_argument("--round-overhead", action="store_true",
                        help="per-round overhead (median, P95) through the real services around a drafter and a "
@@ -252,7 +273,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--tracing-overhead", action="store_true",
                        help="instead: spec-on requests alternated between a stack with tracing off and one "
                             "with tracing on (OTLP-JSON file), and the median cost of tracing per token")
-    bench.add_argument("--drafters", default="",
+    bench.add_argument("--drafters", default="", type=_list_of(str, "drafter names"),
                        help="comma-separated drafters to compare side by side, e.g. ngram,self "
                             "(default: every drafter of the started stack; with --gateway, its default)")
 
@@ -313,7 +334,7 @@ def _stack_config(a: argparse.Namespace):
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
                        self_head=a.self_head, store_tokens=a.store_tokens,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
-                       shared_memory=a.shared_memory)
+                       shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0))
 
 
 def _last_gateway_file() -> Path:
@@ -366,6 +387,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                    shm_segment_bytes=int(a.shm_segment_mib * 2**20))
     try:
         asyncio.run(run(settings))
+    except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError):
+        raise  # a bad flag or file: main() says so in one line
     except Exception as e:  # a start-up failure: say what it was, not a traceback
         print(f"specsplit serve {a.role}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -489,17 +512,16 @@ def cmd_distill(a: argparse.Namespace) -> int:
     from specsplit.tools.distill.pipeline import DistillSettings, distill
 
     runtime.configure_process(a.threads)
-    stages = tuple(x.strip() for x in a.stages.split(",") if x.strip())
+    stages = a.stages
     unknown = set(stages) - {"generate", "train", "export"}
     if unknown:
-        raise ValueError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
+        raise UsageError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
                             train_minutes=a.train_minutes, train_steps=a.train_steps,
                             max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
-                            prompt_seeds=tuple(int(x) for x in a.prompt_seeds.split(",") if x),
-                            data_fractions=tuple(float(x) for x in a.data_fractions.split(",") if x)))
+                            prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions))
     return 0
 
 
@@ -540,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
                "calibrate": cmd_calibrate}[a.command]
     try:
         return command(a)
-    except (FileNotFoundError, ValueError, RuntimeError, TimeoutError) as e:  # bad flags, a service that died
+    except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError) as e:  # a bad flag or file
+        print(f"specsplit {a.command}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, RuntimeError, TimeoutError, OSError) as e:  # a service that died, a model that does not fit
         print(f"specsplit {a.command}: {e}", file=sys.stderr)
         return 1
 

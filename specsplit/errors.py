@@ -15,3 +15,7 @@ class Failure(Exception):
     @property
     def message(self) -> str:
         return str(self)
+
+
+class UsageError(ValueError):
+    """A bad flag or input file: the CLI prints one line naming what and where, and exits 2."""

@@ -58,7 +58,7 @@ def test_p95_is_nearest_rank():
 
 
 def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
-    from specsplit.tools.workload import PromptFileError
+    from specsplit.errors import UsageError
 
     good = tmp_path / "good.jsonl"
     good.write_text('{"id": 7, "task_type": "code", "prompt": "def f():", "temperature": 0.5}\n\n')
@@ -66,10 +66,10 @@ def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
     assert (p.task_type, p.prompt, p.temperature) == ("code", "def f():", 0.5)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"task_type": "code", "prompt": "a"}\n{"task_type": "code", "prompt": \n')
-    with pytest.raises(PromptFileError, match=r"bad.jsonl:2: not JSON"):
+    with pytest.raises(UsageError, match=r"bad.jsonl:2: not JSON"):
         load_prompts(str(bad))
     bad.write_text('{"task_type": "code"}\n')
-    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: need an object with string fields task_type and prompt"):
+    with pytest.raises(UsageError, match=r"bad.jsonl:1: need an object with string fields task_type and prompt"):
         load_prompts(str(bad))
 
 

@@ -6,10 +6,13 @@ supervisor restarts the service."""
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,7 @@ class Up:
     proc: subprocess.Popen
     run_dir: Path
     gateway: str
+    metrics_port: int  # the gateway's; the verify service's is the next, the draft service's the one after
 
     def pid(self, name: str) -> int:
         found = subprocess.run(["pgrep", "-f", "--", f"--address-file {self.run_dir / name}.address"],
@@ -44,18 +48,32 @@ class Up:
         return (self.run_dir / "up.err").read_text()
 
 
+def _free_ports(n: int) -> int:
+    """The first of n consecutive free loopback ports."""
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        try:
+            for port in range(base, base + n):
+                socket.create_server(("127.0.0.1", port)).close()
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
+
+
 @pytest.fixture(scope="module")
 def up(models, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("up")
     err = open(run_dir / "up.err", "w")
+    metrics = _free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(run_dir),
                              "--target-model", str(models["target"]), "--self-head", "none", "--drafter", "ngram",
-                             "--dtype", "float32", "--tree-budget", "0"],
+                             "--dtype", "float32", "--tree-budget", "0", "--metrics-port", str(metrics)],
                             stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()
     assert line.startswith("gateway: "), (line, (run_dir / "up.err").read_text())
     try:
-        yield Up(proc, run_dir, line.split(" ", 1)[1].strip())
+        yield Up(proc, run_dir, line.split(" ", 1)[1].strip(), metrics)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
@@ -156,3 +174,16 @@ def test_a_killed_verifier_fails_fast_with_unavailable_and_the_gateway_recovers(
         again = _until(lambda: stub.Generate(_request(pb.SPECULATION_ON, 64), timeout=30))
         assert again.token_ids == reference and up.pid("verify") != verify_pid
         assert "verify service exited with -9; restarting it" in up.log()
+
+
+def test_up_serves_each_services_metrics_on_its_own_port(up):
+    with grpc.insecure_channel(up.gateway) as channel:
+        pb_grpc.GatewayStub(channel).Generate(_request(tokens=16), timeout=30)
+
+    def scrape(offset: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{up.metrics_port + offset}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    assert 'specsplit_request_duration' in scrape(0) and 'speculation="on"' in scrape(0)
+    assert "process_resident_memory_bytes" in scrape(1)  # the verify service's own instruments: issue 17
+    assert "specsplit_draft_memory" in scrape(2)

@@ -44,21 +44,20 @@ def test_round_trips_pay_the_rtt_in_order_and_the_rtt_can_change(echo):
         with socket.create_connection((host, int(port))) as sock:
             slow = [_round_trip(sock, f"ping {i};".encode()) for i in range(3)]
             assert all(ms >= 40 for ms, _ in slow) and [g for _, g in slow] == [b"ping 0;", b"ping 1;", b"ping 2;"]
-            proxy.set_rtt(0)
-            fast, _ = _round_trip(sock, b"x")
-            assert fast < 20
+            proxy.set_rtt(150)  # applies to the open connection (only lower bounds: a loaded host is slower)
+            assert _round_trip(sock, b"x")[0] >= 150
             burst = b"".join(f"{i:05d}".encode() for i in range(2000))  # many chunks: order preserved
             assert _round_trip(sock, burst)[1] == burst
 
 
 def test_bandwidth_cap_paces_bulk_data(echo):
-    with DelayProxy(echo, rtt_ms=0, bandwidth_bytes_s=1_000_000) as proxy:
+    with DelayProxy(echo, rtt_ms=0) as proxy:
         host, port = proxy.address.rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:
+            assert _round_trip(sock, b"z" * 100_000)[1] == b"z" * 100_000
+            proxy.bandwidth = 1_000_000  # applies to the open connection
             ms, got = _round_trip(sock, b"z" * 100_000)  # 100 kB at 1 MB/s: >= 100 ms (directions overlap)
             assert ms >= 95 and got == b"z" * 100_000
-            proxy.bandwidth = 0
-            assert _round_trip(sock, b"z" * 100_000)[0] < ms / 2
 
 
 def test_only_loopback():

@@ -490,3 +490,35 @@ async def test_verifier_refuses_sessions_past_its_kv_budget_and_frees_them_on_re
             for sid in ["again", *(f"s{i}" for i in range(1, fits))]:
                 await stub.Release(vpb.ReleaseRequest(session_id=sid))
             assert (await stub.Info(vpb.InfoRequest())).active_sessions == 0
+
+
+async def test_full_session_tables_cost_drafts_or_refuse_clearly_and_leak_nothing(models, tmp_path):
+    # Tables of two sessions each, filled by direct calls the gateway knows nothing of.
+    async with running_stack(tmp_path, "unix", models["target"], None, verify_kw={"max_sessions": 2},
+                             draft_kw={"max_sessions": 2}) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as g, grpc.aio.insecure_channel(stack.verify) as v, \
+                grpc.aio.insecure_channel(stack.draft) as d:
+            gw, verifier, drafter = pb_grpc.GatewayStub(g), vpb_grpc.VerifierStub(v), dpb_grpc.DrafterStub(d)
+            reference = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_OFF))
+            for i in range(2):
+                await drafter.StartSession(dpb.StartSessionRequest(session_id=f"d{i}", prompt_token_ids=[1, 2]))
+            # A full draft table costs an AUTO request its drafts, not its answer; ON is refused.
+            auto = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_AUTO))
+            assert auto.token_ids == reference.token_ids
+            assert (auto.stats.speculation_used, auto.stats.speculation_reason) == (False, "drafter-full")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gw.Generate(request(PROMPTS[0]))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "draft service" in e.value.details()
+            # A full verify table refuses the request, naming the service and the limit.
+            for i in range(2):
+                await verifier.Prefill(vpb.PrefillRequest(session_id=f"v{i}", prompt_token_ids=[1, 2, 3]))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gw.Generate(request(PROMPTS[0], pb.SPECULATION_AUTO))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "verify service" in e.value.details()
+            assert await active_sessions(stack) == (2, 2)  # the refused requests left nothing behind
+            for i in range(2):
+                await verifier.Release(vpb.ReleaseRequest(session_id=f"v{i}"))
+                await drafter.EndSession(dpb.EndSessionRequest(session_id=f"d{i}"))
+            again = await gw.Generate(request(PROMPTS[0]))  # room is back, and the drafter was never "down"
+            assert again.token_ids == reference.token_ids and again.stats.speculation_used
+        assert await wait_released(stack) == (0, 0)

@@ -323,7 +323,7 @@ def main(args, config: StackConfig) -> int:
     if args.topology:
         from specsplit.tools import topology
 
-        rtts = tuple(float(x) for x in args.rtts.split(",")) if args.rtts else topology.RTTS_MS
+        rtts = args.rtts or topology.RTTS_MS
         topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
         return 0
     if args.controlled:
@@ -342,11 +342,11 @@ def main(args, config: StackConfig) -> int:
         anchor = anchoring.Anchor(model_dir, config.dtype)
         anchor.warmup(prompts[0].prompt)
     with gateway_stub(args.gateway, config) as (stub, stack):
-        names = [d for d in (args.drafters or "").split(",") if d]
+        names = list(args.drafters)
         if not names:  # every drafter the stack's draft service hosts; else the gateway's default
             names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
-        methods = [m for m in args.methods.split(",") if m] if args.temperature > 0 else [""]
-        trees = [int(t) for t in args.tree_budgets.split(",") if t] or [0]
+        methods = list(args.methods) if args.temperature > 0 else [""]
+        trees = list(args.tree_budgets) or [0]
         drafters = [Variant(n, m, t) for n in names for m in methods for t in trees]
         for d in drafters:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)

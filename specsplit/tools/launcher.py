@@ -22,6 +22,7 @@ _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "SPECSPLIT_LAUNCHER_PID"
 RESTART_FIRST_S, RESTART_MAX_S = 0.5, 30.0  # a crashed service's restart delay, doubling up to the cap
 STABLE_S = 60.0  # a service up this long has its restart delay reset
+METRICS_OFFSET = {"gateway": 0, "verify": 1, "draft": 2}  # --metrics-port P: each service's port is P + this
 
 
 def die_with_launcher() -> None:
@@ -59,6 +60,7 @@ class StackConfig:
     run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
     trace_file: str | None = None  # the services export traces here as OTLP-JSON lines (else OTEL_* decides)
     shared_memory: bool = True  # False: --no-shm for all three
+    metrics_port: int = 0  # Prometheus: the gateway's port; verify +1, draft +2 (0: none)
 
 
 class Stack:
@@ -97,8 +99,11 @@ class Stack:
             cmd += ["--threads", str(self.config.threads)]
         if not self.config.shared_memory:
             cmd.append("--no-shm")
+        if self.config.metrics_port:
+            cmd += ["--metrics-port", str(self.config.metrics_port + METRICS_OFFSET[name])]
         log = open(self.run_dir / f"{name}.log", "ab")
         env = dict(os.environ)
+        env.pop("SPECSPLIT_METRICS_PORT", None)  # one port each, from the config: three cannot share one
         if self.config.trace_file:
             env["SPECSPLIT_OTLP_FILE"] = str(Path(self.config.trace_file).resolve())
         env[PARENT_ENV] = str(os.getpid())

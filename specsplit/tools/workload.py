@@ -9,6 +9,7 @@ from importlib import resources
 from pathlib import Path
 
 from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.errors import UsageError
 from specsplit.gateway.v1 import gateway_pb2 as pb
 
 
@@ -73,18 +74,14 @@ def warmup(prompts: list[Prompt]) -> Prompt:
     return Prompt("warmup", prompts[0].prompt)
 
 
-class PromptFileError(ValueError):
-    pass
-
-
 def _prompt(line: str, number: int, path: str | None) -> Prompt:
     """One JSONL row; keys other than Prompt's fields (an "id", say) are ignored."""
     where = f"{path or 'built-in prompts'}:{number}"
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise PromptFileError(f"{where}: not JSON ({e.msg})") from None
+        raise UsageError(f"{where}: not JSON ({e.msg})") from None
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("task_type"), str):
-        raise PromptFileError(f"{where}: need an object with string fields task_type and prompt")
+        raise UsageError(f"{where}: need an object with string fields task_type and prompt")
     known = {f.name for f in fields(Prompt)}
     return Prompt(**{k: v for k, v in row.items() if k in known})

@@ -47,13 +47,13 @@ class DistillSettings:
 
 
 def distill(s: DistillSettings, log=print) -> Path:
+    prompts = load_prompts(s.prompts, s.prompt_seeds) if "generate" in s.stages else []  # a bad file fails first
     out = Path(s.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     target_dir = default_model.resolve(s.target_model)
     data_dir = out / "data"
     lm = load_model(target_dir, s.dtype, s.device, exact=False)
     if "generate" in s.stages:
-        prompts = load_prompts(s.prompts, s.prompt_seeds)
         log(f"generate: {len(prompts)} prompts, up to {s.max_new_tokens} new tokens each, budget {s.gen_minutes} min")
         started = time.monotonic()
         gen.run(lm, prompts, data_dir, s.gen_minutes * 60, s.batch, s.max_new_tokens)

@@ -9,6 +9,8 @@ import json
 import random
 from pathlib import Path
 
+from specsplit.errors import UsageError
+
 LANGUAGES = ["Python", "Python", "Python", "JavaScript", "TypeScript", "SQL", "Bash", "Go", "Rust", "Java", "C"]
 CODE_TASKS = [
     "reverses a linked list", "merges two sorted lists", "counts the words in a text file",
@@ -194,9 +196,13 @@ def load_prompts(path: str | None, seeds: tuple[int, ...] = (0,)) -> list[dict]:
         return out
     rows = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            if not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{n}: each line needs a string 'prompt'")
-            rows.append({"task_type": row.get("task_type", "unknown"), "prompt": row["prompt"]})
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UsageError(f"{path}:{n}: each line needs an object with a string 'prompt'")
+        rows.append({"task_type": str(row.get("task_type", "unknown")), "prompt": row["prompt"]})
     return rows

@@ -1,0 +1,44 @@
+"""A user's mistake on the command line gets one line naming it and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "bad.jsonl").write_text('{"task_type": "code", "prompt": "a"}\n{"task_type": "code", "prompt": \n')
+    (d / "noprompt.jsonl").write_text('{"task_type": "code"}\n')
+    return d
+
+
+CASES = [
+    (["bench", "--gamma", "x"], "argument --gamma: invalid int value"),
+    (["bench", "--tree-budgets", "1,eight"], "argument --tree-budgets: expected comma-separated integers"),
+    (["bench", "--rtts", "0,fast", "--topology"], "argument --rtts: expected comma-separated numbers"),
+    (["bench", "--prompts", "{d}/missing.jsonl", "--gateway", "127.0.0.1:1"], "No such file or directory"),
+    (["bench", "--prompts", "{d}/bad.jsonl", "--gateway", "127.0.0.1:1"], "bad.jsonl:2: not JSON"),
+    (["calibrate", "--prompts", "{d}/noprompt.jsonl", "--gateway", "127.0.0.1:1"],
+     "noprompt.jsonl:1: need an object with string fields task_type and prompt"),
+    (["distill", "--out", "{d}/out", "--prompts", "{d}/bad.jsonl"], "bad.jsonl:2: not JSON"),
+    (["distill", "--out", "{d}/out", "--stages", "generate,polish"], "unknown stages ['polish']"),
+    (["distill", "--out", "{d}/out", "--data-fractions", "half"], "expected comma-separated numbers"),
+    (["up", "--target-model", "{d}/no-model"], "not a local HF model directory"),
+    (["serve", "verify", "--target-model", "{d}/no-model"], "not a local HF model directory"),
+    (["trace-report", "--file", "{d}/missing.jsonl"], "No such file or directory"),
+    (["generate"], "the following arguments are required: prompt"),
+    (["serve"], "the following arguments are required: role"),
+]
+
+
+@pytest.mark.parametrize("args,message", CASES, ids=[" ".join(c[0][:2]) + f"#{i}" for i, c in enumerate(CASES)])
+def test_a_bad_flag_or_file_gets_one_line_and_exit_code_2(files, args, message):
+    done = subprocess.run([sys.executable, "-m", "specsplit.cli", *(a.format(d=files) for a in args)],
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
