@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.access import BearerAuth
 from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
 from specsplit import default_model, runtime, telemetry
 from specsplit.serving import serve
@@ -21,6 +22,8 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
     try:
         await serve(settings.server, SERVICE_NAME, lambda server: register(server, GatewayServicer(backends)),
                     backends.connect, stop_event=stop_event, handle_signals=handle_signals,
-                    interceptors=tel.server_interceptors(), health_monitor=backends.watch_health)
+                    interceptors=[*tel.server_interceptors(), *([BearerAuth(settings.auth_token)]
+                                                                 if settings.auth_token else [])],
+                    health_monitor=backends.watch_health)
     finally:
         await backends.close()

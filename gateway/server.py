@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import policy
+from gateway.access import ClientCap, client_of
 from gateway.controller import AUTO, OFF, ON, Controller, Decision
 from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.instruments import GatewayMetrics, Instruments
@@ -147,6 +148,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self._backends = backends
         self.controller = backends.controller
         self._inflight = 0  # Generate calls running now (the controller's concurrency signal)
+        self._cap = ClientCap(backends.settings.max_sessions_per_client)
         self._metrics = GatewayMetrics(self.controller)
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
@@ -158,39 +160,43 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                          b.segments, b.settings.shm_segment_bytes)
 
     async def Generate(self, request, context):
-        plan = await self._plan_or_abort(request, context)
         text, ids, last = [], [], None
-        self._inflight += 1
-        try:
-            async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
-                async for chunk in chunks:
-                    text.append(chunk.text)
-                    ids += chunk.token_ids
-                    last = chunk
-        except Failure as e:
-            await context.abort(e.code, e.message)
-        finally:
-            self._inflight -= 1
+        async with self._session(request, context) as plan:
+            try:
+                async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
+                    async for chunk in chunks:
+                        text.append(chunk.text)
+                        ids += chunk.token_ids
+                        last = chunk
+            except Failure as e:
+                await context.abort(e.code, e.message)
         return pb.GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
                                    stats=last.stats)
 
     async def GenerateStream(self, request, context):
-        plan = await self._plan_or_abort(request, context)
+        async with self._session(request, context) as plan:
+            try:
+                async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            except Failure as e:
+                await context.abort(e.code, e.message)
+
+    @contextlib.asynccontextmanager
+    async def _session(self, request, context):
+        """Admits a Generate call: its plan, within its client's cap; counted in flight while it runs."""
+        client = client_of(context)
+        try:
+            plan = self.plan(request)
+            self._cap.enter(client)
+        except Failure as e:
+            await context.abort(e.code, e.message)
         self._inflight += 1
         try:
-            async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-        except Failure as e:
-            await context.abort(e.code, e.message)
+            yield plan
         finally:
             self._inflight -= 1
-
-    async def _plan_or_abort(self, request, context) -> Plan:
-        try:
-            return self.plan(request)
-        except Failure as e:
-            await context.abort(e.code, e.message)
+            self._cap.leave(client)
 
     def plan(self, request: pb.GenerateRequest) -> Plan:
         b = self._backends

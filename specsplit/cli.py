@@ -159,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="policy file from `specsplit calibrate`: the controller's starting state")
     g.add_argument("--drafter", default="", help="default drafter (empty: the draft service's default)")
     g.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    g.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                   help="callers must send metadata 'authorization: Bearer <the token in this file>' "
+                        "(UNAUTHENTICATED otherwise; health and reflection stay open)")
+    g.add_argument("--max-sessions-per-client", type=int, default=0,
+                   help="Generate calls in flight per client address; more get RESOURCE_EXHAUSTED (0: no cap)")
     g.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of each internal call (s)")
     g.add_argument("--predraft", choices=["auto", "on", "off"], default=ENV("SPECSPLIT_PREDRAFT", "auto"),
                    help="asynchronous drafting (draft the next block while Verify is in flight) for requests that "
@@ -180,6 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="call Generate on a gateway")
     gen.add_argument("prompt")
     gen.add_argument("--gateway", default=ENV("SPECSPLIT_GATEWAY"), help="gateway address (default: the last `up`)")
+    gen.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                     help="send the bearer token in this file (a gateway started with --auth-token-file)")
     gen.add_argument("--no-spec", action="store_true", help="speculation off")
     gen.add_argument("--spec", action="store_true", help="speculation on (refuse to fall back)")
     gen.add_argument("--drafter", default="")
@@ -372,6 +379,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                  device=a.device, hybrid_min_match=a.hybrid_min_match,
                                  self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k)
     else:
+        from gateway.access import read_token
         from gateway.main import run
 
         controller = ControllerSettings(
@@ -384,7 +392,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                    controller=controller, policy_file=a.policy,
                                    upstream_tls=ClientTLS(a.upstream_ca, a.upstream_cert, a.upstream_key)
                                    if a.upstream_ca else None, predraft=a.predraft, tree_budget=a.tree_budget,
-                                   shm_segment_bytes=int(a.shm_segment_mib * 2**20))
+                                   shm_segment_bytes=int(a.shm_segment_mib * 2**20),
+                                   auth_token=read_token(a.auth_token_file) if a.auth_token_file else "",
+                                   max_sessions_per_client=a.max_sessions_per_client)
     try:
         asyncio.run(run(settings))
     except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError):
@@ -458,17 +468,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
         request.text = a.prompt
     else:
         request.chat.messages.add(role="user", content=a.prompt)
+    from gateway.access import read_token
+
+    metadata = [("authorization", f"Bearer {read_token(a.auth_token_file)}")] if a.auth_token_file else None
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GatewayStub(channel)
         try:
             if a.stream and not a.json:
-                for chunk in stub.GenerateStream(request, timeout=a.timeout):
+                for chunk in stub.GenerateStream(request, timeout=a.timeout, metadata=metadata):
                     print(chunk.text, end="", flush=True)
                     last = chunk
                 print()
                 print(_summary(last.stats, last.finish_reason), file=sys.stderr)
                 return 0
-            response = stub.Generate(request, timeout=a.timeout)
+            response = stub.Generate(request, timeout=a.timeout, metadata=metadata)
         except grpc.RpcError as e:
             print(f"{e.code().name}: {e.details()}", file=sys.stderr)
             return 1

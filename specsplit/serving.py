@@ -174,7 +174,7 @@ async def serve(
     listen = settings.listen
     sock = unix_path(listen)
     if sock is not None:
-        sock.parent.mkdir(parents=True, exist_ok=True)
+        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new directory: only this user's
         if sock.exists():
             sock.unlink()  # a socket left by a killed predecessor; bind would fail on it
     port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
@@ -182,6 +182,8 @@ async def serve(
         raise RuntimeError(f"could not bind {listen}")
     bound = listen if sock is not None else f"{listen.rsplit(':', 1)[0]}:{port}"
     await server.start()
+    if sock is not None:
+        os.chmod(sock, 0o600)  # only this user may connect, whatever the umask
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()

@@ -121,3 +121,5 @@ class GatewaySettings:
     # CLI's default is 8). The gateway keeps the part of each proposed tree whose expected gain
     # pays for its verify rows.
     tree_budget: int = 0
+    auth_token: str = ""  # non-empty: calls must carry `authorization: Bearer <token>` (health stays open)
+    max_sessions_per_client: int = 0  # Generate calls in flight per client address (0: no cap)

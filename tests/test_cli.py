@@ -13,6 +13,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     (d / "bad.jsonl").write_text('{"task_type": "code", "prompt": "a"}\n{"task_type": "code", "prompt": \n')
     (d / "noprompt.jsonl").write_text('{"task_type": "code"}\n')
+    (d / "empty-token").write_text("\n")
     return d
 
 
@@ -30,6 +31,9 @@ CASES = [
     (["up", "--target-model", "{d}/no-model"], "not a local HF model directory"),
     (["serve", "verify", "--target-model", "{d}/no-model"], "not a local HF model directory"),
     (["trace-report", "--file", "{d}/missing.jsonl"], "No such file or directory"),
+    (["serve", "gateway", "--verify", "127.0.0.1:1", "--draft", "127.0.0.1:1", "--auth-token-file", "{d}/empty-token"],
+     "the auth token file is empty"),
+    (["generate", "hi", "--gateway", "127.0.0.1:1", "--auth-token-file", "{d}/missing"], "No such file"),
     (["generate"], "the following arguments are required: prompt"),
     (["serve"], "the following arguments are required: role"),
 ]

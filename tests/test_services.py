@@ -522,3 +522,37 @@ async def test_full_session_tables_cost_drafts_or_refuse_clearly_and_leak_nothin
             again = await gw.Generate(request(PROMPTS[0]))  # room is back, and the drafter was never "down"
             assert again.token_ids == reference.token_ids and again.stats.speculation_used
         assert await wait_released(stack) == (0, 0)
+
+
+async def test_bearer_token_and_per_client_cap(models, tmp_path):
+    import os
+    import stat
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with running_stack(tmp_path, "unix", models["target"], None, auth_token="s3cret",
+                             max_sessions_per_client=1) as stack:
+        assert stat.S_IMODE(os.stat(stack.gateway.removeprefix("unix://")).st_mode) == 0o600
+        async with grpc.aio.insecure_channel(stack.gateway) as g:
+            gw = pb_grpc.GatewayStub(g)
+            for metadata in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await gw.Generate(request(PROMPTS[0]), metadata=metadata)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in gw.GenerateStream(request(PROMPTS[0])):
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = await health_pb2_grpc.HealthStub(g).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+            token = [("authorization", "Bearer s3cret")]
+            assert (await gw.Generate(request(PROMPTS[0]), metadata=token)).stats.generated_tokens == 40
+            # One session per client: concurrent calls beyond it are refused, and the slot comes back.
+            outcomes = await asyncio.gather(*(gw.Generate(request(p, max_new_tokens=120), metadata=token)
+                                              for p in PROMPTS), return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+            assert refused and len(refused) < len(PROMPTS)
+            assert all(o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per client" in o.details()
+                       for o in refused)
+            assert (await gw.Generate(request(PROMPTS[0]), metadata=token)).stats.generated_tokens == 40
+        assert await wait_released(stack) == (0, 0)

@@ -70,7 +70,7 @@ class Stack:
         self.config = config
         self._own_dir = config.run_dir is None
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="specsplit-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # sockets and logs: this user's only
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
         self._commands: dict[str, tuple[list[str], tuple[str, ...]]] = {}  # how each was started
