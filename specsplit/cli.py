@@ -284,6 +284,21 @@ def _parser() -> argparse.ArgumentParser:
                        help="comma-separated drafters to compare side by side, e.g. ngram,self "
                             "(default: every drafter of the started stack; with --gateway, its default)")
 
+    soak = sub.add_parser("soak", help="N clients for M minutes against a stack started here (optionally with "
+                                       "chaos); errors, latency, memory drift and what was left behind")
+    _stack_flags(soak)
+    soak.add_argument("--clients", type=int, default=8)
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
+    soak.add_argument("--max-new-tokens", type=int, default=64)
+    soak.add_argument("--store-tokens", type=int, default=0,
+                      help="the retrieval store across requests (off: every answer is checked against spec-off, "
+                           "and the store would only make repeated prompts easier)")
+    soak.add_argument("--chaos", choices=["", "kill", "stop"], default="",
+                      help="kill: SIGKILL the draft service now and then (it is restarted); stop: SIGSTOP it for "
+                           "2 s; requests must complete and match spec-off all the same")
+    soak.add_argument("--chaos-every", type=float, default=10.0, help="seconds between chaos events, on average")
+
     cal = sub.add_parser("calibrate", help="measure per task type whether speculation pays; write a policy file")
     _stack_flags(cal)
     cal.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
@@ -508,6 +523,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_main(a, _stack_config(a))
 
 
+def cmd_soak(a: argparse.Namespace) -> int:
+    from specsplit.tools.soak import main as soak_main
+    from specsplit.tools.workload import load_prompts
+
+    return soak_main(a, _stack_config(a), load_prompts(a.prompts))
+
+
 def cmd_calibrate(a: argparse.Namespace) -> int:
     from specsplit.tools.calibrate import main as calibrate_main
 
@@ -572,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_spin(os.environ)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
                "distill": cmd_distill, "fetch-model": cmd_fetch_model, "trace-report": cmd_trace_report,
-               "calibrate": cmd_calibrate}[a.command]
+               "calibrate": cmd_calibrate, "soak": cmd_soak}[a.command]
     try:
         return command(a)
     except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError) as e:  # a bad flag or file

@@ -45,6 +45,11 @@ class ShmError(ValueError):
     """A name, size or region that does not belong to a well-formed segment."""
 
 
+def is_segment_name(name: str) -> bool:
+    """A session segment's file name (not a lock file, not a fast-path socket)."""
+    return bool(_NAME.match(name))
+
+
 def shm_dir() -> Path:
     return Path(os.environ.get("SPECSPLIT_SHM_DIR", "/dev/shm"))
 

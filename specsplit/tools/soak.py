@@ -1,0 +1,181 @@
+"""`specsplit soak`: N clients for M minutes against a stack started here (bounded; stops by itself),
+optionally with chaos (the draft service SIGKILLed or SIGSTOPped now and then, restarted by the
+same supervision as `specsplit up`). Every greedy answer is checked against its spec-off reference;
+at the end it prints requests, errors, latency, the services' memory at start and end, and what was
+left behind (sessions, shared-memory segments). Exit code 0 only if nothing went wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from specsplit import shm
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.tools.launcher import Stack, StackConfig, wait_serving
+from specsplit.tools.workload import Prompt, request
+from specsplit.verify.v1 import verify_pb2 as vpb
+from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+STALL_S = 2.0  # --chaos stop: how long the draft service stays stopped
+
+
+@dataclass
+class Tally:
+    latencies: list[float] = field(default_factory=list)
+    tokens: int = 0
+    errors: Counter = field(default_factory=Counter)  # by status code
+    mismatches: int = 0  # greedy answers that differ from the spec-off reference
+    reasons: Counter = field(default_factory=Counter)  # speculation_reason of the answers
+    faults: int = 0  # chaos events
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def segments() -> set[str]:
+    """The shared-memory segments present now (specsplit's naming)."""
+    return {p.name for p in shm.shm_dir().glob(f"{shm.PREFIX}*") if shm.is_segment_name(p.name)}
+
+
+async def _client(stub, prompts: list[Prompt], references: dict[str, list[int]], max_new_tokens: int,
+                  deadline: float, tally: Tally, offset: int) -> None:
+    i = offset
+    while time.monotonic() < deadline:
+        p = prompts[i % len(prompts)]
+        i += 1
+        start = time.monotonic()
+        try:
+            out = await stub.Generate(request(p, pb.SPECULATION_AUTO, max_new_tokens), timeout=120)
+        except grpc.aio.AioRpcError as e:
+            tally.errors[e.code().name] += 1
+            print(f"soak: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
+            continue
+        tally.latencies.append(time.monotonic() - start)
+        tally.tokens += len(out.token_ids)
+        tally.reasons[out.stats.speculation_reason] += 1
+        if list(out.token_ids) != references[p.prompt]:
+            tally.mismatches += 1
+
+
+async def _chaos(stack: Stack, kind: str, every_s: float, deadline: float, tally: Tally) -> None:
+    """Every ~every_s: SIGKILL the draft service (kill), or SIGSTOP it for STALL_S (stop)."""
+    rng = random.Random(0)
+    while time.monotonic() + every_s < deadline:
+        await asyncio.sleep(every_s * rng.uniform(0.5, 1.5))
+        proc = stack.procs["draft"]
+        if proc.poll() is not None:
+            continue  # still being restarted
+        tally.faults += 1
+        if kind == "kill":
+            proc.send_signal(signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(STALL_S)
+            proc.send_signal(signal.SIGCONT)
+
+
+async def _supervise(stack: Stack, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for event in stack.supervise():
+            print(f"soak: {event.splitlines()[0]}", file=sys.stderr, flush=True)
+        await asyncio.sleep(0.2)
+
+
+async def _left(stack: Stack) -> tuple[int, int]:
+    """Sessions still open on the verify and draft services once the releases have run."""
+    async with grpc.aio.insecure_channel(stack.addresses["verify"]) as v, \
+            grpc.aio.insecure_channel(stack.addresses["draft"]) as d:
+        counts = (-1, -1)
+        for _ in range(50):
+            counts = ((await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest(), timeout=10)).active_sessions,
+                      (await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest(), timeout=10)).active_sessions)
+            if counts == (0, 0):
+                break
+            await asyncio.sleep(0.1)
+        return counts
+
+
+async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float, max_new_tokens: int,
+               chaos: str = "", chaos_every_s: float = 10.0) -> dict:
+    before = segments()
+    tally = Tally()
+    async with grpc.aio.insecure_channel(stack.addresses["gateway"]) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        references = {}
+        for p in prompts:  # the spec-off answers (greedy: speculation must reproduce them)
+            out = await stub.Generate(request(p, pb.SPECULATION_OFF, max_new_tokens), timeout=300)
+            references[p.prompt] = list(out.token_ids)
+        rss_start = {name: rss_mib(proc.pid) for name, proc in stack.procs.items()}
+        stop = asyncio.Event()
+        supervisor = asyncio.ensure_future(_supervise(stack, stop))
+        deadline = time.monotonic() + minutes * 60
+        started = time.monotonic()
+        work = [_client(stub, prompts, references, max_new_tokens, deadline, tally, k) for k in range(clients)]
+        if chaos:
+            work.append(_chaos(stack, chaos, chaos_every_s, deadline, tally))
+        await asyncio.gather(*work)
+        elapsed = time.monotonic() - started
+        while stack.procs["draft"].poll() is not None:  # a kill just before the end: let it come back
+            await asyncio.sleep(0.2)
+        stop.set()
+        await supervisor
+        await asyncio.to_thread(wait_serving, stack.addresses["draft"], 120)
+    rss_end = {name: rss_mib(proc.pid) for name, proc in stack.procs.items()}
+    sessions = await _left(stack)
+    lat = sorted(tally.latencies)
+    return {"clients": clients, "seconds": elapsed, "requests": len(lat), "errors": dict(tally.errors),
+            "mismatches": tally.mismatches, "faults": tally.faults, "reasons": dict(tally.reasons),
+            "p50_s": statistics.median(lat) if lat else 0.0,
+            "p95_s": lat[int(0.95 * (len(lat) - 1))] if lat else 0.0,
+            "tokens_per_s": tally.tokens / elapsed if elapsed else 0.0,
+            "rss_mib": {n: (rss_start[n], rss_end[n]) for n in rss_start},
+            "sessions_left": {"verify": sessions[0], "draft": sessions[1]},
+            "segments_left": len(segments() - before)}
+
+
+def report(r: dict, chaos: str) -> str:
+    lines = [f"soak: {r['clients']} clients for {r['seconds']:.0f} s" + (f", chaos: {chaos} x{r['faults']}"
+                                                                          if chaos else ""),
+             f"requests {r['requests']}, errors {sum(r['errors'].values())} {r['errors'] or ''}, "
+             f"answers differing from spec-off {r['mismatches']}",
+             f"latency P50 {r['p50_s']:.2f} s, P95 {r['p95_s']:.2f} s; {r['tokens_per_s']:.1f} tok/s in all",
+             "speculation_reason: " + ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items())),
+             f"{'RSS MiB':<10}{'start':>8}{'end':>8}{'drift':>8}"]
+    for name, (start, end) in r["rss_mib"].items():
+        lines.append(f"{name:<10}{start:>8.0f}{end:>8.0f}{(end - start) / start:>+8.1%}")
+    lines.append(f"left at the end: sessions verify {r['sessions_left']['verify']}, draft "
+                 f"{r['sessions_left']['draft']}; shared-memory segments {r['segments_left']}")
+    return "\n".join(lines)
+
+
+def healthy(r: dict) -> bool:
+    return (r["requests"] > 0 and not r["errors"] and not r["mismatches"] and r["segments_left"] == 0
+            and not any(r["sessions_left"].values()))
+
+
+def main(args, config: StackConfig, prompts: list[Prompt]) -> int:
+    if args.clients < 1 or args.minutes <= 0:
+        raise ValueError("--clients must be at least 1 and --minutes above 0")
+    with Stack(config) as stack:
+        print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
+        stack.start()
+        result = asyncio.run(soak(stack, prompts, args.clients, args.minutes, args.max_new_tokens, args.chaos,
+                                  args.chaos_every))
+    print(report(result, args.chaos), flush=True)
+    return 0 if healthy(result) else 1
