@@ -27,7 +27,7 @@ class DraftWatch:
     def __init__(self, probe, clock=time.monotonic):
         """probe: an awaitable factory that succeeds when the draft service answers (its Info)."""
         self._probe, self._clock = probe, clock
-        self._times = {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}  # by "first of a session"
+        self._times: dict[tuple[str, bool], deque] = {}  # by (drafter, a session's first call)
         self.down_since: float | None = None
         self.reason = ""  # the failure that marked it down
         self.losses = 0  # times it was marked down
@@ -37,16 +37,18 @@ class DraftWatch:
     def up(self) -> bool:
         return self.down_since is None
 
-    def budget(self, first: bool) -> float:
-        """Seconds a Propose (first: a session's first, which carries the prompt's features) may take."""
-        times = self._times[first]
+    def budget(self, drafter: str, first: bool) -> float:
+        """Seconds a Propose of `drafter` may take (first: a session's first, which may carry the
+        prompt's features). Drafters differ by orders of magnitude (n-gram lookup, a head, a model),
+        so each is timed apart."""
+        times = self._times.get((drafter, first), ())
         if len(times) < WARM:
             return INITIAL_S
         p95 = sorted(times)[int(0.95 * (len(times) - 1))]
         return max(FLOOR_S, SLACK * p95)
 
-    def record(self, first: bool, seconds: float) -> None:
-        self._times[first].append(seconds)
+    def record(self, drafter: str, first: bool, seconds: float) -> None:
+        self._times.setdefault((drafter, first), deque(maxlen=WINDOW)).append(seconds)
 
     def lost(self, why: str) -> None:
         """Marks the service down (once) and starts re-probing it."""

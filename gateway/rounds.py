@@ -125,15 +125,17 @@ class RoundLoop:
         it: the request loses its drafter and goes on target-only, which is spec-off decoding (the
         same tokens under greedy and coupled sampling; rejection sampling's output distribution)."""
         first = not request.rounds  # a session's first Propose may carry the prompt's features: a bigger call
+        budget = self._watch.budget(request.plan.drafter, first)
         t = time.monotonic()
         try:
-            async with asyncio.timeout(self._watch.budget(first)):
+            async with asyncio.timeout(budget):
                 response = await request.drafter.call(message)
         except (Failure, TimeoutError) as e:
             self._lose(request, str(e) if isinstance(e, Failure) else
-                       f"draft service: no answer within its budget of {self._watch.budget(first):.3f} s")
+                       f"draft service: no answer within the {request.plan.drafter} drafter's budget of "
+                       f"{budget:.3f} s")
             return None
-        self._watch.record(first, time.monotonic() - t)
+        self._watch.record(request.plan.drafter, first, time.monotonic() - t)
         return response
 
     def _lose(self, request: Request, why: str) -> None:
@@ -218,7 +220,7 @@ class RoundLoop:
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
                 target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
                 shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows,
-                task_type=plan.task_type), "draft", lambda: min(deadline(), self._watch.budget(True)))
+                task_type=plan.task_type), "draft", lambda: min(deadline(), self._watch.budget(plan.drafter, True)))
             verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
