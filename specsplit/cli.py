@@ -218,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="comma-separated shares of the training data, e.g. 0.25,0.5,1: each trains its own "
                            "head with the same budget and the held-out accuracy of each is printed (a data-size "
                            "curve, kept in the card); the largest is exported")
+    dist.add_argument("--init-head", help="--kind self: start from this exported head (its weights and draft "
+                                          "vocabulary) instead of the target's last layer, to continue it on "
+                                          "more data")
     dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
     dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
     dist.add_argument("--train-steps", type=int, default=0,
@@ -543,6 +546,7 @@ def cmd_trace_report(a: argparse.Namespace) -> int:
 
 
 def cmd_distill(a: argparse.Namespace) -> int:
+    from draft_service.drafters.selfdraft import resolve_head
     from specsplit import runtime
     from specsplit.tools.distill.pipeline import DistillSettings, distill
 
@@ -556,7 +560,8 @@ def cmd_distill(a: argparse.Namespace) -> int:
                             max_new_tokens=a.max_new_tokens, batch=a.batch,
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
-                            prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions))
+                            prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
+                            init_head=str(resolve_head(a.init_head)) if a.init_head else None))
     return 0
 
 

@@ -163,3 +163,21 @@ def test_more_prompt_seeds_append_new_prompts_after_the_old_ones():
     first, more = load_prompts(None), load_prompts(None, (0, 1))
     assert more[:len(first)] == first and len(more) > len(first) + 300
     assert len({r["prompt"] for r in more}) == len(more)
+
+
+def test_a_head_continues_from_an_exported_one(data, models, self_head, tmp_path):
+    from safetensors.torch import load_file
+
+    lm, work = data
+    embed, head = target_tensors(models["target"], tied=False)
+    examples = load_examples(work / "data", lm, log=lambda *_: None)
+    settings = TrainSettings(budget_s=600, max_steps=5, draft_vocab=64, batch_tokens=256, lr=3e-3)
+    runs = {}
+    for name, init in (("continued", self_head), ("fresh", None)):
+        (tmp_path / name).mkdir()
+        runs[name] = train(lm, embed, head, examples, tmp_path / name, settings, log=lambda *_: None, init=init)
+    shipped = load_file(str(self_head / "head.safetensors"))
+    # The exported head's own vocabulary (128), not the settings' (64), and its trained weights.
+    assert torch.equal(runs["continued"]["head"].vocab_ids, shipped["vocab_ids"])
+    assert runs["continued"]["losses"][0] < runs["fresh"]["losses"][0]
+    assert runs["continued"]["init_head"]["path"] == str(self_head) and "init_head" not in runs["fresh"]

@@ -44,6 +44,7 @@ class DistillSettings:
     layers: int = 2
     prompt_seeds: tuple[int, ...] = (0,)  # the built-in set: each seed adds its new prompts after the others
     data_fractions: tuple[float, ...] = (1.0,)  # several: also train on leading shares of the data, same budget each
+    init_head: str | None = None  # self: start from this head (its weights and vocabulary), e.g. on more data
 
 
 def distill(s: DistillSettings, log=print) -> Path:
@@ -79,16 +80,18 @@ def distill(s: DistillSettings, log=print) -> Path:
             fdir.mkdir(exist_ok=True)
             fsettings = replace(settings, data_fraction=fraction)
             if s.kind == "self":
-                result = train(lm, embed, lm_head, examples, fdir, fsettings, log)
+                result = train(lm, embed, lm_head, examples, fdir, fsettings, log, init=s.init_head)
             else:
                 result = train_standalone(lm, examples, fdir, s.layers, fsettings, log)
             curve.append({"data_fraction": fraction, **result["metrics"]})
         if s.kind == "model":
             _note(work, "layers", result["layers"])
+        if s.init_head and "init_head" in result:
+            _note(work, "init_head", result["init_head"])
         _note(work, "metrics", result["metrics"])
         _note(work, "train_settings", asdict(replace(settings, data_fraction=fractions[-1])))
-        if len(curve) > 1:
-            _note(work, "data_curve", curve)
+        if len(curve) > 1:  # about the data, not one head: kept beside the data
+            _note(out, "data_curve", curve)
             log(curve_table(curve))
     if "export" not in s.stages:
         return work
@@ -135,9 +138,10 @@ def _card(work: Path, lm, s: DistillSettings) -> dict:
                        "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
                        "train": notes.get("train_settings", {}), **({"target_layers": notes["layers"]}
                                                                         if "layers" in notes else {}),
+                       **({"init_head": notes["init_head"]} if "init_head" in notes else {}),
                        "generate_minutes": _notes(work.parent).get("generate_minutes")},
-            "metrics": {**notes.get("metrics", {}),
-                        **({"data_curve": notes["data_curve"]} if "data_curve" in notes else {})}}
+            "metrics": {**notes.get("metrics", {}), **({"data_curve": _notes(work.parent)["data_curve"]}
+                                                        if "data_curve" in _notes(work.parent) else {})}}
 
 
 def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) -> None:

@@ -11,7 +11,7 @@ import random
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -261,13 +261,27 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
 
 
 def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dict], out_dir: Path,
-          settings: TrainSettings, log=print) -> dict:
+          settings: TrainSettings, log=print, init: str | Path | None = None) -> dict:
     """Trains (or resumes) a self-draft head on `examples` (from load_examples) from the target's
     embedding and output head (the very tensors the drafter reads when serving); returns the head
-    and its metrics."""
+    and its metrics. init: a fresh run starts from this exported head (its weights and draft
+    vocabulary) instead of the target's last layer, to continue it on more data."""
     if not examples:
         raise RuntimeError("no generated data: run the generate stage first")
     fresh = not (out_dir / "checkpoint.pt").exists()
+    if fresh and init is not None:
+        from safetensors.torch import load_file
+
+        card = json.loads((Path(init) / "head.json").read_text())
+        own = replace(settings, draft_vocab=card["config"]["draft_vocab"])
+        student = HeadStudent(target, embed, lm_head, None, own)
+        student.module.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                        for k, v in load_file(str(Path(init) / "head.safetensors")).items()})
+        log(f"starting from head {init} ({card.get('metrics', {}).get('steps', '?')} steps)")
+        result = fit(student, examples, out_dir, student.settings, log)
+        return {"head": result["module"], **result,
+                "init_head": {"path": str(init), **{k: card.get("metrics", {}).get(k) for k in
+                                                    ("steps", "train_sequences", "held_out_step_accuracy")}}}
     seen = split(examples, settings)[0]  # the vocabulary comes from the training sequences only
     vocab = build_vocab(seen, settings.draft_vocab, target.eos_token_ids, target.vocab_size) if fresh else None
     result = fit(HeadStudent(target, embed, lm_head, vocab, settings), examples, out_dir, settings, log)
