@@ -1,8 +1,13 @@
-"""The draft service as the gateway sees it: how long a Propose may take, and whether the service is
+"""The draft service as the gateway sees it: how long a call may wait, and whether the service is
 up. Speculation is an optimisation, so a drafter that fails or stalls must cost a request its
-drafts, never its answer: a Propose that fails or overruns its budget marks the service down (the
-request goes on target-only, new requests start without speculation) and a probe with backoff
-brings it back."""
+drafts, never its answer: a call that fails, or waits past its budget while the service finishes
+nothing else either, marks the service down (the request goes on target-only, new requests start
+without speculation) and a probe with backoff brings it back.
+
+Stalled, not busy: under a burst of sessions one call may queue behind many others for longer
+than any per-call budget, while the service keeps answering. So a call is given up only when it
+has waited its budget *and* no draft call of any session finished for that long; a SIGSTOPped or
+hung service finishes nothing and is caught within one budget."""
 
 from __future__ import annotations
 
@@ -13,12 +18,12 @@ from collections import deque
 
 log = logging.getLogger("specsplit.gateway")
 
-WINDOW = 256  # recent Propose times the budget is read from
+WINDOW = 256  # recent call times a budget is read from
 WARM = 16  # timed calls before the budget follows them
 SLACK = 3.0  # the budget: SLACK x the P95 of recent calls ...
-FLOOR_S = 0.25  # ... but never below this: a loaded host's scheduling hiccups are not a dead drafter
-INITIAL_S = 5.0  # ... and this until WARM calls were timed (or for a session's first Propose, whose
-#                 prompt features may be thousands of rows, until WARM first calls were timed)
+FLOOR_S = 1.0  # ... but never below this: a loaded host's scheduling pauses are not a dead drafter (0.4 s seen
+#               with 48 sessions on one in-process stack)
+INITIAL_S = 5.0  # ... and this until WARM calls of that kind were timed
 PROBE_FIRST_S, PROBE_MAX_S = 0.25, 8.0  # re-probing a down service: first delay, doubling to this cap
 PROBE_TIMEOUT_S = 1.0
 
@@ -27,7 +32,8 @@ class DraftWatch:
     def __init__(self, probe, clock=time.monotonic):
         """probe: an awaitable factory that succeeds when the draft service answers (its Info)."""
         self._probe, self._clock = probe, clock
-        self._times: dict[tuple[str, bool], deque] = {}  # by (drafter, a session's first call)
+        self._times: dict[tuple[str, str], deque] = {}  # by (drafter, kind of call)
+        self._progress = -float("inf")  # when a draft call last finished
         self.down_since: float | None = None
         self.reason = ""  # the failure that marked it down
         self.losses = 0  # times it was marked down
@@ -37,18 +43,42 @@ class DraftWatch:
     def up(self) -> bool:
         return self.down_since is None
 
-    def budget(self, drafter: str, first: bool) -> float:
-        """Seconds a Propose of `drafter` may take (first: a session's first, which may carry the
-        prompt's features). Drafters differ by orders of magnitude (n-gram lookup, a head, a model),
-        so each is timed apart."""
-        times = self._times.get((drafter, first), ())
+    def budget(self, drafter: str, kind: str) -> float:
+        """Seconds a call of `drafter` may wait with no progress. kind: "start" (StartSession, which
+        may prefill a draft model on the prompt), "first" (a session's first Propose, which may
+        carry the prompt's features) or "next". Drafters differ by orders of magnitude (n-gram
+        lookup, a head, a model), and so do the kinds, so each pair is timed apart."""
+        times = self._times.get((drafter, kind), ())
         if len(times) < WARM:
             return INITIAL_S
         p95 = sorted(times)[int(0.95 * (len(times) - 1))]
         return max(FLOOR_S, SLACK * p95)
 
-    def record(self, drafter: str, first: bool, seconds: float) -> None:
-        self._times.setdefault((drafter, first), deque(maxlen=WINDOW)).append(seconds)
+    def record(self, drafter: str, kind: str, seconds: float) -> None:
+        self._times.setdefault((drafter, kind), deque(maxlen=WINDOW)).append(seconds)
+        self._progress = self._clock()
+
+    async def guard(self, drafter: str, kind: str, call):
+        """Awaits the coroutine `call` and times it. Raises TimeoutError (the call cancelled) once it
+        has waited its budget while the draft service finished nothing else for that long."""
+        budget = self.budget(drafter, kind)
+        task = asyncio.ensure_future(call)
+        start = self._clock()
+        try:
+            while True:
+                quiet = self._clock() - max(start, self._progress)
+                if quiet >= budget:
+                    raise TimeoutError(f"draft service: no answer within the {drafter} drafter's budget of "
+                                       f"{budget:.3f} s, and no other call finished meanwhile")
+                done, _ = await asyncio.wait({task}, timeout=budget - quiet)
+                if done:
+                    break
+        finally:
+            if not task.done():
+                task.cancel()
+        result = task.result()
+        self.record(drafter, kind, self._clock() - start)
+        return result
 
     def lost(self, why: str) -> None:
         """Marks the service down (once) and starts re-probing it."""

@@ -124,19 +124,12 @@ class RoundLoop:
         """A Propose within its budget (DraftWatch). None when the draft service failed or overran
         it: the request loses its drafter and goes on target-only, which is spec-off decoding (the
         same tokens under greedy and coupled sampling; rejection sampling's output distribution)."""
-        first = not request.rounds  # a session's first Propose may carry the prompt's features: a bigger call
-        budget = self._watch.budget(request.plan.drafter, first)
-        t = time.monotonic()
+        kind = "next" if request.rounds else "first"  # a first Propose may carry the prompt's features
         try:
-            async with asyncio.timeout(budget):
-                response = await request.drafter.call(message)
+            return await self._watch.guard(request.plan.drafter, kind, request.drafter.call(message))
         except (Failure, TimeoutError) as e:
-            self._lose(request, str(e) if isinstance(e, Failure) else
-                       f"draft service: no answer within the {request.plan.drafter} drafter's budget of "
-                       f"{budget:.3f} s")
+            self._lose(request, str(e))
             return None
-        self._watch.record(request.plan.drafter, first, time.monotonic() - t)
-        return response
 
     def _lose(self, request: Request, why: str) -> None:
         if not request.drafting:
@@ -220,8 +213,9 @@ class RoundLoop:
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
                 target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
                 shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows,
-                task_type=plan.task_type), "draft", lambda: min(deadline(), self._watch.budget(plan.drafter, True)))
-            verified, started = await asyncio.gather(prefill, start, return_exceptions=True)
+                task_type=plan.task_type), "draft", deadline)
+            verified, started = await asyncio.gather(prefill, self._start(plan.drafter, start),
+                                                     return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
         if isinstance(verified, BaseException):
@@ -248,6 +242,13 @@ class RoundLoop:
         request.length, request.generated = verified.length, 1
         if plan.needs_features and request.drafting:
             request.features = verified.features
+
+    async def _start(self, drafter: str, start):
+        """StartSession under the DraftWatch: a stalled draft service fails it as DEADLINE_EXCEEDED."""
+        try:
+            return await self._watch.guard(drafter, "start", start)
+        except TimeoutError as e:
+            raise Failure(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
 
     async def _release(self, request: Request) -> None:
         """Frees the session on both services (the drafter hears the last committed tokens), then

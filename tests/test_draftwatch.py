@@ -1,5 +1,5 @@
-"""The gateway's view of the draft service: per-drafter Propose budgets, down on a loss, up again
-once a probe answers."""
+"""The gateway's view of the draft service: per-drafter budgets, a stalled service told from a busy
+one, down on a loss, up again once a probe answers."""
 
 from __future__ import annotations
 
@@ -11,13 +11,57 @@ from gateway.draftwatch import DraftWatch
 
 def test_budgets_follow_each_drafters_own_times():
     watch = DraftWatch(probe=None)
-    assert watch.budget("ngram", False) == draftwatch.INITIAL_S  # nothing timed yet
+    assert watch.budget("ngram", "next") == draftwatch.INITIAL_S  # nothing timed yet
     for _ in range(draftwatch.WARM):
-        watch.record("ngram", False, 0.001)
-        watch.record("model", False, 0.2)
-    assert watch.budget("ngram", False) == draftwatch.FLOOR_S  # 3 x 1 ms is below the floor
-    assert abs(watch.budget("model", False) - 3 * 0.2) < 1e-9
-    assert watch.budget("model", True) == draftwatch.INITIAL_S  # a session's first call is timed apart
+        watch.record("ngram", "next", 0.001)
+        watch.record("model", "next", 0.5)
+    assert watch.budget("ngram", "next") == draftwatch.FLOOR_S  # 3 x 1 ms is below the floor
+    assert abs(watch.budget("model", "next") - 3 * 0.5) < 1e-9
+    assert watch.budget("model", "first") == draftwatch.INITIAL_S  # a session's first call is timed apart
+    assert watch.budget("model", "start") == draftwatch.INITIAL_S
+
+
+async def test_a_call_is_given_up_only_when_the_whole_service_stalls(monkeypatch):
+    monkeypatch.setattr(draftwatch, "FLOOR_S", 0.05)
+    watch = DraftWatch(probe=None)
+    for _ in range(draftwatch.WARM):
+        watch.record("ngram", "next", 0.001)
+    assert watch.budget("ngram", "next") == 0.05
+
+    async def answer(after: float) -> str:
+        await asyncio.sleep(after)
+        return "drafts"
+
+    async def others_finishing(every: float, until: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + until
+        while loop.time() < end:
+            await watch.guard("ngram", "next", answer(every))
+
+    # Busy: one call queues for 0.3 s (6 budgets) while others keep finishing: it gets its answer.
+    busy = asyncio.ensure_future(others_finishing(0.01, 0.35))
+    assert await watch.guard("ngram", "next", answer(0.3)) == "drafts"
+    await busy
+    # Stalled: nothing finishes; the call is given up after about one budget and cancelled.
+    cancelled = asyncio.Event()
+
+    async def hang() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    try:
+        await watch.guard("ngram", "next", hang())
+        raise AssertionError("a stalled call was not given up")
+    except TimeoutError as e:
+        assert "ngram drafter's budget" in str(e)
+    assert loop.time() - t < 1.0  # one budget (0.05 s) plus scheduling, far below the 60 s hang
+    await asyncio.sleep(0)
+    assert cancelled.is_set()
 
 
 async def test_a_lost_drafter_is_down_until_a_probe_answers(monkeypatch):
