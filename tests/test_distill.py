@@ -180,4 +180,4 @@ def test_a_head_continues_from_an_exported_one(data, models, self_head, tmp_path
     # The exported head's own vocabulary (128), not the settings' (64), and its trained weights.
     assert torch.equal(runs["continued"]["head"].vocab_ids, shipped["vocab_ids"])
     assert runs["continued"]["losses"][0] < runs["fresh"]["losses"][0]
-    assert runs["continued"]["init_head"]["path"] == str(self_head) and "init_head" not in runs["fresh"]
+    assert runs["continued"]["init_head"]["head"] == self_head.name and "init_head" not in runs["fresh"]

@@ -260,6 +260,10 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
     return {"module": module, "metrics": metrics, "losses": losses}
 
 
+INIT_CAVEAT = ("this split cannot tell which sequences the starting head trained on, so this head's held-out "
+               "accuracy may count some it saw: compare heads on data neither saw")
+
+
 def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dict], out_dir: Path,
           settings: TrainSettings, log=print, init: str | Path | None = None) -> dict:
     """Trains (or resumes) a self-draft head on `examples` (from load_examples) from the target's
@@ -280,8 +284,9 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dic
         log(f"starting from head {init} ({card.get('metrics', {}).get('steps', '?')} steps)")
         result = fit(student, examples, out_dir, student.settings, log)
         return {"head": result["module"], **result,
-                "init_head": {"path": str(init), **{k: card.get("metrics", {}).get(k) for k in
-                                                    ("steps", "train_sequences", "held_out_step_accuracy")}}}
+                "init_head": {"head": Path(init).name, "held_out_caveat": INIT_CAVEAT,
+                              **{k: card.get("metrics", {}).get(k) for k in
+                                 ("steps", "train_sequences", "held_out_step_accuracy")}}}
     seen = split(examples, settings)[0]  # the vocabulary comes from the training sequences only
     vocab = build_vocab(seen, settings.draft_vocab, target.eos_token_ids, target.vocab_size) if fresh else None
     result = fit(HeadStudent(target, embed, lm_head, vocab, settings), examples, out_dir, settings, log)
