@@ -17,7 +17,7 @@ from specsplit.draft.v1 import draft_pb2 as pb
 from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
 from specsplit.serving import Rounds
-from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")
@@ -92,6 +92,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         entry = Entry(drafter, session)
         try:
             self._sessions.put(request.session_id, entry)
+        except SessionEnded:
+            drafter.end(session)
+            await context.abort(grpc.StatusCode.ABORTED, f"session {request.session_id} was ended before it "
+                                                         "started (its caller gave up on the start)")
         except SessionExists:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:

@@ -223,6 +223,7 @@ class RoundLoop:
         if isinstance(started, Failure) and plan.may_fall_back and started.code in _NO_DRAFTER:
             if started.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down
                 self._watch.lost(str(started))
+            request.start_abandoned = started.code == grpc.StatusCode.DEADLINE_EXCEEDED
             request.drafting, started, request.fallback = False, None, _NO_DRAFTER[started.code]
         elif isinstance(started, BaseException):
             raise started
@@ -258,7 +259,7 @@ class RoundLoop:
                 link.close()
         up = self._up
         calls = [up.verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
-        if request.drafting or request.lost:  # a lost drafter may only have stalled: end its session too
+        if request.drafting or request.lost or request.start_abandoned:  # a stalled drafter may hold it
             calls.append(up.drafter.EndSession(dpb.EndSessionRequest(
                 session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent), timeout=5))
         for outcome in await asyncio.gather(*calls, return_exceptions=True):

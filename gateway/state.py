@@ -86,3 +86,6 @@ class Request:
     fallback: str = ""
     lost: str = ""  # drafter-lost: the failure (the rounds after it ran target-only)
     lost_at: int = 0  # the round it was lost in
+    # A StartSession the gateway gave up on may still have run on a draft service that only stalled:
+    # the release ends it too.
+    start_abandoned: bool = False

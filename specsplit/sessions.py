@@ -25,6 +25,14 @@ class TableFull(RuntimeError):
     pass
 
 
+class SessionEnded(KeyError):
+    """The session was ended (Release / EndSession) before it started: a caller that gave up on a
+    slow start ends it, and the start may still arrive afterwards."""
+
+
+ENDED_MEMORY = 4096  # ids of sessions ended before they started, remembered so their start is refused
+
+
 class SessionTable(Generic[T]):
     """Sessions by id. A session idle for longer than `idle_timeout_s` is evicted when room is
     needed or on `evict_idle()`, so a crashed gateway cannot leak caches forever."""
@@ -34,6 +42,7 @@ class SessionTable(Generic[T]):
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._items: OrderedDict[str, tuple[T, float]] = OrderedDict()  # least recently used first
+        self._ended: OrderedDict[str, None] = OrderedDict()  # ended before they started, oldest first
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -47,6 +56,9 @@ class SessionTable(Generic[T]):
             self._put(session_id, state)
 
     def _put(self, session_id: str, state: T) -> None:
+        if session_id in self._ended:
+            del self._ended[session_id]
+            raise SessionEnded(session_id)
         if session_id in self._items:
             raise SessionExists(session_id)
         if len(self._items) >= self.max_sessions:
@@ -66,8 +78,14 @@ class SessionTable(Generic[T]):
             return state
 
     def pop(self, session_id: str) -> T | None:
+        """Ends a session: its state, or None when it is not here; then its id is remembered (the
+        last ENDED_MEMORY of them), so a start that arrives after its end is refused (SessionEnded)."""
         with self._lock:
             item = self._items.pop(session_id, None)
+            if item is None:
+                self._ended[session_id] = None
+                if len(self._ended) > ENDED_MEMORY:
+                    self._ended.popitem(last=False)
         return None if item is None else item[0]
 
     def evict_idle(self) -> list[str]:

@@ -1,6 +1,6 @@
 import pytest
 
-from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 
 
 class Clock:
@@ -62,3 +62,22 @@ async def test_sweep_evicts_idle_sessions_in_the_background():
         await asyncio.sleep(0.01)
     sweeper.cancel()
     assert "a" not in table
+
+
+def test_a_start_that_arrives_after_its_end_is_refused():
+    """A caller that gave up on a slow start ends the session; the start may still arrive later
+    (a stalled service resumes) and must not leave an orphan behind."""
+    from specsplit import sessions
+
+    table = SessionTable(max_sessions=4, idle_timeout_s=60)
+    assert table.pop("late") is None  # ended before it started
+    with pytest.raises(SessionEnded):
+        table.put("late", "state")
+    assert len(table) == 0
+    table.put("late", "state")  # refused once only: the id is forgotten after that
+    assert table.pop("late") == "state"
+    for i in range(sessions.ENDED_MEMORY + 1):  # the memory is bounded
+        table.pop(f"gone-{i}")
+    table.put("gone-0", "state")  # the oldest was forgotten
+    with pytest.raises(SessionEnded):
+        table.put(f"gone-{sessions.ENDED_MEMORY}", "state")

@@ -15,8 +15,8 @@ from specsplit.errors import Failure
 from specsplit.fastllama import CacheFull
 from specsplit.modeling import LoadedModel
 from specsplit.serving import Rounds
-from specsplit.sessions import SessionExists, SessionNotFound, SessionTable, TableFull
-from specsplit.telemetry import record_compute
+from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.telemetry import meter, record_compute
 from specsplit.verify.v1 import verify_pb2 as pb
 from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
 from specsplit.worker import ModelWorker
@@ -39,6 +39,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._sessions = sessions
         self._worker = worker
         self.rounds = Rounds(worker, self.verify, pb.VerifyRequest, lambda response: response.forward_ns)
+        self._forward = meter().create_histogram(
+            "specsplit.verify.forward", unit="s", description="the target's forward (and acceptance) per call, "
+            "by call (prefill, verify) and rows (a verify: 1 + draft tokens)",
+            explicit_bucket_boundaries_advisory=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5])
 
     async def Info(self, request, context):
         if self._warming is not None:  # the costs by width are known once warmup has measured them
@@ -75,6 +79,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             session, result = await self._worker.run(self._target.prefill, prompt, request.return_features,
                                                      sampling, method)
             self._sessions.put(request.session_id, session)
+        except SessionEnded:
+            await context.abort(grpc.StatusCode.ABORTED, f"session {request.session_id} was released before its "
+                                                         "prefill ran (its caller gave up on it)")
         except SessionExists:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except (TableFull, CacheFull) as e:
@@ -82,6 +89,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # Mapped once the session is held, so the Release (or eviction) that drops it unmaps it.
         session.segment = segment = shm.try_attach(request.shm_segment, self._shared_memory)
         record_compute(result.forward_ns)
+        self._forward.record(result.forward_ns / 1e9, {"call": "prefill", "rows": len(prompt)})
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
                                   forward_ns=result.forward_ns, features=_features(result, 0, segment),
                                   shm_nonce=segment.nonce if segment else b"",
@@ -121,6 +129,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except ValueError as e:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
