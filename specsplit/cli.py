@@ -381,12 +381,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                   max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
                                   kv_cache_mib=a.kv_cache_mib)
     elif a.role == "draft":
-        # The drafter's OpenMP threads must not spin-wait after each draft: co-located, the Verify
-        # that follows would share the cores with them (measured on 2 cores with the hybrid drafter:
-        # 14.7 ms verify rounds instead of 9.5, speculation 0.81x instead of 1.26x of spec-off). Read
-        # when torch loads, hence here, before the import; a user's own setting wins.
-        if "torch" not in sys.modules:
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from draft_service.main import run
 
         model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False) if a.draft_model else None
