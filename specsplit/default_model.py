@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specsplit.extras import require
+
 log = logging.getLogger("specsplit")
 
 DEFAULT = "default"
@@ -54,6 +56,7 @@ def ensure_default_model() -> Path:
     target = default_model_dir()
     if (target / "config.json").is_file():
         return target
+    require("gguf", "convert", f"converting the embedded default model ({NAME}) once")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{NAME}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

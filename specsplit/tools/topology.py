@@ -7,6 +7,7 @@ sweep's spec-on ms per token meets spec-off's) next to the one predicted from th
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import sys
 import time
@@ -205,7 +206,9 @@ def report(points: list[Point], plot: str | None) -> None:
           "split rows compare with spec-off pooled over the sweep (spec-off never reaches the drafter); the "
           "measured break-even is where a line fitted to the sweep's spec-on ms/token meets spec-off's, and "
           "the formula predicts that line's slope to be the rounds per token.")
-    if plot:
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        print(f"plot: not drawn ({plot}): matplotlib is not installed: pip install 'specsplit[plot]'")
+    elif plot:
         _plot(points, predicted, measured_break_even(points, "on"), measured_break_even(points, "async"), plot)
         print(f"plot: {plot}")
 
