@@ -30,7 +30,16 @@ def position_bucket(position: int) -> str:
     return f"{low}+"
 
 
+SECONDS = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
+REQUEST_SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128]
+MAX_DRAFT_POSITION = 64  # per-position counters stop here (the verifier's MAX_DRAFT)
+
+
 class GatewayMetrics:
+    """The gateway's instruments (docs/metrics.md lists each with its unit and attributes). Seconds
+    throughout; the spec-decode counters follow vLLM's, so the acceptance rate is a PromQL ratio:
+    rate(accepted_tokens) / rate(draft_tokens)."""
+
     def __init__(self, controller: Controller):
         self._controller = controller
         m = meter()
@@ -38,20 +47,42 @@ class GatewayMetrics:
             "specsplit.acceptance_length", unit="{token}",
             description="tokens committed per verify round (accepted drafts + the target's own token)",
             explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 33])
-        ms = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
-        self.draft = m.create_histogram("specsplit.round.draft_compute", unit="ms",
-                                        explicit_bucket_boundaries_advisory=ms,
+        self.drafts = m.create_counter("specsplit.spec_decode.drafts", unit="{round}",
+                                       description="verify rounds that carried drafts")
+        self.draft_tokens = m.create_counter("specsplit.spec_decode.draft_tokens", unit="{token}",
+                                             description="draft tokens sent to the verifier (every node of a tree)")
+        self.accepted_tokens = m.create_counter("specsplit.spec_decode.accepted_tokens", unit="{token}",
+                                                description="draft tokens the target accepted")
+        self.drafted_at = m.create_counter(
+            "specsplit.spec_decode.drafts_per_position", unit="{round}",
+            description="rounds whose draft reached draft_position (a tree: its depth)")
+        self.accepted_at = m.create_counter(
+            "specsplit.spec_decode.accepted_tokens_per_position", unit="{token}",
+            description="rounds whose draft was accepted up to draft_position; divided by drafts_per_position: "
+                        "the acceptance at that position")
+        self.draft = m.create_histogram("specsplit.round.draft_compute", unit="s",
+                                        explicit_bucket_boundaries_advisory=SECONDS,
                                         description="drafter compute per round (draft service)")
-        self.verify = m.create_histogram("specsplit.round.verify_compute", unit="ms",
-                                         explicit_bucket_boundaries_advisory=ms,
+        self.verify = m.create_histogram("specsplit.round.verify_compute", unit="s",
+                                         explicit_bucket_boundaries_advisory=SECONDS,
                                          description="target forward and acceptance per round (verify service)")
-        self.network = m.create_histogram("specsplit.round.network", unit="ms", explicit_bucket_boundaries_advisory=ms,
+        self.network = m.create_histogram("specsplit.round.network", unit="s",
+                                          explicit_bucket_boundaries_advisory=SECONDS,
                                           description="round calls' wall time minus server compute, per round")
-        self.gateway = m.create_histogram("specsplit.round.gateway", unit="ms", explicit_bucket_boundaries_advisory=ms,
+        self.gateway = m.create_histogram("specsplit.round.gateway", unit="s",
+                                          explicit_bucket_boundaries_advisory=SECONDS,
                                           description="the gateway's own work per round (round time - calls)")
-        self.latency = m.create_histogram(
-            "specsplit.request.duration", unit="s", description="Generate wall time on the gateway",
-            explicit_bucket_boundaries_advisory=[0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
+        self.latency = m.create_histogram("specsplit.request.duration", unit="s",
+                                          description="Generate wall time on the gateway",
+                                          explicit_bucket_boundaries_advisory=REQUEST_SECONDS)
+        self.ttft = m.create_histogram("specsplit.request.time_to_first_token", unit="s",
+                                       description="from the call's arrival to its first token leaving the gateway",
+                                       explicit_bucket_boundaries_advisory=REQUEST_SECONDS)
+        self.tpot = m.create_histogram("specsplit.request.time_per_output_token", unit="s",
+                                       description="after the first token: decode wall time / (tokens - 1)",
+                                       explicit_bucket_boundaries_advisory=SECONDS[3:] + [2, 5])
+        self.requests = m.create_counter("specsplit.requests", unit="{request}",
+                                         description="Generate calls ended, by finish reason and gRPC status")
         self.predrafts = m.create_counter(
             "specsplit.predraft", unit="{pre-draft}",
             description="pre-drafts started while a Verify was in flight, by outcome (hit: used by the next round)")
@@ -64,10 +95,18 @@ class GatewayMetrics:
         attrs = {"task_type": task_type or "unspecified", "drafter": drafter}
         if record.drafted:
             self.acceptance.record(record.accepted + 1, {**attrs, "position": position_bucket(position)})
-            self.draft.record(record.draft_ms, attrs)
-        self.verify.record(record.verify_ms, attrs)
-        self.network.record(record.network_ms, attrs)
-        self.gateway.record(record.gateway_ms, attrs)
+            self.draft.record(record.draft_ms / 1e3, attrs)
+            self.drafts.add(1, attrs)
+            self.draft_tokens.add(record.drafted, attrs)
+            self.accepted_tokens.add(record.accepted, attrs)
+            for d in range(1, min(record.depth or record.drafted, MAX_DRAFT_POSITION) + 1):
+                at = {**attrs, "draft_position": d}
+                self.drafted_at.add(1, at)
+                if d <= record.accepted:
+                    self.accepted_at.add(1, at)
+        self.verify.record(record.verify_ms / 1e3, attrs)
+        self.network.record(record.network_ms / 1e3, attrs)
+        self.gateway.record(record.gateway_ms / 1e3, attrs)
 
     def request(self, stats: pb.GenerationStats) -> None:
         task = stats.task_type or "unspecified"
@@ -76,6 +115,20 @@ class GatewayMetrics:
         if stats.predraft_attempts:
             self.predrafts.add(stats.predraft_hits, {"task_type": task, "outcome": "hit"})
             self.predrafts.add(stats.predraft_attempts - stats.predraft_hits, {"task_type": task, "outcome": "miss"})
+
+    def ended(self, task_type: str, speculation: bool | None, finish_reason: int, status: str,
+              first_token_s: float | None, tokens: int, total_s: float) -> None:
+        """A Generate call ended (answered, refused, failed or cancelled): its count, and for calls
+        that produced tokens their time to first token and time per output token."""
+        task = task_type or "unspecified"
+        reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+        self.requests.add(1, {"task_type": task, "finish_reason": reason, "status": status})
+        if first_token_s is None:
+            return
+        attrs = {"task_type": task, "speculation": {True: "on", False: "off", None: "unknown"}[speculation]}
+        self.ttft.record(first_token_s, attrs)
+        if tokens > 1:
+            self.tpot.record((total_s - first_token_s) / (tokens - 1), attrs)
 
     def _observe_enabled(self, _options):
         return [Observation(int(st.enabled), {"task_type": task, "drafter": drafter})

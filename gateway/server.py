@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -161,42 +163,56 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         text, ids, last = [], [], None
-        async with self._session(request, context) as plan:
-            try:
-                async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
-                    async for chunk in chunks:
-                        text.append(chunk.text)
-                        ids += chunk.token_ids
-                        last = chunk
-            except Failure as e:
-                await context.abort(e.code, e.message)
+        try:
+            async with contextlib.aclosing(self.stream(request, client_of(context), context.time_remaining)) as chunks:
+                async for chunk in chunks:
+                    text.append(chunk.text)
+                    ids += chunk.token_ids
+                    last = chunk
+        except Failure as e:
+            await context.abort(e.code, e.message)
         return pb.GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
                                    stats=last.stats)
 
     async def GenerateStream(self, request, context):
-        async with self._session(request, context) as plan:
-            try:
-                async with contextlib.aclosing(self._loop().generate(plan, context.time_remaining)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-            except Failure as e:
-                await context.abort(e.code, e.message)
+        try:
+            async with contextlib.aclosing(self.stream(request, client_of(context), context.time_remaining)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except Failure as e:
+            await context.abort(e.code, e.message)
 
-    @contextlib.asynccontextmanager
-    async def _session(self, request, context):
-        """Admits a Generate call: its plan, within its client's cap; counted in flight while it runs."""
-        client = client_of(context)
+    async def stream(self, request: pb.GenerateRequest, client: str,
+                     time_remaining: Callable[[], float | None]) -> AsyncIterator[pb.GenerateChunk]:
+        """One Generate call's chunks, for any front (gRPC here, HTTP in gateway.openai); raises
+        Failure. Admitted within the client's cap, counted in flight while it runs, and counted in
+        the metrics when it ends however it ends (finish reason and status, time to first token,
+        time per output token)."""
+        started, first, tokens, last, status = time.perf_counter(), None, 0, None, "CANCELLED"
         try:
             plan = self.plan(request)
             self._cap.enter(client)
+            self._inflight += 1
+            try:
+                async with contextlib.aclosing(self._loop().generate(plan, time_remaining)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.token_ids and first is None:
+                            first = time.perf_counter() - started
+                        tokens += len(chunk.token_ids)
+                        last = chunk
+                        yield chunk
+            finally:
+                self._inflight -= 1
+                self._cap.leave(client)
+            status = "OK"
         except Failure as e:
-            await context.abort(e.code, e.message)
-        self._inflight += 1
-        try:
-            yield plan
+            status = e.code.name
+            raise
         finally:
-            self._inflight -= 1
-            self._cap.leave(client)
+            stats = last.stats if last is not None and last.HasField("stats") else None
+            self._metrics.ended(request.task_type, stats.speculation_used if stats else None,
+                                last.finish_reason if last else 0, status, first, tokens,
+                                time.perf_counter() - started)
 
     def plan(self, request: pb.GenerateRequest) -> Plan:
         b = self._backends

@@ -3,7 +3,9 @@
 Traces are off unless configured: `OTEL_TRACES_EXPORTER` (otlp, otlp_json_file, console, none;
 comma-separated) or an OTLP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT` /
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, which imply otlp) or `SPECSPLIT_OTLP_FILE` (implies
-otlp_json_file). Off, no interceptor is installed and every span call is the API's no-op.
+otlp_json_file). OTLP goes over gRPC unless `OTEL_EXPORTER_OTLP_PROTOCOL` (or the per-signal
+`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `_METRICS_PROTOCOL`) says http/protobuf. Off, no
+interceptor is installed and every span call is the API's no-op.
 `OTEL_SERVICE_NAME` replaces the service's own name (specsplit-gateway/-verify/-draft),
 `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER(_ARG)` and `OTEL_BSP_*` work as in every SDK.
 Metrics: `OTEL_METRICS_EXPORTER=otlp` pushes over OTLP, `SPECSPLIT_METRICS_PORT` (or the servers'
@@ -107,8 +109,10 @@ def _trace_exporters(env) -> list:
         if name == "none":
             continue
         if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+            if otlp_protocol(env, "TRACES") == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            else:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             exporters.append(OTLPSpanExporter())
         elif name == "otlp_json_file":
             exporters.append(OtlpJsonFileExporter(env.get("SPECSPLIT_OTLP_FILE", "specsplit-traces.jsonl")))
@@ -121,11 +125,25 @@ def _trace_exporters(env) -> list:
     return exporters
 
 
+def otlp_protocol(env, signal: str) -> str:
+    """OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL: grpc (the default) or
+    http/protobuf (each exporter then reads its own endpoint variables, as every SDK does)."""
+    protocol = (env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "grpc").strip()
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL {protocol!r}: use grpc or http/protobuf "
+                         "(the Python exporters have no http/json)")
+    return protocol
+
+
 def _metric_readers(env, port: int) -> list:
     readers = []
     names = [n.strip() for n in env.get("OTEL_METRICS_EXPORTER", "").split(",") if n.strip()]
     if "otlp" in names:
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        if otlp_protocol(env, "METRICS") == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))

@@ -184,6 +184,8 @@ def test_up_serves_each_services_metrics_on_its_own_port(up):
         with urllib.request.urlopen(f"http://127.0.0.1:{up.metrics_port + offset}/metrics", timeout=10) as r:
             return r.read().decode()
 
-    assert 'specsplit_request_duration' in scrape(0) and 'speculation="on"' in scrape(0)
-    assert "process_resident_memory_bytes" in scrape(1)  # the verify service's own instruments: issue 17
+    gateway, verify = scrape(0), scrape(1)
+    assert 'specsplit_request_duration' in gateway and 'speculation="on"' in gateway
+    assert "specsplit_spec_decode_accepted_tokens" in gateway and "specsplit_request_time_to_first_token" in gateway
+    assert "specsplit_verify_forward_seconds_count" in verify and 'call="prefill"' in verify
     assert "specsplit_draft_memory" in scrape(2)

@@ -7,6 +7,7 @@ import json
 import threading
 from collections import defaultdict
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pytest
@@ -38,13 +39,30 @@ class Collector(otlp_grpc.TraceServiceServicer):
 class MetricsCollector(otlp_metrics_grpc.MetricsServiceServicer):
     def __init__(self, sink: Collector):
         self.sink = sink
+        self.totals: dict[tuple, float] = {}  # (service, metric, attributes) -> cumulative sum or count
 
     def Export(self, request, context):
         for resource in request.resource_metrics:
             service = next(a.value.string_value for a in resource.resource.attributes if a.key == "service.name")
             for scope in resource.scope_metrics:
                 self.sink.metrics[service] |= {m.name for m in scope.metrics if _has_points(m)}
+                for metric in scope.metrics:
+                    kind = metric.WhichOneof("data")
+                    for point in getattr(metric, kind).data_points if kind else ():
+                        attrs = frozenset((a.key, _value(a.value)) for a in point.attributes)
+                        value = point.count if kind == "histogram" else _value(point)
+                        self.totals[(service, metric.name, attrs)] = value  # cumulative: the last export holds all
         return otlp_metrics.ExportMetricsServiceResponse()
+
+    def total(self, service: str, name: str, **attrs) -> float:
+        """The metric's cumulative value summed over the series that carry `attrs`."""
+        wanted = set(attrs.items())
+        return sum(v for (svc, metric, a), v in self.totals.items() if (svc, metric) == (service, name) and wanted <= a)
+
+
+def _value(message):
+    """An OTLP AnyValue's or number data point's value."""
+    return getattr(message, message.WhichOneof("value"))
 
 
 def _has_points(metric) -> bool:
@@ -54,14 +72,54 @@ def _has_points(metric) -> bool:
 
 @pytest.fixture
 def collector():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    sink = Collector()
-    otlp_grpc.add_TraceServiceServicer_to_server(sink, server)
-    otlp_metrics_grpc.add_MetricsServiceServicer_to_server(MetricsCollector(sink), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield sink, port
-    server.stop(0)
+    """Starts an OTLP receiver speaking the given protocol (what OTEL_EXPORTER_OTLP_PROTOCOL tells
+    the services): the gRPC services, or POSTs of protobuf to /v1/traces and /v1/metrics."""
+    stops = []
+
+    def start(protocol: str) -> tuple[Collector, MetricsCollector, int]:
+        sink = Collector()
+        metrics = MetricsCollector(sink)
+        if protocol == "grpc":
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            otlp_grpc.add_TraceServiceServicer_to_server(sink, server)
+            otlp_metrics_grpc.add_MetricsServiceServicer_to_server(metrics, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            server.start()
+            stops.append(lambda: server.stop(0))
+        else:
+            server = _http_receiver(sink, metrics)
+            port = server.server_address[1]
+            stops.append(server.shutdown)
+        return sink, metrics, port
+
+    yield start
+    for stop in stops:
+        stop()
+
+
+def _http_receiver(sink: Collector, metrics: MetricsCollector) -> ThreadingHTTPServer:
+    routes = {"/v1/traces": (otlp.ExportTraceServiceRequest, sink.Export, otlp.ExportTraceServiceResponse),
+              "/v1/metrics": (otlp_metrics.ExportMetricsServiceRequest, metrics.Export,
+                              otlp_metrics.ExportMetricsServiceResponse)}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            message, export, response = routes[self.path]
+            assert self.headers["Content-Type"] == "application/x-protobuf"
+            export(message.FromString(self.rfile.read(int(self.headers["Content-Length"]))), None)
+            body = response().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def _generate(stub, prompt: str, speculation=pb.SPECULATION_ON, **kw) -> pb.GenerateResponse:
@@ -78,10 +136,12 @@ def _stack(models, tmp_path, transport: str) -> Stack:
                              drafter="ngram", self_head="none", run_dir=str(tmp_path)))
 
 
-@pytest.mark.parametrize("transport", ["unix", "tcp"])
-def test_one_trace_per_generate_across_three_processes(models, tmp_path, collector, monkeypatch, transport):
-    sink, port = collector
+@pytest.mark.parametrize("transport,protocol", [("unix", "grpc"), ("tcp", "http/protobuf")])
+def test_one_trace_per_generate_across_three_processes(models, tmp_path, collector, monkeypatch, transport,
+                                                       protocol):
+    sink, metrics, port = collector(protocol)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
@@ -134,11 +194,36 @@ def test_one_trace_per_generate_across_three_processes(models, tmp_path, collect
         assert report.tokens == response.stats.generated_tokens
         assert report.network_ms == pytest.approx(response.stats.network_ms)  # one definition, both places
         assert report.verify_ms == pytest.approx(response.stats.verify_ms + response.stats.prefill_compute_ms)
-    # Metrics went over OTLP too (flushed at shutdown).
+    # Metrics went over OTLP too (flushed at shutdown), with the responses' own figures.
     assert {"specsplit.acceptance_length", "specsplit.request.duration", "specsplit.round.network",
-            "specsplit.round.gateway",
-            "specsplit.speculation.enabled"} <= sink.metrics["specsplit-gateway"]
+            "specsplit.round.gateway", "specsplit.speculation.enabled", "specsplit.spec_decode.drafts",
+            "specsplit.request.time_to_first_token", "specsplit.request.time_per_output_token",
+            "specsplit.requests"} <= sink.metrics["specsplit-gateway"]
     assert "specsplit.draft.memory" in sink.metrics["specsplit-draft"]
+    assert {"specsplit.verify.forward", "specsplit.verify.sessions",
+            "specsplit.verify.kv_cache.limit"} <= sink.metrics["specsplit-verify"]
+    gateway = "specsplit-gateway"
+    stats = [r.stats for r in responses]
+    for name, field in (("drafts", None), ("draft_tokens", "drafted_tokens"), ("accepted_tokens", "accepted_tokens")):
+        expected = sum(sum(1 for r in s.round_records if r.drafted) if field is None else getattr(s, field)
+                       for s in stats)
+        assert metrics.total(gateway, f"specsplit.spec_decode.{name}") == expected > 0, name
+    # Per draft position: every drafting round reached position 1; accepted there = rounds with >= 1 accepted.
+    rounds = [r for s in stats for r in s.round_records if r.drafted]
+    assert metrics.total(gateway, "specsplit.spec_decode.drafts_per_position", draft_position=1) == len(rounds)
+    assert metrics.total(gateway, "specsplit.spec_decode.accepted_tokens_per_position", draft_position=1) == \
+        sum(1 for r in rounds if r.accepted >= 1)
+    assert sum(metrics.total(gateway, "specsplit.spec_decode.accepted_tokens_per_position", draft_position=d)
+               for d in range(1, 5)) == sum(s.accepted_tokens for s in stats)  # chains of gamma 3
+    assert metrics.total(gateway, "specsplit.requests", status="OK", finish_reason="length") == len(responses)
+    assert metrics.total(gateway, "specsplit.request.time_to_first_token") == len(responses)
+    assert metrics.total(gateway, "specsplit.request.time_per_output_token", speculation="off") == 1
+    # The verify service's forwards: one Prefill per request, every round's verify (and warm-up's).
+    verify = "specsplit-verify"
+    assert metrics.total(verify, "specsplit.verify.forward", call="prefill") == len(responses)
+    assert metrics.total(verify, "specsplit.verify.forward", call="verify") >= sum(s.rounds for s in stats)
+    assert metrics.total(verify, "specsplit.verify.sessions.limit") > 0
+    assert metrics.total(verify, "specsplit.verify.kv_cache.limit") > 0
 
 
 def test_json_file_exporter_writes_otlp_json_lines(models, tmp_path, monkeypatch):

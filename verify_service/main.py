@@ -7,6 +7,8 @@ import logging
 import os
 import time
 
+from opentelemetry.metrics import Observation
+
 from specsplit import runtime, telemetry
 from specsplit.serving import serve
 from specsplit.sessions import SessionTable
@@ -27,6 +29,21 @@ def kv_budget(settings: VerifySettings, lm) -> int:
     return min(settings.max_sessions * lm.max_context * per_token, physical // 4)
 
 
+def _gauges(lm, sessions: SessionTable) -> None:
+    m = telemetry.meter()
+    m.create_observable_gauge("specsplit.verify.sessions", unit="{session}", description="sessions held",
+                              callbacks=[lambda _: [Observation(len(sessions))]])
+    m.create_observable_gauge("specsplit.verify.sessions.limit", unit="{session}", description="--max-sessions",
+                              callbacks=[lambda _: [Observation(sessions.max_sessions)]])
+    if lm.native is not None:  # transformers' own cache is not accounted
+        pool = lm.native.pool
+        m.create_observable_gauge("specsplit.verify.kv_cache.usage", unit="By",
+                                  description="bytes the sessions' KV caches hold",
+                                  callbacks=[lambda _: [Observation(pool.used_bytes)]])
+        m.create_observable_gauge("specsplit.verify.kv_cache.limit", unit="By", description="the KV cache budget",
+                                  callbacks=[lambda _: [Observation(pool.budget_bytes)]])
+
+
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     runtime.configure_process(settings.server.threads)
     tel = telemetry.configure("specsplit-verify", settings.server.metrics_port)
@@ -40,6 +57,7 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
+    _gauges(lm, sessions)
     fast = servicer.rounds.open_fast_path("verify", settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,
