@@ -19,11 +19,24 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
     tokenizer_dir = default_model.resolve(settings.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     backends = Backends(settings, tokenizer, tel.client_interceptors())
+    servicer = GatewayServicer(backends)
+    http = []
+
+    async def ready() -> None:
+        await backends.connect()
+        if settings.http_listen:  # after connect: the HTTP door serves once the backends fit together
+            from gateway.openai import OpenAIFront, start
+
+            front = OpenAIFront(servicer, backends.target.model_id, settings.auth_token)
+            http.append((await start(settings.http_listen, front))[0])
+
     try:
-        await serve(settings.server, SERVICE_NAME, lambda server: register(server, GatewayServicer(backends)),
-                    backends.connect, stop_event=stop_event, handle_signals=handle_signals,
+        await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer),
+                    ready, stop_event=stop_event, handle_signals=handle_signals,
                     interceptors=[*tel.server_interceptors(), *([BearerAuth(settings.auth_token)]
                                                                  if settings.auth_token else [])],
                     health_monitor=backends.watch_health)
     finally:
+        for runner in http:
+            await runner.cleanup()
         await backends.close()

@@ -162,6 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
                    help="callers must send metadata 'authorization: Bearer <the token in this file>' "
                         "(UNAUTHENTICATED otherwise; health and reflection stay open)")
+    g.add_argument("--http-listen", default=ENV("SPECSPLIT_HTTP_LISTEN", ""),
+                   help="host:port: also serve the OpenAI HTTP API there (/v1/completions, /v1/chat/completions "
+                        "with SSE streaming, /v1/models; the same bearer token)")
     g.add_argument("--max-sessions-per-client", type=int, default=0,
                    help="Generate calls in flight per client address; more get RESOURCE_EXHAUSTED (0: no cap)")
     g.add_argument("--rpc-timeout", type=float, default=60.0, help="deadline of each internal call (s)")
@@ -181,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
                     help="Prometheus endpoints: the gateway's on this port, the verify service's on the next, the "
                          "draft service's on the one after (0: none)")
+    up.add_argument("--http-listen", default=ENV("SPECSPLIT_HTTP_LISTEN", ""),
+                    help="host:port: the gateway also speaks the OpenAI HTTP API there (/v1/completions, "
+                         "/v1/chat/completions, /v1/models)")
 
     gen = sub.add_parser("generate", help="call Generate on a gateway")
     gen.add_argument("prompt")
@@ -359,7 +365,8 @@ def _stack_config(a: argparse.Namespace):
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
                        self_head=a.self_head, store_tokens=a.store_tokens,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
-                       shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0))
+                       shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
+                       http_listen=getattr(a, "http_listen", ""))
 
 
 def _last_gateway_file() -> Path:
@@ -406,7 +413,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                    if a.upstream_ca else None, predraft=a.predraft, tree_budget=a.tree_budget,
                                    shm_segment_bytes=int(a.shm_segment_mib * 2**20),
                                    auth_token=read_token(a.auth_token_file) if a.auth_token_file else "",
-                                   max_sessions_per_client=a.max_sessions_per_client)
+                                   max_sessions_per_client=a.max_sessions_per_client, http_listen=a.http_listen)
     try:
         asyncio.run(run(settings))
     except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError):

@@ -123,3 +123,4 @@ class GatewaySettings:
     tree_budget: int = 0
     auth_token: str = ""  # non-empty: calls must carry `authorization: Bearer <token>` (health stays open)
     max_sessions_per_client: int = 0  # Generate calls in flight per client address (0: no cap)
+    http_listen: str = ""  # host:port: also serve the OpenAI-compatible HTTP API (gateway/openai.py)

@@ -61,6 +61,7 @@ class StackConfig:
     trace_file: str | None = None  # the services export traces here as OTLP-JSON lines (else OTEL_* decides)
     shared_memory: bool = True  # False: --no-shm for all three
     metrics_port: int = 0  # Prometheus: the gateway's port; verify +1, draft +2 (0: none)
+    http_listen: str = ""  # host:port: the gateway's OpenAI-compatible HTTP door ("" none)
 
 
 class Stack:
@@ -174,7 +175,8 @@ class Stack:
             draft = draft_via(self.addresses["draft"]) if draft_via else self.addresses["draft"]
             self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", draft,
                                     "--tokenizer", c.target_model, "--gamma", str(c.gamma),
-                                    "--tree-budget", str(c.tree_budget)])
+                                    "--tree-budget", str(c.tree_budget),
+                                    *(["--http-listen", c.http_listen] if c.http_listen else [])])
             self._await(["gateway"], timeout_s)
         except BaseException:
             self.stop()

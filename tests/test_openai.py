@@ -1,0 +1,132 @@
+"""The OpenAI-compatible HTTP door, exercised with the official `openai` client against the three
+real services (in this process, on UNIX sockets; the door on a loopback port)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from tests.conftest import running_stack
+
+TOKEN = "s3cret-token"
+GREEDY = {"temperature": 0, "max_tokens": 20}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+async def door(models, tmp_path_factory):
+    port = free_port()
+    async with running_stack(tmp_path_factory.mktemp("openai"), "unix", models["target"], models["draft"],
+                             "float32", http_listen=f"127.0.0.1:{port}", auth_token=TOKEN) as stack:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+        model = (await client.models.list()).data[0].id
+        channel = grpc.aio.insecure_channel(stack.gateway)
+        yield client, model, pb_grpc.GatewayStub(channel), port
+        await channel.close()
+        await client.close()
+
+
+async def grpc_generate(stub, **kw) -> pb.GenerateResponse:
+    return await stub.Generate(pb.GenerateRequest(**kw), metadata=[("authorization", f"Bearer {TOKEN}")], timeout=60)
+
+
+async def test_completions_equal_grpc_generate_with_speculation_on_and_off(door):
+    client, model, stub, _ = door
+    texts = {}
+    for mode in ("off", "on"):
+        reply = await client.completions.create(model=model, prompt="def add(a, b):", **GREEDY,
+                                                extra_body={"specsplit": {"speculation": mode, "drafter": "ngram",
+                                                                          "ignore_eos": True, "task_type": "code"}})
+        assert reply.object == "text_completion" and len(reply.choices) == 1
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 20
+        stats = reply.model_extra["specsplit"]
+        assert stats["speculation_used"] is (mode == "on") and stats["task_type"] == "code"
+        texts[mode] = reply.choices[0].text
+    assert texts["on"] == texts["off"]  # greedy: speculation changes nothing
+    reference = await grpc_generate(stub, text="def add(a, b):", max_new_tokens=20,
+                                    speculation=pb.SPECULATION_OFF, stop=pb.StopConditions(ignore_eos=True))
+    assert reference.text == texts["off"]
+    assert reply.usage.prompt_tokens == reference.stats.prompt_tokens
+
+
+async def test_chat_streams_what_it_answers_whole(door):
+    client, model, stub, _ = door
+    messages = [{"role": "user", "content": "Say something about cats."}]
+    whole = await client.chat.completions.create(model=model, messages=messages, **GREEDY)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    stream = await client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY)
+    chunks = [chunk async for chunk in stream]
+    text_chunks = [c for c in chunks if c.choices]
+    assert text_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in text_chunks if c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    reference = await grpc_generate(stub, chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]),
+                                    max_new_tokens=20)
+    assert reference.text == whole.choices[0].message.content
+
+
+async def test_sampling_with_a_seed_repeats(door):
+    client, model, _, _ = door
+    kw = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 7}
+    first, second = [await client.completions.create(**kw) for _ in range(2)]
+    assert first.choices[0].text == second.choices[0].text
+    assert first.model_extra["specsplit"]["verify_method"] == "coupled"
+
+
+@pytest.mark.parametrize("kw, status, param", [
+    ({"temperature": -1}, 400, None),
+    ({"n": 2}, 400, "n"),
+    ({"extra_body": {"specsplit": {"gama": 3}}}, 400, "specsplit"),
+    ({"extra_body": {"specsplit": {"speculation": "sometimes"}}}, 400, "specsplit.speculation"),
+    ({"model": "gpt-4"}, 404, None),
+])
+async def test_bad_requests_get_openai_errors(door, kw, status, param):
+    client, model, _, _ = door
+    args = {"model": model, "prompt": "hi", "max_tokens": 4, **kw}
+    with pytest.raises(openai.APIStatusError) as caught:
+        await client.completions.create(**args)
+    error = caught.value
+    assert error.status_code == status
+    body = error.body  # the client unwraps {"error": {...}}
+    assert body["type"] in ("invalid_request_error", "not_found_error") and body["message"]
+    assert body["code"] in ("INVALID_ARGUMENT", "NOT_FOUND") and body["param"] == param
+
+
+async def test_auth_and_malformed_bodies(door):
+    _, model, _, port = door
+    anonymous = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        await anonymous.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert caught.value.body["code"] == "UNAUTHENTICATED"
+    await anonymous.close()
+
+    def post(body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={
+            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    status, body = await asyncio.to_thread(post, b"{not json")
+    assert status == 400 and "not JSON" in body["error"]["message"]
+    status, body = await asyncio.to_thread(post, json.dumps({"model": model, "messages": []}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
