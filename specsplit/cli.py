@@ -82,6 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("fetch-model", help="convert the embedded default model into the cache (once)")
+    hp = sub.add_parser("health", help="ask a service's grpc.health.v1: exit 0 if SERVING, 1 if not (container "
+                                       "health checks)")
+    hp.add_argument("address", help="host:port or unix:///path.sock")
+    hp.add_argument("--service", default="", help="a service name (default: the server as a whole)")
+    hp.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    hp.add_argument("--tls-ca", help="the service serves TLS: trust this CA (PEM)")
+    hp.add_argument("--tls-cert", help="mutual TLS: this client certificate (PEM)")
+    hp.add_argument("--tls-key", help="and its key (PEM)")
+    hp.add_argument("--tls-server-name", help="the name its certificate carries, when it is not the address's host")
 
     serve = sub.add_parser("serve", help="run one service (what a split deploy runs)")
     roles = serve.add_subparsers(dest="role", required=True)
@@ -594,13 +603,37 @@ def _build_native() -> None:
     print(f"native kernels: ready in {time.perf_counter() - started:.1f} s ({native.cache_dir()})", file=sys.stderr)
 
 
+def cmd_health(a: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if a.tls_ca:
+        def read(path):
+            return Path(path).read_bytes() if path else None
+
+        options = [("grpc.ssl_target_name_override", a.tls_server_name)] if a.tls_server_name else []
+        credentials = grpc.ssl_channel_credentials(read(a.tls_ca), read(a.tls_key), read(a.tls_cert))
+        channel = grpc.secure_channel(a.address, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(a.address)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=a.service),
+                                                              timeout=a.timeout)
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as e:
+            status = f"{e.code().name}: {e.details()}"
+    print(f"{a.address}{' ' + a.service if a.service else ''}: {status}")
+    return 0 if status == "SERVING" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.command == "serve":  # before anything imports torch (and with it libgomp)
         quiet_spin(os.environ)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "trace-report": cmd_trace_report,
-               "calibrate": cmd_calibrate, "soak": cmd_soak}[a.command]
+               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "health": cmd_health,
+               "trace-report": cmd_trace_report, "calibrate": cmd_calibrate, "soak": cmd_soak}[a.command]
     try:
         return command(a)
     except (UsageError, FileNotFoundError, IsADirectoryError, PermissionError) as e:  # a bad flag or file

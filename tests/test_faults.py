@@ -176,9 +176,12 @@ def test_a_killed_verifier_fails_fast_with_unavailable_and_the_gateway_recovers(
         assert "verify service exited with -9; restarting it" in up.log()
 
 
-def test_up_serves_each_services_metrics_on_its_own_port(up):
+def test_up_serves_each_services_metrics_on_its_own_port(up, capsys):
     with grpc.insecure_channel(up.gateway) as channel:
         pb_grpc.GatewayStub(channel).Generate(_request(tokens=16), timeout=30)
+    from specsplit.cli import main
+
+    assert main(["health", up.gateway]) == 0 and capsys.readouterr().out.strip().endswith(": SERVING")
 
     def scrape(offset: int) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{up.metrics_port + offset}/metrics", timeout=10) as r:

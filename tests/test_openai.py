@@ -12,10 +12,10 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from conftest import running_stack
 
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from tests.conftest import running_stack
 
 TOKEN = "s3cret-token"
 GREEDY = {"temperature": 0, "max_tokens": 20}

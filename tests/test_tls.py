@@ -3,7 +3,9 @@ the right certificates connect, wrong or missing ones are refused."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -76,6 +78,14 @@ async def test_mutual_tls_accepts_the_right_certificates_and_refuses_others(mode
                 text="def add(a, b):", max_new_tokens=8, speculation=pb.SPECULATION_ON, drafter="model"))
         assert len(out.token_ids) == 8 and out.stats.speculation_used
         assert not out.stats.fast_path  # no shared memory, as across hosts: the rounds went over mTLS streams
+        # Health checks (the split Kubernetes layout's probes) speak mTLS too, naming the certificate's host.
+        health = ["health", stack.verify.replace("127.0.0.1", "localhost"), "--tls-ca", str(pki / "ca.pem")]
+        client = ["--tls-cert", str(pki / "gateway.pem"), "--tls-key", str(pki / "gateway.key")]
+        probe = [sys.executable, "-m", "specsplit.cli", *health]
+        ok, refused = [await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=60)
+                       for cmd in (probe + client + ["--tls-server-name", "localhost"], probe)]
+        assert ok.returncode == 0 and ok.stdout.strip().endswith(": SERVING"), ok
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stdout, refused
 
 
 async def test_tls_without_client_certificates(models, tmp_path, pki):

@@ -113,25 +113,3 @@ def test_otlp_json_and_jaeger_readers_rebuild_the_same_requests():
     from_jaeger = requests_from(load_jaeger_json(_to_jaeger(spans)))
     assert [(r.rounds, r.tokens, r.speculation) for r in from_jaeger] == [(3, 6, "on")]
     assert from_jaeger[0].network_ms == pytest.approx(expected[0].network_ms, abs=0.01)
-
-
-def test_compose_commands_are_valid_cli_invocations():
-    """deploy/compose.yaml runs `specsplit serve ...`: its flags must exist (the file is not run here)."""
-    from pathlib import Path
-
-    import yaml
-
-    from specsplit.cli import _parser
-
-    compose = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "compose.yaml").read_text())
-    roles = set()
-    for name, service in compose["services"].items():
-        if name == "jaeger":
-            assert set(service["ports"]) >= {"16686:16686", "4317:4317"}
-            continue
-        command = service["command"]
-        assert command[0] == "specsplit"
-        args = _parser().parse_args(command[1:])
-        roles.add(args.role)
-        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-    assert roles == {"verify", "draft", "gateway"}
