@@ -337,6 +337,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--lookback", default="1h", help="how far back to fetch from Jaeger")
     rep.add_argument("--no-per-request", action="store_true", help="only the per-task-type table")
     rep.add_argument("--json-out", help="also write the report here")
+    rep.add_argument("--plot", help="PNG: one request's rounds as a timeline and the time shares per task type")
+    rep.add_argument("--plot-trace", help="the trace id (or its start) to draw (default: the spec-on request "
+                                          "with the most rounds)")
     return parser
 
 

@@ -113,3 +113,34 @@ def test_otlp_json_and_jaeger_readers_rebuild_the_same_requests():
     from_jaeger = requests_from(load_jaeger_json(_to_jaeger(spans)))
     assert [(r.rounds, r.tokens, r.speculation) for r in from_jaeger] == [(3, 6, "on")]
     assert from_jaeger[0].network_ms == pytest.approx(expected[0].network_ms, abs=0.01)
+
+
+def test_plot_lays_out_the_critical_path_and_the_pre_drafts(tmp_path):
+    from specsplit.tools.traceplot import pick, plot, segments
+
+    on = _request("on", "on", [(2, 10, 2, 1)] * 3, tokens=6, predrafted=1)
+    off = _request("off", "off", [(0, 10, 1, 0)] * 6, tokens=6)
+    spans = on + off
+    root = pick(spans)
+    assert root.trace_id == "on"  # the spec-on request by default
+    parts = segments(spans, root)
+    critical = [p for p in parts if p[3] == 0]
+    # Prefill, then the pre-drafted round without its draft, then two rounds with theirs.
+    assert [p[0] for p in critical] == ["prefill", "network", "verify", "gateway"] + \
+        ["draft", "network", "verify", "gateway"] * 2
+    assert sum(p[2] for p in critical) == pytest.approx((on[0].end_ns - on[0].start_ns) / 1e6 - 2)
+    assert all(b[1] == pytest.approx(a[1] + a[2]) for a, b in zip(critical[1:], critical[2:]))  # back to back
+    assert not [p for p in parts if p[3] == 1]  # a pre-draft needs a Verify before it to overlap
+    # A pre-draft after a round overlaps that round's Verify, on its own lane.
+    later = _request("late", "on", [(2, 10, 2, 1)] * 3, tokens=6, predrafted=0)
+    later[3].attributes["specsplit.predrafted"] = True
+    lanes = segments(later, pick(later, "late"))
+    (predraft,) = [p for p in lanes if p[3] == 1]
+    verify_of_round_0 = [p for p in lanes if p[0] == "verify"][0]
+    assert predraft[1] == verify_of_round_0[1] and predraft[2] == 2
+    path = tmp_path / "trace.png"
+    rows = report(spans)[1]
+    assert plot(spans, rows, str(path)) is root
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no Generate trace"):
+        pick(spans, "nope")

@@ -282,7 +282,16 @@ def main(args) -> int:
     if not spans:
         print("trace-report: no spans (give --file FILE or --jaeger URL)", file=sys.stderr)
         return 1
+    if args.plot:
+        from specsplit.extras import require
+
+        require("matplotlib", "plot", "trace-report --plot")
     result = print_report(spans, per_request=not args.no_per_request)
+    if args.plot:
+        from specsplit.tools.traceplot import plot
+
+        drawn = plot(spans, report(spans)[1], args.plot, args.plot_trace)
+        print(f"plot: {args.plot} (trace {drawn.trace_id[:12]} and the shares per task type)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     return 0
