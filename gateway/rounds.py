@@ -23,6 +23,7 @@ from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.verify.v1 import verify_pb2 as vpb
+from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
@@ -33,10 +34,12 @@ _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEAD
 
 
 class RoundLoop:
-    def __init__(self, upstream: Upstream, tokenizer, target: vpb.InfoResponse, rpc_timeout_s: float,
-                 instruments: Instruments, watch: DraftWatch, segments: shm.Creator | None = None,
-                 segment_bytes: int = 4 << 20):
-        self._up, self._tokenizer, self._target, self._watch = upstream, tokenizer, target, watch
+    def __init__(self, upstream: Upstream, verifier: vpb_grpc.VerifierStub, tokenizer, target: vpb.InfoResponse,
+                 rpc_timeout_s: float, instruments: Instruments, watch: DraftWatch,
+                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20):
+        # `verifier`: the verify replica this loop's session is pinned to (gateway.replicas).
+        self._up, self._verifier, self._tokenizer, self._target, self._watch = upstream, verifier, tokenizer, \
+            target, watch
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
 
@@ -203,7 +206,7 @@ class RoundLoop:
         plan, up = request.plan, self._up
         name = request.segment.name if request.segment else ""
         t = request.prefill_mark = now()
-        prefill = up.call(up.verifier.Prefill, vpb.PrefillRequest(
+        prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
             session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
             sampling=plan.sampling, shm_segment=name), "verify", deadline)
         started = None
@@ -230,7 +233,8 @@ class RoundLoop:
         if request.segment is not None:
             request.shm_verify = payloads.proves(verified.shm_nonce, request.segment, "verify")
             request.shm_draft = started is not None and payloads.proves(started.shm_nonce, request.segment, "draft")
-        request.verifier = await up.verify_link(verified.fast_path if request.shm_verify else "", deadline)
+        request.verifier = await up.verify_link(self._verifier, verified.fast_path if request.shm_verify else "",
+                                                deadline)
         if request.drafting:
             try:
                 request.drafter = await up.draft_link(started.fast_path if request.shm_draft else "", deadline)
@@ -258,7 +262,7 @@ class RoundLoop:
             if link is not None:
                 link.close()
         up = self._up
-        calls = [up.verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
+        calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
         if request.drafting or request.lost or request.start_abandoned:  # a stalled drafter may hold it
             calls.append(up.drafter.EndSession(dpb.EndSessionRequest(
                 session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent), timeout=5))

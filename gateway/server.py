@@ -17,6 +17,7 @@ from gateway.access import ClientCap, client_of
 from gateway.controller import AUTO, OFF, ON, Controller, Decision
 from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.instruments import GatewayMetrics, Instruments
+from gateway.replicas import VerifyReplicas
 from gateway.rounds import RoundLoop
 from gateway.state import Plan
 from gateway.upstream import Upstream
@@ -32,7 +33,6 @@ from specsplit.sampling import SamplingParams
 from specsplit.serving import aio_channel, unix_path
 from specsplit.settings import GatewaySettings
 from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 VERIFY_SERVICE = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -67,22 +67,31 @@ def incompatibility(target: vpb.InfoResponse, drafters: dict[str, dpb.DrafterInf
     return ""
 
 
+async def _check(stub: health_pb2_grpc.HealthStub) -> tuple[bool, str]:
+    """A backend's health: (serving, why not)."""
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_EVERY_S * 2)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING, "not SERVING"
+    except grpc.aio.AioRpcError as e:
+        return False, f"{e.code().name}: {e.details()}"
+
+
 class Backends:
     """Channels to the draft and verify services and what the gateway learnt from them at start."""
 
     def __init__(self, settings: GatewaySettings, tokenizer, interceptors=()):
         self.settings = settings
         self.tokenizer = tokenizer
-        self._verify_channel = aio_channel(settings.verify_address, settings.upstream_tls, interceptors)
+        self.verify = VerifyReplicas(settings.verify_address, settings.upstream_tls, interceptors)
         self._draft_channel = aio_channel(settings.draft_address, settings.upstream_tls, interceptors)
-        self.verifier = vpb_grpc.VerifierStub(self._verify_channel)
         self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
-        self.upstream = Upstream(self.verifier, self.drafter)
+        self.upstream = Upstream(self.drafter)
         self.watch = DraftWatch(lambda: self.drafter.Info(dpb.InfoRequest(), timeout=PROBE_TIMEOUT_S))
         self.controller = Controller(settings.controller)
         # The co-located fast path: this gateway's shared-memory segments (None: off or no /dev/shm).
         self.segments = shm.Creator() if settings.server.shared_memory and shm.available() else None
         self.target: vpb.InfoResponse | None = None
+        self._fits: set[str] = set()  # verify replicas checked to serve the same target
         self.drafters: dict[str, dpb.DrafterInfo] = {}
         self.default_drafter = ""
 
@@ -90,7 +99,8 @@ class Backends:
         """Waits for both services and checks that they fit together; raises with a clear message
         when they do not. Requests are refused as UNAVAILABLE until this has finished."""
         timeout = self.settings.connect_timeout_s
-        target = await self.verifier.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        await self.verify.refresh()
+        target = await self.verify.any.stub.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
         ours = tokenizer_fingerprint(self.tokenizer)
         if ours != target.tokenizer_fingerprint:
             raise RuntimeError(f"the gateway's tokenizer ({ours}) is not the target's "
@@ -105,6 +115,8 @@ class Backends:
             for warning in policy.apply(self.settings.policy_file, self.controller, target, drafters):
                 log.warning("%s", warning)
         self.drafters, self.default_drafter, self.target = drafters, default, target
+        for replica in self.verify.replicas.values():  # the others in rotation once they fit
+            replica.serving = (await self._fits_target(replica))[0]
 
     def incompatibility(self, name: str) -> str:
         return incompatibility(self.target, self.drafters, name)
@@ -114,16 +126,23 @@ class Backends:
         SERVING; each backend also has an entry under its own service name. A draft service that is
         not SERVING costs speculation, not service: it is marked down (DraftWatch) and AUTO requests
         run without it until it answers again."""
-        stubs = {VERIFY_SERVICE: health_pb2_grpc.HealthStub(self._verify_channel),
-                 DRAFT_SERVICE: health_pb2_grpc.HealthStub(self._draft_channel)}
+        draft = health_pb2_grpc.HealthStub(self._draft_channel)
         seen: dict[str, bool] = {}
         while True:
-            for name, stub in stubs.items():
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_EVERY_S * 2)
-                    serving, why = reply.status == health_pb2.HealthCheckResponse.SERVING, "not SERVING"
-                except grpc.aio.AioRpcError as e:
-                    serving, why = False, f"{e.code().name}: {e.details()}"
+            await self.verify.refresh()
+            for replica in list(self.verify.replicas.values()):
+                serving, why = await _check(replica.health)
+                if serving and replica.address not in self._fits:
+                    serving, why = await self._fits_target(replica)
+                if serving != replica.serving:
+                    log.warning("verify replica %s is %s", replica.address,
+                                "SERVING again" if serving else f"down ({why})")
+                replica.serving = serving
+            for name in (VERIFY_SERVICE, DRAFT_SERVICE):
+                if name == VERIFY_SERVICE:  # serving while any replica is
+                    serving, why = self.verify.serving, f"no replica of {self.verify.spec} is serving"
+                else:
+                    serving, why = await _check(draft)
                 if name == DRAFT_SERVICE and not serving:
                     self.watch.lost(f"draft service health check: {why}")
                 if seen.get(name) != serving:
@@ -135,11 +154,25 @@ class Backends:
                         await report("", serving)
             await asyncio.sleep(HEALTH_EVERY_S)
 
+    async def _fits_target(self, replica) -> tuple[bool, str]:
+        """A replica serves the target the gateway connected to (weights and tokenizer), else it is
+        kept out of rotation."""
+        try:
+            info = await replica.stub.Info(vpb.InfoRequest(), timeout=HEALTH_EVERY_S * 4)
+        except grpc.aio.AioRpcError as e:
+            return False, f"{e.code().name}: {e.details()}"
+        if (info.model_fingerprint, info.tokenizer_fingerprint) != (self.target.model_fingerprint,
+                                                                    self.target.tokenizer_fingerprint):
+            return False, (f"serves {info.model_id} ({info.model_fingerprint}), not the target "
+                           f"{self.target.model_id} ({self.target.model_fingerprint})")
+        self._fits.add(replica.address)
+        return True, ""
+
     async def close(self) -> None:
         self.watch.close()
         await self.upstream.drain(timeout_s=5)
         self.upstream.close()
-        await self._verify_channel.close()
+        await self.verify.close()
         await self._draft_channel.close()
         if self.segments is not None:
             self.segments.close()
@@ -155,11 +188,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 
-    def _loop(self) -> RoundLoop:
+    def _loop(self, verifier) -> RoundLoop:
         b = self._backends
         instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
-        return RoundLoop(b.upstream, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments, b.watch,
-                         b.segments, b.settings.shm_segment_bytes)
+        return RoundLoop(b.upstream, verifier, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
+                         b.watch, b.segments, b.settings.shm_segment_bytes)
 
     async def Generate(self, request, context):
         text, ids, last = [], [], None
@@ -191,10 +224,12 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         started, first, tokens, last, status = time.perf_counter(), None, 0, None, "CANCELLED"
         try:
             plan = self.plan(request)
+            replica = self._backends.verify.pick()  # the session's KV cache lives there: all its calls go there
             self._cap.enter(client)
             self._inflight += 1
+            replica.sessions += 1
             try:
-                async with contextlib.aclosing(self._loop().generate(plan, time_remaining)) as chunks:
+                async with contextlib.aclosing(self._loop(replica.stub).generate(plan, time_remaining)) as chunks:
                     async for chunk in chunks:
                         if chunk.token_ids and first is None:
                             first = time.perf_counter() - started
@@ -203,6 +238,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                         yield chunk
             finally:
                 self._inflight -= 1
+                replica.sessions -= 1
                 self._cap.leave(client)
             status = "OK"
         except Failure as e:

@@ -90,8 +90,8 @@ class Upstream:
     """The gateway's channels' stubs, its fast-path connections, and the session releases still
     running after their request answered."""
 
-    def __init__(self, verifier: vpb_grpc.VerifierStub, drafter: dpb_grpc.DrafterStub):
-        self.verifier, self.drafter = verifier, drafter
+    def __init__(self, drafter: dpb_grpc.DrafterStub):
+        self.drafter = drafter
         self._fast: dict[str, FastLink] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._releases: set[asyncio.Task] = set()
@@ -102,10 +102,11 @@ class Upstream:
         except grpc.aio.AioRpcError as e:
             raise failure(e, service) from None
 
-    async def verify_link(self, fast_path: str, deadline: Deadline):
+    async def verify_link(self, verifier: vpb_grpc.VerifierStub, fast_path: str, deadline: Deadline):
+        """The session's round link to its verify replica: the fast path it offered, else a stream."""
         if fast_path:
             return FastSessionLink(await self._fast_link(fast_path, "verify"), vpb.VerifyResponse, deadline)
-        return StreamLink(self.verifier.VerifyStream, "verify", deadline)
+        return StreamLink(verifier.VerifyStream, "verify", deadline)
 
     async def draft_link(self, fast_path: str, deadline: Deadline):
         if fast_path:

@@ -140,7 +140,10 @@ def _parser() -> argparse.ArgumentParser:
 
     g = roles.add_parser("gateway", help="the public Generate API")
     _server_flags(g, "127.0.0.1:50050")
-    g.add_argument("--verify", required=True, help="address of the verify service")
+    g.add_argument("--verify", required=True,
+                   help="the verify service: an address, several separated by commas (replicas), or dns:///NAME:PORT "
+                        "(every address NAME resolves to, re-resolved: a Kubernetes headless Service); each session "
+                        "stays on one replica")
     g.add_argument("--draft", required=True, help="address of the draft service")
     g.add_argument("--tokenizer", default=ENV("SPECSPLIT_TARGET_MODEL", "default"),
                    help="model dir holding the target's tokenizer ('default': the embedded model)")

@@ -170,12 +170,16 @@ def test_manifests_run_what_the_cli_accepts_and_wire_up(overlay):
     else:
         services = by_kind(docs, "Service")
         for backend in ("verify", "draft"):
-            host, port = getattr(args["gateway"], backend).rsplit(":", 1)
+            host, port = getattr(args["gateway"], backend).removeprefix("dns:///").rsplit(":", 1)
             service = services[host]
             assert int(port) in {p["port"] for p in service["spec"]["ports"]}
             assert service["spec"]["selector"] == by_kind(docs, "Deployment")[host]["spec"]["selector"]["matchLabels"]
             assert args[backend].tls_client_ca  # mutual TLS between the tiers
-        assert services["specsplit-verify"]["spec"]["clusterIP"] == "None"  # headless: one address per replica
+        # Verify replicas: a headless Service the gateway resolves itself, pinning each session to one.
+        assert services["specsplit-verify"]["spec"]["clusterIP"] == "None"
+        assert args["gateway"].verify == "dns:///specsplit-verify:50051"
+        assert by_kind(docs, "Deployment")["specsplit-verify"]["spec"]["replicas"] > 1
+        assert by_kind(docs, "Deployment")["specsplit-draft"]["spec"]["replicas"] == 1
         gw = args["gateway"]
         assert gw.upstream_ca and gw.upstream_cert and gw.upstream_key
     # Every Service points at container ports that exist in the pods it selects.

@@ -1,0 +1,137 @@
+"""Several verify replicas behind one gateway: each session stays on the replica holding its KV
+cache, new sessions spread by load, and a replica going away leaves the others serving."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import Counter
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.replicas import VerifyReplicas, resolve
+from specsplit.errors import Failure
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
+from specsplit.tools.launcher import wait_serving
+from verify_service.server import VerifierServicer
+
+
+def fake_dns(table: dict[str, list[str]]):
+    def lookup(host, port, type=0):
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, type, 6, "", (ip, port)) for ip in table[host]]
+    return lookup
+
+
+def test_resolve_expands_dns_names_and_keeps_plain_addresses():
+    lookup = fake_dns({"verify": ["10.0.0.2", "10.0.0.1", "10.0.0.2"], "v6": ["fd00::1"]})
+    assert resolve("dns:///verify:50051", lookup) == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    assert resolve("unix:///a.sock, host:1,dns:///v6:7", lookup) == ["unix:///a.sock", "host:1", "[fd00::1]:7"]
+    with pytest.raises(ValueError, match="dns:///NAME:PORT"):
+        resolve("dns:///verify", lookup)
+
+
+async def test_replicas_follow_dns_and_pick_the_least_loaded_serving_one():
+    table = {"verify": ["10.0.0.1", "10.0.0.2"]}
+    replicas = VerifyReplicas("dns:///verify:50051", None, lookup=fake_dns(table))
+    assert not replicas.replicas  # resolved on the first refresh
+    await replicas.refresh()
+    a, b = replicas.replicas["10.0.0.1:50051"], replicas.replicas["10.0.0.2:50051"]
+    with pytest.raises(Failure) as e:
+        replicas.pick()  # neither has answered a health check yet
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "no replica" in e.value.message
+    a.serving = b.serving = True
+    a.sessions = 2
+    assert replicas.pick() is b
+    b.sessions = 3
+    assert replicas.pick() is a
+    table["verify"] = ["10.0.0.1"]  # b's pod went away: no new sessions, dropped once its sessions end
+    await replicas.refresh()
+    assert b.gone and replicas.pick() is a and "10.0.0.2:50051" in replicas.replicas
+    b.sessions = 0
+    await replicas.refresh()
+    assert list(replicas.replicas) == ["10.0.0.1:50051"]
+    a.serving = False
+    assert not replicas.serving
+    await replicas.close()
+
+
+@pytest.fixture
+async def two_replicas(models, tmp_path, monkeypatch):
+    """Two verify services, one draft service and a gateway told about both verify addresses."""
+    from draft_service.main import run as run_draft
+    from gateway.main import run as run_gateway
+    from verify_service.main import run as run_verify
+
+    prefills: Counter = Counter()  # sessions prefilled, per replica (its session table)
+    original = VerifierServicer.Prefill
+
+    async def counted(self, request, context):
+        response = await original(self, request, context)
+        prefills[id(self._sessions)] += 1
+        return response
+
+    monkeypatch.setattr(VerifierServicer, "Prefill", counted)
+
+    def server(name: str) -> ServerSettings:
+        return ServerSettings(listen=f"unix://{tmp_path / f'{name}.sock'}", address_file=str(tmp_path / f"{name}.a"),
+                              grace_s=0.5)
+
+    async def address(name: str, task: asyncio.Task) -> str:
+        path = tmp_path / f"{name}.a"
+        while not path.exists():
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+        addr = path.read_text().strip()
+        await asyncio.to_thread(wait_serving, addr, 30)
+        return addr
+
+    stops = {name: asyncio.Event() for name in ("v1", "v2", "rest")}
+    model = ModelSettings(str(models["target"]), "float32")
+    tasks = {name: asyncio.create_task(run_verify(VerifySettings(server(name), model), stops[name],
+                                                  handle_signals=False)) for name in ("v1", "v2")}
+    tasks["draft"] = asyncio.create_task(run_draft(DraftSettings(server("draft"), None, default_drafter="ngram"),
+                                                   stops["rest"], handle_signals=False))
+    try:
+        verify = [await address(n, tasks[n]) for n in ("v1", "v2")]
+        draft = await address("draft", tasks["draft"])
+        settings = GatewaySettings(server("gateway"), ",".join(verify), draft, tokenizer=str(models["target"]),
+                                   connect_timeout_s=10)
+        tasks["gateway"] = asyncio.create_task(run_gateway(settings, stops["rest"], handle_signals=False))
+        gateway = await address("gateway", tasks["gateway"])
+        yield gateway, stops, tasks, prefills
+    finally:
+        for stop in stops.values():
+            stop.set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_replicas):
+    gateway, stops, tasks, prefills = two_replicas
+    request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=24, speculation=pb.SPECULATION_ON,
+                                 drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        off = await stub.Generate(pb.GenerateRequest(text=request.text, max_new_tokens=24, stop=request.stop,
+                                                     speculation=pb.SPECULATION_OFF), timeout=60)
+        answers = await asyncio.gather(*(stub.Generate(request, timeout=120) for _ in range(8)))
+        # Every round of a session went to the replica that prefilled it (a round sent elsewhere would
+        # find no session and fail), and the answers are exact.
+        assert all(list(a.token_ids) == list(off.token_ids) and a.stats.rounds > 1 for a in answers)
+        assert len(prefills) == 2 and min(prefills.values()) >= 3, prefills  # spread by load over both
+        # One replica goes away: the gateway keeps serving on the other.
+        stops["v2"].set()
+        await tasks["v2"]
+        await asyncio.sleep(1.5)  # a few health checks
+        health = health_pb2_grpc.HealthStub(channel)
+        assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        before = dict(prefills)
+        again = await asyncio.gather(*(stub.Generate(request, timeout=120) for _ in range(4)))
+        assert all(list(a.token_ids) == list(off.token_ids) for a in again)
+        grown = {k: prefills[k] - before.get(k, 0) for k in prefills}
+        assert sorted(grown.values()) == [0, 4]  # all on the replica that is left
