@@ -238,16 +238,16 @@ class OpenAIFront:
         async def send(payload: dict) -> None:
             await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-        def event(chunk: pb.GenerateChunk | None, role: bool = False) -> dict:
-            finish = FINISH.get(chunk.finish_reason) if chunk is not None and chunk.finish_reason else None
-            text = chunk.text if chunk is not None else ""
+        def event(chunk: pb.GenerateChunk, role: bool = False) -> dict:
+            finish = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+            text = chunk.text
             if chat:
                 delta = {"role": "assistant", "content": text} if role else {"content": text}
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             payload = {"id": ident, "object": kind, "created": created, "model": self._model, "choices": [choice]}
-            if chunk is not None and chunk.HasField("stats"):
+            if chunk.HasField("stats"):
                 payload["specsplit"] = _stats(chunk.stats)
             return payload
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,8 +59,11 @@ def resolve(spec: str, lookup: Callable = socket.getaddrinfo) -> list[str]:
 
 
 class VerifyReplicas:
-    def __init__(self, spec: str, tls: ClientTLS | None, interceptors=(), lookup: Callable = socket.getaddrinfo):
-        self.spec, self._tls, self._interceptors, self._lookup = spec, tls, list(interceptors), lookup
+    def __init__(self, spec: str, tls: ClientTLS | None, interceptors=(), lookup: Callable = socket.getaddrinfo,
+                 clock: Callable[[], float] = time.monotonic):
+        self.spec, self._tls, self._interceptors, self._lookup, self._clock = spec, tls, list(interceptors), \
+            lookup, clock
+        self._resolved_at: float | None = None
         self._dynamic = DNS in spec
         # Certificates name the Service, not the pods' IPs.
         self._server_name = next((e.strip().removeprefix(DNS).rpartition(":")[0] for e in spec.split(",")
@@ -87,8 +91,11 @@ class VerifyReplicas:
                 log.warning("verify replica %s left %s: no new sessions", address, self.spec)
 
     async def refresh(self) -> None:
-        """Re-resolves a dns:/// spec; drops replicas that left once their sessions ended."""
-        if self._dynamic:
+        """Re-resolves a dns:/// spec (at most every RESOLVE_EVERY_S; the health loop calls this more
+        often); drops replicas that left once their sessions ended."""
+        now = self._clock()
+        if self._dynamic and (self._resolved_at is None or now - self._resolved_at >= RESOLVE_EVERY_S):
+            self._resolved_at = now
             try:
                 self.sync(await asyncio.to_thread(resolve, self.spec, self._lookup))
             except (OSError, ValueError) as e:  # DNS hiccup: keep what we have

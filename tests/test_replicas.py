@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.replicas import VerifyReplicas, resolve
+from gateway.replicas import RESOLVE_EVERY_S, VerifyReplicas, resolve
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -36,7 +36,8 @@ def test_resolve_expands_dns_names_and_keeps_plain_addresses():
 
 async def test_replicas_follow_dns_and_pick_the_least_loaded_serving_one():
     table = {"verify": ["10.0.0.1", "10.0.0.2"]}
-    replicas = VerifyReplicas("dns:///verify:50051", None, lookup=fake_dns(table))
+    clock = [0.0]
+    replicas = VerifyReplicas("dns:///verify:50051", None, lookup=fake_dns(table), clock=lambda: clock[0])
     assert not replicas.replicas  # resolved on the first refresh
     await replicas.refresh()
     a, b = replicas.replicas["10.0.0.1:50051"], replicas.replicas["10.0.0.2:50051"]
@@ -49,6 +50,9 @@ async def test_replicas_follow_dns_and_pick_the_least_loaded_serving_one():
     b.sessions = 3
     assert replicas.pick() is a
     table["verify"] = ["10.0.0.1"]  # b's pod went away: no new sessions, dropped once its sessions end
+    await replicas.refresh()
+    assert not b.gone  # DNS is asked at most every RESOLVE_EVERY_S, not on every health check
+    clock[0] += RESOLVE_EVERY_S
     await replicas.refresh()
     assert b.gone and replicas.pick() is a and "10.0.0.2:50051" in replicas.replicas
     b.sessions = 0
