@@ -18,7 +18,7 @@ from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
 from specsplit.serving import Rounds
 from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
-from specsplit.worker import ModelWorker
+from specsplit.worker import ModelWorker, each
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -51,7 +51,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._proposal_top_k = proposal_top_k
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
-        self.rounds = Rounds(worker, self.propose, pb.ProposeRequest, lambda response: response.draft_ns)
+        self.rounds = Rounds(worker, each(self.propose), pb.ProposeRequest, lambda response: response.draft_ns)
 
     async def Info(self, request, context):
         infos = [pb.DrafterInfo(**vars(d.description), memory_bytes=d.memory_bytes,

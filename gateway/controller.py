@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from specsplit.ewma import Ewma
 from specsplit.settings import ControllerSettings
+from specsplit.tokentree import verify_ms
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
 
@@ -77,6 +78,8 @@ class TypeState:
         self.predraft_turns = 0
         # Token trees: accepted drafts per round and what the drafter's scores expected.
         self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
+        # Per spec-on round: the rows it verifies and its drafting on the critical path.
+        self.rows_on, self.draft_round_ms = Ewma(d), Ewma(d)
 
     @property
     def score_scale(self) -> float:
@@ -142,6 +145,18 @@ class TypeState:
             return self.gamma
         return min(costs, key=lambda g: (costs[g], g))
 
+    def gain_at(self, clients: int, cost_curve: Sequence[float]) -> float | None:
+        """Predicted spec-on over spec-off tokens/s per request when `clients` requests of this kind
+        share the verifier's forwards (a batching verifier): spec-off rounds batch `clients` rows,
+        spec-on rounds `clients` times this type's rows per round, priced by the verifier's measured
+        cost per batch width. None until a spec-on round was measured."""
+        tokens, rows, draft = self.tokens_per_round.value, self.rows_on.value, self.draft_round_ms.value
+        if not cost_curve or tokens is None or rows is None or draft is None:
+            return None
+        on = verify_ms(cost_curve, max(1, round(clients * rows))) + draft + (self.network_on.value or 0.0)
+        off = verify_ms(cost_curve, clients) + (self.network_off.value or 0.0)
+        return tokens * off / on
+
     def threshold(self) -> float | None:
         """The acceptance length below which speculation is switched off."""
         if self.settings.min_acceptance > 0:
@@ -166,6 +181,7 @@ class Controller:
         self.settings = settings
         self._types: dict[tuple[str, str], TypeState] = {}
         self.requests = 0
+        self.cost_curve: list[float] = []  # the verifier's forward ms by rows (InfoResponse.forward_ms_by_rows)
 
     def state(self, task_type: str, drafter: str) -> TypeState:
         key = (task_type or "unspecified", drafter)
@@ -193,8 +209,12 @@ class Controller:
         if not s.enabled:
             return Decision(True, requested_gamma or s.gamma_start, "controller-off")
         self.requests += 1
-        if inflight > s.max_inflight:
+        if s.max_inflight and inflight > s.max_inflight:
             return Decision(False, 0, "concurrency")
+        if inflight >= 1:  # with others in flight, speculation spends rows the batch would share
+            gain = st.gain_at(inflight + 1, self.cost_curve)
+            if gain is not None and gain < 1.0:
+                return Decision(False, 0, "concurrency")
         gamma = requested_gamma or st.gamma
         if not st.enabled:
             st.since_probe += 1
@@ -225,6 +245,8 @@ class Controller:
                 st.tokens_per_round.add(r.accepted + 1)
                 st.draft_ms_per_token.add(r.draft_ms / r.drafted)
                 st.network_on.add(r.network_ms)
+                st.rows_on.add(1 + r.drafted)
+                st.draft_round_ms.add(r.draft_ms)
             else:
                 st.network_off.add(r.network_ms)
             st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)

@@ -214,7 +214,7 @@ def _record(r) -> pb.RoundRecord:
                           verify_ms=r.verify_ns / 1e6, network_ms=time_.network_ms, gateway_ms=time_.gateway_ms,
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
-                          expected=r.expected)
+                          expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls)
 
 
 def _prefill_network_ms(request: Request) -> float:

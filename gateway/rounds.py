@@ -120,7 +120,8 @@ class RoundLoop:
         request.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
-            max(tokentree.depths(parents)) if parents else len(drafts), expected))
+            max(tokentree.depths(parents)) if parents else len(drafts), expected, verdict.batch_rows,
+            verdict.batch_calls))
         return end
 
     async def _draft(self, request: Request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:

@@ -115,6 +115,7 @@ class Backends:
             for warning in policy.apply(self.settings.policy_file, self.controller, target, drafters):
                 log.warning("%s", warning)
         self.drafters, self.default_drafter, self.target = drafters, default, target
+        self.controller.cost_curve = list(target.forward_ms_by_rows)  # what a forward of n rows costs
         for replica in self.verify.replicas.values():  # the others in rotation once they fit
             replica.serving = (await self._fits_target(replica))[0]
 

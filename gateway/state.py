@@ -49,6 +49,8 @@ class Round(NamedTuple):
     predrafted: bool
     depth: int  # the draft's longest path (a chain: drafted)
     expected: float  # the drafter's estimate of accepted drafts (sum of the verified scores); 0: unscored
+    batch_rows: int = 0  # the verify forward's rows across the verifier's batch
+    batch_calls: int = 0  # and its calls (sessions)
 
 
 @dataclass

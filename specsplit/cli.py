@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="KV cache of all sessions together; 0: max sessions at the full context, "
                         "at most a quarter of memory")
     v.add_argument("--idle-timeout", type=float, default=600.0, help="evict sessions idle this long (s)")
+    v.add_argument("--batch-rows", type=int, default=256,
+                   help="most rows of concurrent sessions' calls batched into one forward (1: no batching)")
+    v.add_argument("--batch-wait-ms", type=float, default=2.0,
+                   help="how long a call may wait for other sessions' calls to join its forward")
 
     d = roles.add_parser("draft", help="the drafters")
     _server_flags(d, "127.0.0.1:50052")
@@ -158,8 +162,10 @@ def _parser() -> argparse.ArgumentParser:
                         "from the measured costs; the seed's rule is 2)")
     g.add_argument("--control-share", type=float, default=0.05,
                    help="share of AUTO requests run without speculation to keep the baseline measured")
-    g.add_argument("--max-inflight", type=int, default=8,
-                   help="above this many concurrent requests, AUTO requests run without speculation")
+    g.add_argument("--max-inflight", type=int, default=0,
+                   help="a fixed cap: above this many concurrent requests, AUTO requests run without "
+                        "speculation; 0 (default): where it stops paying is predicted from the verifier's "
+                        "measured cost per batch width and each task type's measured rounds")
     g.add_argument("--probe-every", type=int, default=10,
                    help="while speculation is off for a task type, every N-th request re-measures it")
     g.add_argument("--upstream-ca", default=ENV("SPECSPLIT_UPSTREAM_CA"),
@@ -295,6 +301,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rtts", default="", type=_list_of(float, "numbers"),
                        help="with --topology: comma-separated RTTs in ms (default 0,0.5,1,2,5,10,20,40)")
     bench.add_argument("--plot", default="specsplit-topology.png", help="with --topology: PNG of the curve")
+    bench.add_argument("--concurrency", default="", type=_list_of(int, "integers"),
+                       help="instead: this many clients at once (e.g. 1,2,4,8,16), speculation off, on and AUTO "
+                            "at each level; aggregate tok/s, P50/P95 latency and TTFT, the batches formed")
+    bench.add_argument("--requests", type=int, default=16,
+                       help="with --concurrency: requests per level and mode (spread over the clients)")
     bench.add_argument("--round-overhead", action="store_true",
                        help="per-round overhead (median, P95) through the real services around a drafter and a "
                             "verifier that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)")
@@ -362,6 +373,8 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--batch-wait-ms", type=float, default=2.0,
+                   help="the verify service's wait for other sessions' calls to join a forward")
     p.add_argument("--tree-budget", type=int, default=8,
                    help="the gateway's token-tree size per round for requests that do not say (0: chains)")
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", "0")))
@@ -378,7 +391,7 @@ def _stack_config(a: argparse.Namespace):
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, quantize=a.quantize,
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
-                       self_head=a.self_head, store_tokens=a.store_tokens,
+                       self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
                        http_listen=getattr(a, "http_listen", ""))
@@ -401,7 +414,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         settings = VerifySettings(server=server, model=ModelSettings(a.target_model, a.dtype, a.device, a.exact,
                                                                      a.quantize),
                                   max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
-                                  kv_cache_mib=a.kv_cache_mib)
+                                  kv_cache_mib=a.kv_cache_mib, batch_rows=a.batch_rows,
+                                  batch_wait_ms=a.batch_wait_ms)
     elif a.role == "draft":
         from draft_service.main import run
 

@@ -5,14 +5,16 @@ sequence written by position, so rolling back is a length change.
 Exact: a row's logits do not depend on the other rows in the call (nor on the thread count), so
 verifying k drafted tokens gives bit-identical logits to decoding them one by one; the kernels
 are built that way (docs/architecture.md, "Target forward"). The caches are plain tensors owned
-by their sequences and accounted against one budget (KVPool), which leaves room for a batching
-verifier that runs several sequences' rows in one call.
+by their sequences and accounted against one budget (KVPool). `FastLlama.run` feeds several
+sequences' rows in one call (a batching verifier): every row's logits are those its sequence would
+get alone.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,6 +109,36 @@ class FastLlama:
     def sequence(self) -> FastSequence:
         return FastSequence(self)
 
+    def run(self, feeds: list[Feed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward over every feed's rows (each appended to its own sequence's cache, room
+        reserved by the caller with `FastSequence.reserve`); per feed (logits, features) as
+        FastSequence.forward_with_features returns them."""
+        ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.long)
+        buffers = [f.sequence._buffer for f in feeds]
+        trees = [torch.tensor(f.parents if f.parents is not None else [], dtype=torch.long) for f in feeds]
+        logits, hidden = self.decoder.forward_batch(ids, [b.kv for b in buffers], [b.length for b in buffers],
+                                                    [len(f.token_ids) for f in feeds],
+                                                    [1 if f.last_only else 2 for f in feeds], trees)
+        out, row, at = [], 0, 0
+        for feed, buffer in zip(feeds, buffers):
+            n = len(feed.token_ids)
+            heads = 1 if feed.last_only else n
+            out.append((logits[at:at + heads], hidden[row:row + n]))
+            buffer.length += n
+            row, at = row + n, at + heads
+        return out
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One sequence's rows in a batched forward: token ids appended at its length, logits of the last
+    row only or of all, and an optional token tree (as FastSequence.forward's parents)."""
+
+    sequence: FastSequence
+    token_ids: list[int]
+    last_only: bool = False
+    parents: list[int] | None = None
+
 
 _NONE = torch.empty(0, dtype=torch.long)
 _CHUNK = 256  # a cache grows by at least this many positions (and at least doubles)
@@ -186,6 +218,14 @@ class FastSequence:
 
     def keep(self, start: int, rows: list[int]) -> None:
         self._buffer.keep(start, rows)
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more positions (CacheFull when the budget cannot give it)."""
+        self._buffer.reserve(self._buffer.length + rows)
+
+    @property
+    def native(self) -> FastLlama:
+        return self._lm
 
     def _run(self, token_ids: list[int], head: int, parents: list[int] | None = None):
         buffer = self._buffer

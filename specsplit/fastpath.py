@@ -68,9 +68,10 @@ class _Frames:
 
 
 class FastPathServer:
-    """Serves `handler(request bytes) -> response bytes` (raising Failure) on the worker thread."""
+    """Serves `handler(request bytes, reply)` on the worker thread; reply(response bytes or the
+    exception) answers, now or from a later batch."""
 
-    def __init__(self, worker: ModelWorker, handler: Callable[[bytes], bytes], name: str):
+    def __init__(self, worker: ModelWorker, handler: Callable[[bytes, Callable], None], name: str):
         self._worker, self._handler = worker, handler
         self.path = shm.shm_dir() / f"specsplit-fast-{os.getpid()}-{secrets.token_hex(4)}.sock"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -102,26 +103,45 @@ class FastPathServer:
             if not data:
                 raise ConnectionResetError("peer closed")
             for _, body in frames.feed(data):
+                # Answers are sent in request order: a batch replies to its items in order, and one
+                # connection's requests land in its batches in arrival order.
                 try:
-                    answer = frame(OK, self._handler(body))
-                except Failure as e:
-                    answer = error_frame(e)
-                except Exception as e:  # a bug: the caller gets INTERNAL, the service keeps serving
-                    log.exception("fast-path request failed")
-                    answer = error_frame(Failure(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"))
-                conn.sendall(answer)
+                    self._handler(body, lambda outcome: self._answer(conn, outcome))
+                except Exception as e:  # an unreadable request: answered at once
+                    self._answer(conn, e)
         except (OSError, ValueError) as e:
-            if not isinstance(e, ConnectionResetError):
-                log.warning("fast-path connection dropped: %s", e)
-            self._worker.unwatch(conn)
-            conn.close()
+            self._drop(conn, e)
+
+    def _answer(self, conn: socket.socket, outcome) -> None:
+        if isinstance(outcome, Failure):
+            answer = error_frame(outcome)
+        elif isinstance(outcome, BaseException):  # a bug: the caller gets INTERNAL, the service keeps serving
+            log.error("fast-path request failed: %r", outcome)
+            answer = error_frame(Failure(grpc.StatusCode.INTERNAL, f"{type(outcome).__name__}: {outcome}"))
+        else:
+            answer = frame(OK, outcome)
+        if conn.fileno() < 0:
+            return  # dropped meanwhile
+        try:
+            conn.sendall(answer)
+        except OSError as e:
+            self._drop(conn, e)
+
+    def _drop(self, conn: socket.socket, e: Exception) -> None:
+        if conn.fileno() < 0:
+            return
+        if not isinstance(e, ConnectionResetError):
+            log.warning("fast-path connection dropped: %s", e)
+        self._worker.unwatch(conn)
+        conn.close()
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
 
-def offer(worker: ModelWorker, handler: Callable[[bytes], bytes], name: str, enabled: bool) -> FastPathServer | None:
+def offer(worker: ModelWorker, handler: Callable[[bytes, Callable], None], name: str,
+          enabled: bool) -> FastPathServer | None:
     """A fast path for a service with shared memory on, or None (rounds then use the gRPC streams)
     when it is off or the socket cannot be made (e.g. a SPECSPLIT_SHM_DIR too long for a socket path)."""
     if not enabled or not shm.available():

@@ -100,12 +100,15 @@ async def answer(work: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any
 
 
 class Rounds:
-    """A service's round handler (blocking, run on the worker thread, raising Failure) offered the
-    three ways a round arrives: a unary call, a session's gRPC stream, and fast-path frames."""
+    """A service's round handler offered the three ways a round arrives: a unary call, a session's
+    gRPC stream, and fast-path frames. Rounds are gathered on the worker thread (ModelWorker.gather)
+    and handed to `run_many(requests) -> outcomes` together (a response, or the Failure raised);
+    `rows(request)` is what a round weighs against the batch's row budget."""
 
-    def __init__(self, worker: ModelWorker, handle: Callable[[Any], Any], request_type,
-                 compute_ns: Callable[[Any], int]):
-        self._worker, self._handle, self._type, self._compute_ns = worker, handle, request_type, compute_ns
+    def __init__(self, worker: ModelWorker, run_many: Callable[[list], list], request_type,
+                 compute_ns: Callable[[Any], int], rows: Callable[[Any], int] = lambda request: 1):
+        self._worker, self._run_many, self._type, self._compute_ns = worker, run_many, request_type, compute_ns
+        self._rows = rows
         self.fast_server: fastpath.FastPathServer | None = None
 
     def open_fast_path(self, name: str, enabled: bool) -> fastpath.FastPathServer | None:
@@ -118,18 +121,24 @@ class Rounds:
         """The socket announced to sessions that mapped their segment; empty: none."""
         return str(self.fast_server.path) if self.fast_server else ""
 
+    def _one(self, request):
+        return self._worker.run_gathered(self._run_many, request, self._rows(request))
+
     async def unary(self, request, context):
-        response = await answer(self._worker.run(self._handle, request), context)
+        response = await answer(self._one(request), context)
         record_compute(self._compute_ns(response))
         return response
 
     async def stream(self, requests, context):
         async for request in requests:
-            yield await answer(self._worker.run(self._handle, request), context)
+            yield await answer(self._one(request), context)
 
-    def frame(self, body: bytes) -> bytes:
-        """The fast path's handler (already on the worker thread)."""
-        return self._handle(self._type.FromString(body)).SerializeToString()
+    def frame(self, body: bytes, reply: Callable[[Any], None]) -> None:
+        """The fast path's handler (on the worker thread): reply(response bytes, or the Failure)."""
+        request = self._type.FromString(body)
+        self._worker.gather(self._run_many, request, self._rows(request),
+                            lambda outcome: reply(outcome if isinstance(outcome, BaseException)
+                                                  else outcome.SerializeToString()))
 
 
 async def serve(

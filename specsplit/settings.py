@@ -49,6 +49,10 @@ class VerifySettings:
     # KV cache of all sessions together (native forward); 0: max_sessions at the full context,
     # capped at a quarter of physical memory.
     kv_cache_mib: int = 0
+    # Batching across sessions: the most rows one forward takes, and how long the first call of a
+    # batch may wait for the others (a batch also runs once the sessions of the last one are back).
+    batch_rows: int = 256
+    batch_wait_ms: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,9 @@ class ControllerSettings:
     min_acceptance: float = 0.0
     margin: float = 1.05
     control_share: float = 0.05  # AUTO requests that run spec-off to keep the baseline measured (every n-th)
-    max_inflight: int = 8  # above this many requests in flight, no speculation (batching uses the compute)
+    # A fixed cap: above this many requests in flight, no speculation; 0: none (the cut-off is
+    # predicted from the verifier's cost curve and the task type's measured rounds, controller.md).
+    max_inflight: int = 0
     window: int = 48  # requests per task type and mode kept for latency percentiles
     min_requests: int = 6  # spec-on (and spec-off) requests needed before judging
     probe_every: int = 10  # while off, one AUTO request in this many speculates to re-measure

@@ -149,3 +149,25 @@ def test_tree_scores_are_calibrated_by_what_they_earned():
     controller.observe("code", "hybrid", controller.decide("code", "hybrid", ON, 4, 1), outcome(stats))
     assert abs(controller.score_scale("code", "hybrid") - 0.5) < 1e-9
     assert controller.score_scale("open", "hybrid") == 1.0
+
+
+def test_speculation_stops_where_the_batch_width_it_spends_stops_being_free():
+    """With a batching verifier, N spec-off requests share one forward of N rows and N spec-on ones
+    a forward of N x (rows per round): the cut-off follows the verifier's measured cost per width
+    (flat while memory-bound, then linear) and the type's measured rounds."""
+    c = Controller(ControllerSettings(control_share=0.0))
+    # 10 ms up to 8 rows, then +1.5 ms per row: the shape measured on the default model's CPU.
+    c.cost_curve = [10.0] * 8 + [10.0 + 1.5 * (r - 8) for r in range(9, 65)]
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=15).reason == "on"  # nothing measured yet
+    serve(c, Workload(alpha=0.75), 20)
+    st = c.state("code", "hybrid")
+    gains = {n: st.gain_at(n, c.cost_curve) for n in (1, 2, 4, 8, 16)}
+    assert gains[1] > gains[2] > gains[4] > gains[8] and gains[1] > 1 > max(gains[8], gains[16]), gains
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=0).speculate  # alone: the width is free
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=7).reason == "concurrency"
+    assert c.decide("code", "hybrid", ON, 0, inflight=7).speculate  # a forced request is obeyed
+    # A type whose drafts are rarely accepted stops paying at a lower concurrency.
+    serve(c, Workload(alpha=0.3, seed=2), 20, task="open")
+    weak = c.state("open", "hybrid")
+    cut = lambda s: min(n for n in range(1, 65) if s.gain_at(n, c.cost_curve) < 1)  # noqa: E731
+    assert cut(weak) < cut(st), (cut(weak), cut(st))

@@ -57,9 +57,17 @@ def _handler(body: bytes) -> bytes:
     return vpb.VerifyResponse(num_accepted=len(request.draft_token_ids), length=request.length + 1).SerializeToString()
 
 
+def _serve(body: bytes, reply) -> None:
+    """The fast path's handler form: reply(answer bytes or the exception)."""
+    try:
+        reply(_handler(body))
+    except Exception as e:  # noqa: BLE001 -- the answer
+        reply(e)
+
+
 async def test_calls_errors_and_late_answers(shm_dir):
     worker = ModelWorker("test")
-    server = fastpath.offer(worker, _handler, "verify", enabled=True)
+    server = fastpath.offer(worker, _serve, "verify", enabled=True)
     try:
         assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600  # only this user may connect
         link = await fastpath.FastLink.open(server.path, "verify")
@@ -101,7 +109,7 @@ async def test_calls_errors_and_late_answers(shm_dir):
 
 def test_stale_sockets_are_reclaimed_and_live_ones_kept(shm_dir):
     worker = ModelWorker("test")
-    live = fastpath.offer(worker, _handler, "draft", enabled=True)
+    live = fastpath.offer(worker, _serve, "draft", enabled=True)
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead_path = shm_dir / "specsplit-fast-1-deadbeef.sock"
     dead.bind(str(dead_path))
@@ -120,7 +128,7 @@ def test_no_fast_path_where_a_socket_cannot_be_made(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(deep))
     worker = ModelWorker("test")
     try:
-        assert fastpath.offer(worker, _handler, "verify", enabled=True) is None  # rounds use gRPC then
-        assert fastpath.offer(worker, _handler, "verify", enabled=False) is None
+        assert fastpath.offer(worker, _serve, "verify", enabled=True) is None  # rounds use gRPC then
+        assert fastpath.offer(worker, _serve, "verify", enabled=False) is None
     finally:
         worker.shutdown()

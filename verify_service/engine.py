@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +48,8 @@ class VerifyResult:
     features: torch.Tensor | None = None
     # The accepted draft indices in order (a tree's path; 0..num_accepted-1 for a chain).
     path: tuple[int, ...] = ()
+    batch_rows: int = 0  # rows of the forward that served this call (all calls in its batch)
+    batch_calls: int = 0  # calls (sessions) in that forward
 
 
 def check_tree(parents: list[int], size: int) -> None:
@@ -70,6 +74,18 @@ class _Warped:
         return self._rows[row]
 
 
+@dataclass
+class Step:
+    """One call's part of a (batched) forward: rows fed to its session's cache, and what to make of
+    their logits (`finish(logits, features)`; the result's forward_ns is filled in by Target.run)."""
+
+    session: TargetSession
+    ids: list[int]
+    finish: Callable[[torch.Tensor, torch.Tensor | None], VerifyResult]
+    parents: list[int] | None = None  # a token tree's rows (row -> earlier row, -1: the prefix)
+    last_only: bool = False
+
+
 class Target:
     """Runs the target model. Blocking: call from one worker thread at a time."""
 
@@ -79,26 +95,49 @@ class Target:
         # Token trees need a forward that takes a tree mask and a cache that keeps one path (the
         # native kernels); transformers' forward here verifies chains.
         self.verifies_trees = hasattr(self._new_sequence(), "keep")
+        # Several sessions' rows in one forward: the native kernels (rows are independent there).
+        # transformers' forward runs a batch's calls one after the other.
+        self.batches = lm.native is not None and self.verifies_trees
 
     def prefill(self, prompt: list[int], with_features: bool = False, sampling: SamplingParams = SamplingParams(),
                 method: str = "coupled") -> tuple[TargetSession, VerifyResult]:
         """Returns the new session and its first generated token (as a result with no drafts;
         features, if asked, cover the prompt)."""
-        sampling.check()
-        if method not in METHODS:
-            raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
-        self._check_room(len(prompt) + 1)
-        start = time.perf_counter_ns()
-        session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
-                                sampling=sampling, method=method)
-        logits, features = self._forward(session, prompt, last_only=True)  # [1, vocab]
-        _, first = self._decide(session, logits, [], [], len(prompt), None)
-        session.tokens.append(first)
-        return session, VerifyResult(0, first, len(session.tokens), time.perf_counter_ns() - start, features)
+        step = self.plan_prefill(prompt, with_features, sampling, method)
+        return step.session, self.run_one(step)
 
     def verify(self, session: TargetSession, length: int, draft: list[int],
                proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                parents: list[int] | None = None) -> VerifyResult:
+        return self.run_one(self.plan_verify(session, length, draft, proposals, parents))
+
+    def run_one(self, step: Step) -> VerifyResult:
+        outcome = self.run([step])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def plan_prefill(self, prompt: list[int], with_features: bool = False,
+                     sampling: SamplingParams = SamplingParams(), method: str = "coupled") -> Step:
+        """A new session's prompt as a step; its result is the first generated token."""
+        sampling.check()
+        if method not in METHODS:
+            raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
+        self._check_room(len(prompt) + 1)
+        session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
+                                sampling=sampling, method=method)
+        self._reserve(session, len(prompt))
+
+        def finish(logits: torch.Tensor, features) -> VerifyResult:  # logits [1, vocab]
+            _, first = self._decide(session, logits, [], [], len(prompt), None)
+            session.tokens.append(first)
+            return VerifyResult(0, first, len(session.tokens), 0, features)
+
+        return Step(session, list(prompt), finish, last_only=True)
+
+    def plan_verify(self, session: TargetSession, length: int, draft: list[int],
+                    proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    parents: list[int] | None = None) -> Step:
         """proposals: for rejection sampling, the sparse distribution (ids, probs) each draft token
         was sampled from. parents: the draft is a token tree (draft[i]'s parent is draft[parents[i]],
         -1: the last committed token); None or a chain's parents: a chain."""
@@ -120,26 +159,61 @@ class Target:
                              "(Info.tree_verify is false): send no draft_parents")
         depth = max(tokentree.depths(parents), default=0) if parents is not None else len(draft)
         self._check_room(length + depth + 1)
-        start = time.perf_counter_ns()
+        self._reserve(session, len(draft) + 1)
         # Feed the last committed token and the draft: row i of the logits follows the path to
         # draft[i - 1] (a chain: predicts draft[i]).
         rows = None if parents is None else [-1, *(p + 1 for p in parents)]
-        logits, features = self._forward(session, [session.tokens[-1], *draft], rows)  # [k+1, vocab]
-        try:
-            path, next_token = self._decide(session, logits, draft, proposals, length, parents)
-        except BaseException:
-            session.kv.truncate(length - 1)  # a refused call leaves the session as it was
-            raise
-        # Roll back by position: keep the cache for the committed prefix plus the accepted path.
-        if rows is None:
-            session.kv.truncate(length + len(path))
+
+        def finish(logits: torch.Tensor, features) -> VerifyResult:  # logits [k+1, vocab]
+            try:
+                path, next_token = self._decide(session, logits, draft, proposals, length, parents)
+            except BaseException:
+                session.kv.truncate(length - 1)  # a refused call leaves the session as it was
+                raise
+            # Roll back by position: keep the cache for the committed prefix plus the accepted path.
+            if rows is None:
+                session.kv.truncate(length + len(path))
+            else:
+                session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
+            session.tokens += [*(draft[i] for i in path), next_token]
+            if features is not None:
+                features = features[[0, *(i + 1 for i in path)]]
+            return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path))
+
+        return Step(session, [session.tokens[-1], *draft], finish, rows)
+
+    def run(self, steps: list[Step]) -> list[VerifyResult | BaseException]:
+        """The steps' rows in one forward where the kernels batch (each row's logits are those of
+        its session alone), else one forward each; then each step's result, or its exception."""
+        if not steps:
+            return []
+        start = time.perf_counter_ns()
+        if self.batches and len(steps) > 1:
+            from specsplit.fastllama import Feed
+
+            outs = self.lm.native.run([Feed(s.session.kv, s.ids, s.last_only, s.parents) for s in steps])
+            outs = [(logits, hidden if s.session.with_features else None) for s, (logits, hidden) in zip(steps, outs)]
         else:
-            session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
-        session.tokens += [*(draft[i] for i in path), next_token]
-        if features is not None:
-            features = features[[0, *(i + 1 for i in path)]]
-        return VerifyResult(len(path), next_token, len(session.tokens), time.perf_counter_ns() - start, features,
-                            tuple(path))
+            outs = [self._forward(s.session, s.ids, s.parents, s.last_only) for s in steps]
+        forward_ns = time.perf_counter_ns() - start
+        rows = sum(len(s.ids) for s in steps)
+        results: list[VerifyResult | BaseException] = []
+        for step, (logits, features) in zip(steps, outs):
+            t = time.perf_counter_ns()
+            try:
+                result = step.finish(logits, features)
+                results.append(dataclasses.replace(result, forward_ns=forward_ns + time.perf_counter_ns() - t,
+                                                   batch_rows=rows, batch_calls=len(steps)))
+            except BaseException as e:  # noqa: BLE001 -- this step's outcome, not the batch's
+                results.append(e)
+        return results
+
+    @staticmethod
+    def _reserve(session: TargetSession, rows: int) -> None:
+        """Room in the session's cache before a batch runs (CacheFull fails this call alone)."""
+        reserve = getattr(session.kv, "reserve", None)
+        if reserve is not None:
+            reserve(rows)
 
     @staticmethod
     def _rejects(session: TargetSession) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -24,7 +25,8 @@ from verify_service.engine import ContextFull, LengthMismatch, Target, TargetSes
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MAX_DRAFT = 64
-WARMUP_ROWS = 17  # Info.forward_ms_by_rows covers verifies of 0..16 draft tokens
+WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
+WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds), linear in between
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -38,7 +40,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._target = target or Target(lm)
         self._sessions = sessions
         self._worker = worker
-        self.rounds = Rounds(worker, self.verify, pb.VerifyRequest, lambda response: response.forward_ns)
+        self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
+                             rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
             "specsplit.verify.forward", unit="s", description="the target's forward (and acceptance) per call, "
             "by call (prefill, verify) and rows (a verify: 1 + draft tokens)",
@@ -76,9 +79,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            session, result = await self._worker.run(self._target.prefill, prompt, request.return_features,
-                                                     sampling, method)
-            self._sessions.put(request.session_id, session)
+            session, result = await self._worker.run_gathered(
+                self.run_calls, _Prefill(request.session_id, prompt, request.return_features, sampling, method),
+                len(prompt))
         except SessionEnded:
             await context.abort(grpc.StatusCode.ABORTED, f"session {request.session_id} was released before its "
                                                          "prefill ran (its caller gave up on it)")
@@ -93,7 +96,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
                                   forward_ns=result.forward_ns, features=_features(result, 0, segment),
                                   shm_nonce=segment.nonce if segment else b"",
-                                  fast_path=self.rounds.fast_path if segment else "")
+                                  fast_path=self.rounds.fast_path if segment else "",
+                                  batch_rows=result.batch_rows, batch_calls=result.batch_calls)
 
     async def Verify(self, request, context):
         return await self.rounds.unary(request, context)
@@ -102,8 +106,36 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         async for response in self.rounds.stream(requests, context):
             yield response
 
-    def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        """One round, on the worker thread; raises Failure with the status for the caller."""
+    def run_calls(self, calls: list) -> list:
+        """A batch of prefills and rounds (on the worker thread) in one forward: per call its answer,
+        or the Failure (or exception) for its caller. A call that cannot be planned fails alone."""
+        steps, planned = [], []
+        outcomes: list = [None] * len(calls)
+        for i, call in enumerate(calls):
+            try:
+                steps.append(self._plan_prefill(call) if isinstance(call, _Prefill) else self._plan_verify(call))
+                planned.append(i)
+            except BaseException as e:  # noqa: BLE001 -- this call's outcome
+                outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+        for i, step, result in zip(planned, steps, self._target.run(steps)):
+            call = calls[i]
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                if isinstance(call, _Prefill):
+                    self._sessions.put(call.session_id, step.session)
+                    outcomes[i] = step.session, result
+                else:
+                    outcomes[i] = self._verified(call, result)
+            except BaseException as e:  # noqa: BLE001 -- this call's outcome
+                outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+        return outcomes
+
+    def _plan_prefill(self, call: _Prefill):
+        return self._target.plan_prefill(call.prompt, call.with_features, call.sampling, call.method)
+
+    def _plan_verify(self, request: pb.VerifyRequest):
+        """Raises Failure with the status for the caller."""
         if len(request.draft_token_ids) > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
@@ -117,23 +149,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 dists = [cpb.SparseProbs(token_ids=ids, probs=probs)
                          for ids, probs in session.segment.read_proposal(ref.offset, ref.length)]
             proposals = [sparse_from(d) for d in dists]
-            result = self._target.verify(session, request.length, list(request.draft_token_ids), proposals,
-                                         list(request.draft_parents) or None)
-        except SessionNotFound:
-            raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
-        except LengthMismatch as e:
-            raise Failure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        except ContextFull as e:
-            raise Failure(grpc.StatusCode.OUT_OF_RANGE, str(e)) from None
-        except CacheFull as e:
-            raise Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        except ValueError as e:
-            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            return self._target.plan_verify(session, request.length, list(request.draft_token_ids), proposals,
+                                            list(request.draft_parents) or None)
+        except Exception as e:  # noqa: BLE001 -- mapped to its status
+            raise _failure(e) from None
+
+    def _verified(self, request: pb.VerifyRequest, result) -> pb.VerifyResponse:
+        session = self._sessions.get(request.session_id)
         self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
-                                 accepted_indices=result.path)
+                                 accepted_indices=result.path, batch_rows=result.batch_rows,
+                                 batch_calls=result.batch_calls)
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -154,15 +182,24 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _measure_rows(self) -> list[float]:
         target = self._target
         session, result = target.prefill([first_id(self._lm)] * 32)
-        costs = []
-        for k in range(WARMUP_ROWS):
+
+        def cost(rows: int) -> float:
             times = []
             for _ in range(3):
                 length = len(session.tokens)
-                times.append(target.verify(session, length, [result.next_token] * k).forward_ns / 1e6)
+                times.append(target.verify(session, length, [result.next_token] * (rows - 1)).forward_ns / 1e6)
                 session.kv.truncate(length - 1)
                 del session.tokens[length:]
-            costs.append(statistics.median(times))
+            return statistics.median(times)
+
+        costs = [cost(rows) for rows in range(1, WARMUP_ROWS + 1)]
+        if not target.batches:
+            return costs  # nothing batches rounds beyond one call's width
+        last = WARMUP_ROWS
+        for rows in WIDE_ROWS:
+            end = cost(rows)
+            costs += [costs[-1] + (end - costs[-1]) * (r - last) / (rows - last) for r in range(last + 1, rows + 1)]
+            last = rows
         return costs
 
 
@@ -181,6 +218,31 @@ def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
 def _features(result, start: int, segment: shm.Segment | None):
     return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
 
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """A Prefill as the worker batches it (validated by the servicer)."""
+
+    session_id: str
+    prompt: list[int]
+    with_features: bool
+    sampling: object
+    method: str
+
+
+def _failure(e: BaseException) -> BaseException:
+    """A round's error as the status its caller can act on (others pass through: bugs)."""
+    if isinstance(e, Failure):
+        return e
+    if isinstance(e, SessionNotFound):
+        return Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {e}")
+    for kind, code in ((LengthMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+                       (ContextFull, grpc.StatusCode.OUT_OF_RANGE), (CacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                       (ValueError, grpc.StatusCode.INVALID_ARGUMENT)):
+        if isinstance(e, kind):
+            return Failure(code, str(e))
+    return e
 
 
 def first_id(lm: LoadedModel) -> int:

@@ -18,6 +18,11 @@
 // by one. Its key and value are stored in slot start + row; the caller keeps one path by moving
 // its slots down (KVBuffer.keep), so rolling back stays a length change.
 //
+// Batches: forward_batch runs the rows of several sequences (each with its own cache, start and
+// optional tree) in one call. GEMMs do not look at which sequence a row belongs to, and attention
+// reads only the row's own cache, so every row's result is bit-identical to running its sequence
+// alone: batching across sessions keeps speculation exact.
+//
 // Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
 // vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
 // [N/16][K][16] fp32; activations between ops are fp32 [rows][features]; the KV
@@ -328,15 +333,10 @@ class Decoder {
   // top of this file). Returns (logits fp32 or empty, hidden in model dtype).
   std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor cache, int64_t start, int64_t head,
                                      torch::Tensor parents, int64_t base, torch::Tensor slot_parents) {
-    const int64_t n = ids.size(0), width = hidden_;
-    std::vector<float> x(n * width);
-    const auto* id = ids.data_ptr<int64_t>();
-    const void* table = embed_.data_ptr();
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t i = 0; i < width; ++i)
-        x[r * width + i] = bf16_ ? bf16_to_f32(static_cast<const uint16_t*>(table)[id[r] * width + i])
-                                 : static_cast<const float*>(table)[id[r] * width + i];
-    return run(x, n, cache, start, head, parents, base, slot_parents);
+    std::vector<float> x = embed(ids);
+    Scratch s;
+    add_segment(s, cache, ids.size(0), start, head, parents, base, slot_parents);
+    return run(x, s);
   }
 
   // As forward, from input rows [n, hidden] (float32) instead of token ids: a draft head whose
@@ -346,22 +346,80 @@ class Decoder {
     TORCH_CHECK(rows.dim() == 2 && rows.size(1) == hidden_, "rows must be [n, hidden]");
     auto r = rows.to(torch::kFloat32).contiguous();
     std::vector<float> x(r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
-    return run(x, rows.size(0), cache, start, head, parents, base, slot_parents);
+    Scratch s;
+    add_segment(s, cache, rows.size(0), start, head, parents, base, slot_parents);
+    return run(x, s);
+  }
+
+  // Several sequences in one forward: sequence i feeds counts[i] consecutive ids at positions
+  // [starts[i], starts[i] + counts[i]) of caches[i], with heads[i] as in forward and trees[i]
+  // (empty: a chain). Returns (the logits of every sequence's head rows in order, hidden [n]).
+  std::vector<torch::Tensor> forward_batch(torch::Tensor ids, std::vector<torch::Tensor> caches,
+                                           std::vector<int64_t> starts, std::vector<int64_t> counts,
+                                           std::vector<int64_t> heads, std::vector<torch::Tensor> trees) {
+    const size_t m = caches.size();
+    TORCH_CHECK(starts.size() == m && counts.size() == m && heads.size() == m && trees.size() == m,
+                "one start, count, head and tree per cache");
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    TORCH_CHECK(total == ids.size(0), "counts must add up to the number of ids");
+    std::vector<float> x = embed(ids);
+    Scratch s;
+    for (size_t i = 0; i < m; ++i)
+      add_segment(s, caches[i], counts[i], starts[i], heads[i], trees[i], starts[i], torch::Tensor());
+    return run(x, s);
   }
 
  private:
-  // Activations between the ops of a layer, shared by the team.
+  // One sequence's part of a call: its cache and where its rows sit.
+  struct Segment {
+    std::vector<char*> kv;  // per layer: [2, capacity, kv_heads, head_dim]
+    int64_t cap = 0, start = 0, base = 0;
+  };
+
+  // Activations between the ops of a layer, shared by the team, and what each row is.
   struct Scratch {
     std::vector<float> a, qkv, att, y, gu, h;
     Rows in;
-    // Per row: the cache slots at and after base it attends, in depth order (ancestors, then its
-    // own), so that it sits at position base + path.size() - 1.
+    std::vector<Segment> segs;
+    std::vector<int64_t> seg_of;  // row -> its segment
+    // Per row: the cache slots at and after its segment's base it attends, in depth order
+    // (ancestors, then its own), so that it sits at position base + path.size() - 1.
     std::vector<std::vector<int64_t>> path;
+    std::vector<int64_t> head_rows;  // the rows whose logits are returned, in order
+    int64_t rows() const { return static_cast<int64_t>(seg_of.size()); }
   };
 
-  static void shape_rows(int64_t n, int64_t start, int64_t base, torch::Tensor parents, torch::Tensor slot_parents,
-                         Scratch& s) {
-    s.path.assign(n, {});
+  std::vector<float> embed(const torch::Tensor& ids) const {
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids must be int64 [n]");
+    const int64_t n = ids.size(0), width = hidden_;
+    std::vector<float> x(n * width);
+    const auto* id = ids.data_ptr<int64_t>();
+    const void* table = embed_.data_ptr();
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(id[r] >= 0 && id[r] < embed_.size(0), "token id out of range");
+      for (int64_t i = 0; i < width; ++i)
+        x[r * width + i] = bf16_ ? bf16_to_f32(static_cast<const uint16_t*>(table)[id[r] * width + i])
+                                 : static_cast<const float*>(table)[id[r] * width + i];
+    }
+    return x;
+  }
+
+  void add_segment(Scratch& s, const torch::Tensor& cache, int64_t n, int64_t start, int64_t head,
+                   const torch::Tensor& parents, int64_t base, const torch::Tensor& slot_parents) const {
+    TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
+    TORCH_CHECK(cache.scalar_type() == embed_.scalar_type(), "cache must be in the model dtype");
+    TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
+    TORCH_CHECK(n >= 1 && start >= 0 && start + n <= cache.size(2), "cache too small");
+    TORCH_CHECK(start + n <= cos_.size(0), "positions beyond the rotary table");
+    TORCH_CHECK(head >= 0 && head <= 2, "head must be 0, 1 or 2");
+    Segment seg;
+    seg.cap = cache.size(2);
+    seg.start = start;
+    seg.base = base;
+    for (int64_t li = 0; li < cache.size(0); ++li) seg.kv.push_back(static_cast<char*>(cache[li].data_ptr()));
+    const int64_t index = static_cast<int64_t>(s.segs.size()), row0 = s.rows();
+    s.segs.push_back(std::move(seg));
     const bool tree = parents.defined() && parents.numel() > 0;
     TORCH_CHECK(!tree || (parents.numel() == n && parents.scalar_type() == torch::kInt64),
                 "parents must be int64 with one entry per row");
@@ -376,38 +434,34 @@ class Decoder {
     for (int64_t r = 0; r < n; ++r) {
       const int64_t parent = tree ? p[r] : r - 1;
       TORCH_CHECK(parent >= -2 - (start - 1) && parent < r, "a row's parent must be an earlier row, -1, or -2 - slot");
+      std::vector<int64_t> path;
       if (parent >= 0) {
-        s.path[r] = s.path[parent];
+        path = s.path[row0 + parent];
       } else if (parent <= -2) {  // a slot from an earlier call: its ancestry from slot_parents
         int64_t slot = -2 - parent;
         TORCH_CHECK(slot >= base && slot < start && sp, "a parent slot must be in [base, start) with slot_parents");
         for (int64_t hops = 0; slot >= 0; ++hops) {
           TORCH_CHECK(slot >= base && slot < start && hops < start - base, "slot_parents do not form a tree");
-          s.path[r].push_back(slot);
+          path.push_back(slot);
           slot = sp[slot - base];
         }
-        std::reverse(s.path[r].begin(), s.path[r].end());
+        std::reverse(path.begin(), path.end());
       }
-      s.path[r].push_back(start + r);
+      path.push_back(start + r);
+      s.path.push_back(std::move(path));
+      s.seg_of.push_back(index);
     }
+    if (head == 1) s.head_rows.push_back(row0 + n - 1);
+    if (head == 2)
+      for (int64_t r = 0; r < n; ++r) s.head_rows.push_back(row0 + r);
   }
 
   // The layers, the final norm (none when the norm weight is empty) and the output head, in one
   // OpenMP parallel region: the GEMMs and attention are shared out, the small row-wise steps run on
   // one thread between barriers (a barrier costs far less than a fork/join per op).
-  std::vector<torch::Tensor> run(std::vector<float>& x, int64_t n, torch::Tensor cache, int64_t start, int64_t head,
-                                 torch::Tensor parents, int64_t base, torch::Tensor slot_parents) {
-    const int64_t width = hidden_;
-    TORCH_CHECK(cache.size(0) == static_cast<int64_t>(layers_.size()), "cache has the wrong number of layers");
-    TORCH_CHECK(start + n <= cache.size(2), "cache too small");
-    TORCH_CHECK(start + n <= cos_.size(0), "positions beyond the rotary table");
-    TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
+  std::vector<torch::Tensor> run(std::vector<float>& x, Scratch& s) {
+    const int64_t width = hidden_, n = s.rows();
     TORCH_CHECK(d_ % kLanes == 0 && d_ <= 256, "head_dim must be a multiple of 16, at most 256");
-    const int64_t cap = cache.size(2);
-    std::vector<char*> kv;
-    for (int64_t li = 0; li < cache.size(0); ++li) kv.push_back(static_cast<char*>(cache[li].data_ptr()));
-    Scratch s;
-    shape_rows(n, start, base, parents, slot_parents, s);
     const int64_t inter = layers_.empty() ? 0 : layers_[0].gate_up.n / 2;
     const int64_t qkv_n = layers_.empty() ? 0 : layers_[0].qkv.n;
     s.a.resize(n * width);
@@ -416,21 +470,28 @@ class Decoder {
     s.y.resize(n * width);
     s.gu.resize(n * 2 * inter);
     s.h.resize(n * inter);
-    const int64_t first = head == 1 ? n - 1 : 0, rows = n - first;
+    const int64_t rows = static_cast<int64_t>(s.head_rows.size());
+    const bool head = rows > 0;
     torch::Tensor logits = head ? torch::empty({rows, head_.n}, torch::kFloat32) : torch::Tensor();
     float* out = head ? logits.data_ptr<float>() : nullptr;
     const bool norm = norm_.numel() > 0;
     const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
+    std::vector<float> picked;
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-      for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], kv[li], cap, x.data(), n, start, base, s);
+      for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], li, x.data(), s);
 #pragma omp single
       {
         if (norm)
           rms_norm(x.data(), norm_w, n, width, eps_, s.a.data());
         else
           s.a = x;
-        if (head) to_rows(s.a.data() + first * width, rows, width, bf16_, s.in);
+        if (head) {
+          picked.resize(rows * width);
+          for (int64_t i = 0; i < rows; ++i)
+            std::memcpy(picked.data() + i * width, s.a.data() + s.head_rows[i] * width, width * 4);
+          to_rows(picked.data(), rows, width, bf16_, s.in);
+        }
       }
       if (head) gemm_team(head_, s.in, rows, out);
     }
@@ -439,9 +500,8 @@ class Decoder {
   }
 
   // One layer, called by every thread of the team.
-  void layer_team(const Layer& l, char* kv, int64_t cap, float* x, int64_t n, int64_t start, int64_t base,
-                  Scratch& s) {
-    const int64_t width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_, ld = l.qkv.n;
+  void layer_team(const Layer& l, size_t li, float* x, Scratch& s) {
+    const int64_t n = s.rows(), width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_, ld = l.qkv.n;
     const int64_t inter = l.gate_up.n / 2;
 #pragma omp single
     {
@@ -457,11 +517,12 @@ class Decoder {
           for (int64_t i = 0; i < ld; ++i) s.qkv[r * ld + i] += b[i];
       }
       for (int64_t r = 0; r < n; ++r) {
-        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, base + static_cast<int64_t>(s.path[r].size()) - 1);
-        store_kv(kv, cap, s.qkv.data() + r * ld + qw, s.qkv.data() + r * ld + qw + kw, start + r);
+        const Segment& seg = s.segs[s.seg_of[r]];
+        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, seg.base + static_cast<int64_t>(s.path[r].size()) - 1);
+        store_kv(seg.kv[li], seg.cap, s.qkv.data() + r * ld + qw, s.qkv.data() + r * ld + qw + kw, s.path[r].back());
       }
     }
-    attend_team(kv, cap, s.qkv.data(), ld, n, start, base, s.path, s.att.data());
+    attend_team(li, s.qkv.data(), ld, s, s.att.data());
 #pragma omp single
     to_rows(s.att.data(), n, qw, bf16_, s.in);
     gemm_team(l.o, s.in, n, s.y.data());
@@ -520,19 +581,23 @@ class Decoder {
     }
   }
 
-  // One task per (row, head): the row attends keys [0, prefix) and then the slots of its path,
-  // exactly (a chain's row r: keys [0, start + r]). Called by every thread of the team; barrier
-  // at the end.
-  void attend_team(const char* kv, int64_t cap, const float* qkv, int64_t ld, int64_t n, int64_t start, int64_t prefix,
-                   const std::vector<std::vector<int64_t>>& paths, float* out) const {
-    const int64_t group = heads_ / kv_heads_, kw = kv_heads_ * d_;
+  // One task per (row, head): the row attends keys [0, base) of its own sequence's cache and then
+  // the slots of its path, exactly (a chain's row r: keys [0, start + r]). Called by every thread of
+  // the team; barrier at the end.
+  void attend_team(size_t li, const float* qkv, int64_t ld, const Scratch& s, float* out) const {
+    const int64_t n = s.rows(), group = heads_ / kv_heads_, kw = kv_heads_ * d_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
-    const void* base = kv;
-    std::vector<float> scores(start + n);  // this thread's
+    int64_t longest = 0;
+    for (int64_t r = 0; r < n; ++r)
+      longest = std::max(longest, s.segs[s.seg_of[r]].base + static_cast<int64_t>(s.path[r].size()));
+    std::vector<float> scores(longest);  // this thread's
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < n * heads_; ++t) {
       const int64_t r = t / heads_, h = t % heads_, g = h / group;
-      const std::vector<int64_t>& path = paths[r];
+      const Segment& seg = s.segs[s.seg_of[r]];
+      const void* base = seg.kv[li];
+      const int64_t prefix = seg.base, cap = seg.cap;
+      const std::vector<int64_t>& path = s.path[r];
       const int64_t len = prefix + static_cast<int64_t>(path.size());
       auto slot = [&](int64_t j) { return j < prefix ? j : path[j - prefix]; };
       const float* q = qkv + r * ld + h * d_;
@@ -597,5 +662,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           torch::Tensor, torch::Tensor, bool>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_batch", &Decoder::forward_batch, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -329,6 +329,14 @@ def main(args, config: StackConfig) -> int:
     if args.controlled:
         with gateway_stub(args.gateway, config) as (stub, _):
             return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+    if args.concurrency:
+        from specsplit.tools import concurrency
+
+        with gateway_stub(args.gateway, config) as (stub, _):
+            variant = Variant(args.drafters[0] if args.drafters else "")
+            stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
+            return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant,
+                                   args.requests)
     anchor, anchored, profile = None, [], None
     if args.anchor and args.temperature > 0:
         print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)

@@ -51,6 +51,7 @@ class StackConfig:
     device: str = "cpu"
     exact: bool = True
     quantize: str = ""  # the target's weights: "" (its dtype) or "int8"
+    batch_wait_ms: float = 2.0  # the verify service's --batch-wait-ms
     drafter: str = "auto"  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
     store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
@@ -165,7 +166,8 @@ class Stack:
         try:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
             quantize = ["--quantize", c.quantize] if c.quantize else []
-            self._spawn("verify", ["--target-model", c.target_model, *model_flags, *quantize])
+            self._spawn("verify", ["--target-model", c.target_model, *model_flags, *quantize,
+                                   "--batch-wait-ms", str(c.batch_wait_ms)])
             draft_flags = ["--default-drafter", c.drafter, "--device", c.device, "--self-head", c.self_head,
                            "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]
             if c.draft_model:

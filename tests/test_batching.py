@@ -1,0 +1,171 @@
+"""Batching across sessions: one forward over several sessions' rows gives each row the logits its
+session gets alone (bf16 and fp32), the worker gathers what arrives together without reordering
+it around plain jobs, and concurrent requests through the real services share forwards and still
+answer exactly what they answer one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from conftest import running_stack
+
+from specsplit.fastllama import Feed
+from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.modeling import KVSequence, load_model
+from specsplit.worker import ModelWorker, each
+from verify_service.engine import Target
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 10, (length,), generator=g).tolist() for length in (5, 17, 40, 9)[:n]]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_batched_forward_gives_each_session_its_own_logits(models, dtype):
+    lm = load_model(models["target"], dtype)
+    if lm.native is None:
+        pytest.skip(lm.kernels)
+    prompts = _prompts(4, lm.vocab_size)
+    alone = []
+    for p in prompts:  # prefill, then a 3-token chain, then a 4-node tree, each session by itself
+        s = KVSequence(lm.model)
+        alone.append((s.forward(p[:-3], last_only=True), s.forward(p[-3:]), s.forward(p[:4], parents=[-1, 0, 0, 1])))
+    seqs = [KVSequence(lm.model) for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        s.reserve(len(p) + 4)
+    prefill = lm.native.run([Feed(s, p[:-3], last_only=True) for s, p in zip(seqs, prompts)])
+    chain = lm.native.run([Feed(s, p[-3:]) for s, p in zip(seqs, prompts)])
+    tree = lm.native.run([Feed(s, p[:4], parents=[-1, 0, 0, 1]) for s, p in zip(seqs, prompts)])
+    for i in range(len(prompts)):
+        assert torch.equal(prefill[i][0], alone[i][0]), i
+        assert torch.equal(chain[i][0], alone[i][1]), i
+        assert torch.equal(tree[i][0], alone[i][2]), i
+        assert seqs[i].length == len(prompts[i]) + 4
+    # A batch whose sessions sit at different lengths, with one prefill and one tree among chains.
+    late = KVSequence(lm.model)
+    late.reserve(6)
+    mixed = lm.native.run([Feed(seqs[0], [3]), Feed(late, prompts[3][:6], last_only=True),
+                           Feed(seqs[2], [4, 5], parents=[-1, -1])])
+    ref0, ref_late, ref2 = KVSequence(lm.model), KVSequence(lm.model), KVSequence(lm.model)
+    for ref, p in ((ref0, prompts[0]), (ref2, prompts[2])):
+        ref.forward(p[:-3], last_only=True)
+        ref.forward(p[-3:])
+        ref.forward(p[:4], parents=[-1, 0, 0, 1])
+    assert torch.equal(mixed[0][0], ref0.forward([3]))
+    assert torch.equal(mixed[1][0], ref_late.forward(prompts[3][:6], last_only=True))
+    assert torch.equal(mixed[2][0], ref2.forward([4, 5], parents=[-1, -1]))
+
+
+def test_target_runs_calls_of_several_sessions_in_one_forward(models):
+    lm = load_model(models["target"], "bfloat16")
+    target = Target(lm)
+    if not target.batches:
+        pytest.skip(lm.kernels)
+    prompts = _prompts(3, lm.vocab_size, seed=1)
+    # Alone: prefill, then greedy decoding by verifies of the target's own continuation.
+    alone = []
+    for p in prompts:
+        session, first = target.prefill(p)
+        drafts = [first.next_token] * 3
+        result = target.verify(session, len(session.tokens), drafts)
+        alone.append((first.next_token, result.num_accepted, result.next_token, list(session.tokens)))
+    steps = [target.plan_prefill(p) for p in prompts]
+    firsts = target.run(steps)
+    assert [r.batch_calls for r in firsts] == [3, 3, 3]
+    assert firsts[0].batch_rows == sum(len(p) for p in prompts)
+    sessions = [s.session for s in steps]
+    plans = [target.plan_verify(s, len(s.tokens), [f.next_token] * 3) for s, f in zip(sessions, firsts)]
+    results = target.run(plans)
+    for i, (first, result) in enumerate(zip(firsts, results)):
+        assert (first.next_token, result.num_accepted, result.next_token, sessions[i].tokens) == alone[i]
+        assert result.batch_calls == 3 and result.batch_rows == 12
+    # A call that fails in a batch fails alone, and leaves its session as it was.
+    before = list(sessions[1].tokens)
+    bad = target.plan_verify(sessions[1], len(sessions[1].tokens), [5])
+    good = target.plan_verify(sessions[0], len(sessions[0].tokens), [])
+    bad.finish = lambda *_: (_ for _ in ()).throw(ValueError("refused"))
+    outcomes = target.run([bad, good])
+    assert isinstance(outcomes[0], ValueError) and sessions[1].tokens == before
+    assert outcomes[1].length == len(sessions[0].tokens)
+
+
+def _recording_runner(batches: list[list]):
+    def run(items):
+        batches.append(list(items))
+        return [x * 10 if x >= 0 else ValueError(f"bad {x}") for x in items]
+    return run
+
+
+async def test_worker_gathers_calls_that_arrive_together_and_keeps_order_around_plain_jobs():
+    worker = ModelWorker("test", wait_s=0.0)
+    batches: list[list] = []
+    order: list = []
+    runner = _recording_runner(batches)
+    try:
+        # Queued while the worker is busy: g1, g2, a plain job, g3 -> [g1, g2], the job, [g3].
+        busy = worker.run(time.sleep, 0.2)
+        futures = [busy, worker.run_gathered(runner, 1), worker.run_gathered(runner, 2),
+                   worker.run(lambda: order.append(("job", [list(b) for b in batches]))),
+                   worker.run_gathered(runner, 3), worker.run_gathered(runner, -1)]
+        results = (await asyncio.gather(*futures, return_exceptions=True))[1:]
+        assert results[:2] == [10, 20] and results[3] == 30
+        assert isinstance(results[4], ValueError)  # an item's failure is its own
+        assert batches == [[1, 2], [3, -1]]
+        assert order == [("job", [[1, 2]])]  # the job ran after the batch queued before it
+    finally:
+        worker.shutdown()
+
+
+async def test_worker_waits_for_the_sessions_of_the_last_batch_within_its_budget():
+    for wait_s, expected in ((1.0, [[1, 2, 3], [4, 5, 6]]), (0.0, [[1, 2, 3], [4], [5, 6]])):
+        worker = ModelWorker("test", wait_s=wait_s)
+        batches: list[list] = []
+        runner = _recording_runner(batches)
+        try:
+            busy = worker.run(time.sleep, 0.1)  # so that 1, 2, 3 are queued together
+            await asyncio.gather(busy, *(worker.run_gathered(runner, i) for i in (1, 2, 3)))
+            first = worker.run_gathered(runner, 4)
+            await asyncio.sleep(0.1)  # the others come back later than the first
+            start = time.perf_counter()
+            await asyncio.gather(first, worker.run(time.sleep, 0.05) if not wait_s else asyncio.sleep(0),
+                                 worker.run_gathered(runner, 5), worker.run_gathered(runner, 6))
+            assert batches == expected, wait_s
+            assert time.perf_counter() - start < 0.5  # a full batch runs without waiting out the budget
+        finally:
+            worker.shutdown()
+
+
+def test_each_runs_items_one_by_one():
+    assert each(lambda x: 1 / x)([1, 0, 2])[0] == 1.0
+    outcomes = each(lambda x: 1 / x)([1, 0, 2])
+    assert isinstance(outcomes[1], ZeroDivisionError) and outcomes[2] == 0.5
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+async def test_concurrent_requests_share_forwards_and_answer_as_alone(models, tmp_path, transport):
+    prompts = ["def add(a, b):", "The quick brown fox", '{"name": "cat",', "Once upon a time"]
+
+    def req(prompt, speculation):
+        return pb.GenerateRequest(text=prompt, speculation=speculation, max_new_tokens=32, drafter="ngram",
+                                  stop=pb.StopConditions(ignore_eos=True))
+
+    async with running_stack(tmp_path, transport, models["target"], models["draft"],
+                             shared_memory=transport == "unix", verify_kw={"batch_wait_ms": 50.0}) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            alone = {p: list((await gw.Generate(req(p, pb.SPECULATION_OFF))).token_ids) for p in prompts}
+            for speculation in (pb.SPECULATION_OFF, pb.SPECULATION_ON):
+                answers = await asyncio.gather(*(gw.Generate(req(p, speculation)) for p in prompts * 2))
+                for p, a in zip(prompts * 2, answers):
+                    assert list(a.token_ids) == alone[p], (p, speculation)
+                calls = [r.batch_calls for a in answers for r in a.stats.round_records]
+                assert max(calls) >= 4, calls  # rounds of different sessions shared forwards
+                rows = [r.batch_rows for a in answers for r in a.stats.round_records if r.batch_calls == 1]
+                assert all(n == 1 + r.drafted for a in answers for r in a.stats.round_records
+                           if r.batch_calls == 1 for n in [r.batch_rows]), rows
