@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from draft_service.drafters.base import Drafter, DraftSession, Proposal
+from draft_service.drafters.base import Drafter, DraftSession, Proposal, Steps, drive_all, steps_of
 from specsplit import shm, wire
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as pb
@@ -18,7 +18,7 @@ from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
 from specsplit.serving import Rounds
 from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
-from specsplit.worker import ModelWorker, each
+from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -51,7 +51,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._proposal_top_k = proposal_top_k
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
-        self.rounds = Rounds(worker, each(self.propose), pb.ProposeRequest, lambda response: response.draft_ns)
+        self.rounds = Rounds(worker, self.propose_all, pb.ProposeRequest, lambda response: response.draft_ns)
 
     async def Info(self, request, context):
         infos = [pb.DrafterInfo(**vars(d.description), memory_bytes=d.memory_bytes,
@@ -113,11 +113,43 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         async for response in self.rounds.stream(requests, context):
             yield response
 
-    def propose(self, request: pb.ProposeRequest) -> pb.ProposeResponse:
-        """One round's sync and drafting, on the worker thread (the one owner of drafter state);
-        raises Failure with the status for the caller."""
+    def propose_all(self, requests: list[pb.ProposeRequest]) -> list:
+        """A batch of rounds on the worker thread (the one owner of drafter state): each synced on its
+        own, then their drafting in lock-step, so that drafters with a batching runner (the self
+        head) run every session's step in one call; per round its response or Failure. A round's
+        draft_ns is its sync plus the batch's drafting until its proposal was done."""
+        outcomes: list = [None] * len(requests)
+        work, where, synced = [], [], []
+        for i, request in enumerate(requests):
+            try:
+                entry, sync_ns = self._sync(request)
+            except Failure as e:
+                outcomes[i] = e
+                continue
+            drafter, session = entry.drafter, entry.session
+            steps = steps_of(drafter, session, request.gamma, request.tree_budget)
+            work.append((_timed(steps), getattr(drafter, "runner", None)))
+            where.append(i)
+            synced.append((entry, sync_ns))
+        start = time.perf_counter_ns()
+        for i, (entry, sync_ns), outcome in zip(where, synced, drive_all(work)):
+            if isinstance(outcome, ValueError):
+                outcomes[i] = Failure(grpc.StatusCode.FAILED_PRECONDITION, str(outcome))
+            elif isinstance(outcome, BaseException):
+                outcomes[i] = outcome
+            else:
+                proposal, done_ns = outcome
+                outcomes[i] = self._response(entry, proposal, sync_ns + done_ns - start)
+        return outcomes
+
+    def _sync(self, request: pb.ProposeRequest):
+        """Validates a round and tells its session what was committed: (entry, ns it took)."""
         if not 1 <= request.gamma <= MAX_GAMMA:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
+        if request.tree_budget > MAX_TREE:
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"tree_budget {request.tree_budget} is not in 0..{MAX_TREE}")
+        start = time.perf_counter_ns()
         try:
             entry = self._sessions.get(request.session_id)
             features = None
@@ -128,15 +160,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if width != entry.session.feature_dim:
                     raise ValueError(f"features of width {width}; drafter {name!r} reads "
                                      f"{f'width {entry.session.feature_dim}' if entry.session.feature_dim else 'none'}")
-            if request.tree_budget > MAX_TREE:
-                raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"tree_budget {request.tree_budget} is not in 0..{MAX_TREE}")
-            proposal, draft_ns = _sync_and_propose(entry, request.base_length, list(request.new_token_ids),
-                                                   features, request.gamma, request.tree_budget)
+            _sync(entry, request.base_length, list(request.new_token_ids), features)
         except SessionNotFound:
             raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
         except ValueError as e:
             raise Failure(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        return entry, time.perf_counter_ns() - start
+
+    def _response(self, entry: Entry, proposal: Proposal, draft_ns: int) -> pb.ProposeResponse:
         response = pb.ProposeResponse(draft_token_ids=proposal.tokens, draft_ns=draft_ns, source=proposal.source,
                                       draft_parents=proposal.parents or [], draft_scores=proposal.scores or [])
         dists = _draft_probs(entry.session, proposal)
@@ -186,14 +217,24 @@ def _measure(drafter: Drafter, gamma: int = 4, calls: int = 5) -> int:
     return int(statistics.median(times))
 
 
-def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], features,
-                      gamma: int, budget: int = 0) -> tuple[Proposal, int]:
-    start = time.perf_counter_ns()
+def _sync(entry: Entry, base_length: int, new_tokens: list[int], features) -> None:
     entry.session.sync(base_length, new_tokens)
     if features is not None:
         entry.session.add_features(*features)
+
+
+def _sync_and_propose(entry: Entry, base_length: int, new_tokens: list[int], features,
+                      gamma: int, budget: int = 0) -> tuple[Proposal, int]:
+    start = time.perf_counter_ns()
+    _sync(entry, base_length, new_tokens, features)
     proposal = entry.drafter.propose(entry.session, gamma, budget)
     return proposal, time.perf_counter_ns() - start
+
+
+def _timed(steps: Steps) -> Steps:
+    """steps whose result is (the proposal, perf_counter_ns when it was done)."""
+    proposal = yield from steps
+    return proposal, time.perf_counter_ns()
 
 
 def _draft_probs(session: DraftSession, proposal: Proposal) -> list[tuple[list[int], list[float]]]:

@@ -116,14 +116,15 @@ class FastLlama:
         ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.long)
         buffers = [f.sequence._buffer for f in feeds]
         trees = [torch.tensor(f.parents if f.parents is not None else [], dtype=torch.long) for f in feeds]
-        logits, hidden = self.decoder.forward_batch(ids, [b.kv for b in buffers], [b.length for b in buffers],
+        starts = [b.length for b in buffers]
+        logits, hidden = self.decoder.forward_batch(ids, _NONE, [b.kv for b in buffers], starts,
                                                     [len(f.token_ids) for f in feeds],
-                                                    [1 if f.last_only else 2 for f in feeds], trees)
+                                                    [f.head_mode for f in feeds], trees, starts, [_NONE] * len(feeds))
         out, row, at = [], 0, 0
         for feed, buffer in zip(feeds, buffers):
             n = len(feed.token_ids)
-            heads = 1 if feed.last_only else n
-            out.append((logits[at:at + heads], hidden[row:row + n]))
+            heads = (0, 1, n)[feed.head_mode]
+            out.append((logits[at:at + heads] if heads else None, hidden[row:row + n]))
             buffer.length += n
             row, at = row + n, at + heads
         return out
@@ -132,12 +133,18 @@ class FastLlama:
 @dataclass(frozen=True)
 class Feed:
     """One sequence's rows in a batched forward: token ids appended at its length, logits of the last
-    row only or of all, and an optional token tree (as FastSequence.forward's parents)."""
+    row only or of all (or none: features only), and an optional token tree (as
+    FastSequence.forward's parents)."""
 
     sequence: FastSequence
     token_ids: list[int]
     last_only: bool = False
     parents: list[int] | None = None
+    logits: bool = True
+
+    @property
+    def head_mode(self) -> int:
+        return 0 if not self.logits else 1 if self.last_only else 2
 
 
 _NONE = torch.empty(0, dtype=torch.long)

@@ -270,8 +270,7 @@ class NativeHead:
     @torch.inference_mode()
     def step(self, cache, features: torch.Tensor, next_tokens: list[int]):
         """As head_step, plus the draft logits of the last row: (predicted features [n, d], logits [draft_vocab])."""
-        hidden, logits = self._run(cache, features, next_tokens, 1, None)
-        return hidden, logits[0]
+        return self.run([HeadCall(cache, features, next_tokens)])[0]
 
     @torch.inference_mode()
     def tree_step(self, cache, features: torch.Tensor, next_tokens: list[int], parents: list[int], base: int,
@@ -281,20 +280,55 @@ class NativeHead:
         slot_parents[s - base] being slot s's parent slot (-1: a root). A row's parent is a row of
         this call, -1 (a root), or -2 - s (a child of slot s). Returns (predicted features [n, d],
         draft logits [n, draft_vocab]), each row as if its path alone had been fed."""
-        return self._run(cache, features, next_tokens, 2, parents, base, slot_parents)
+        return self.run([HeadCall(cache, features, next_tokens, parents, base, slot_parents)])[0]
 
-    def _run(self, cache, features, next_tokens, head_rows, parents, base=None, slot_parents=()):
-        tokens = torch.tensor(next_tokens, dtype=torch.long)
+    @torch.inference_mode()
+    def run(self, calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several sessions' steps in one call of the kernels (each on its own cache): per call what
+        step (a chain step) or tree_step (parents given) returns."""
         head = self.head
-        x = head.fc(torch.cat([features.float(), head.embed[tokens].float()], dim=-1))  # [n, d]
-        start = cache.length
-        cache.reserve(start + len(next_tokens))
-        tree = torch.tensor(parents if parents is not None else [], dtype=torch.long)
-        logits, hidden = self.decoder.forward_rows(x, cache.kv, start, head_rows, tree,
-                                                   start if base is None else base,
-                                                   torch.tensor(list(slot_parents), dtype=torch.long))
-        cache.length = start + len(next_tokens)
-        return hidden, logits
+        # fc call by call: torch's GEMM gives a row other bits among other rows, and a session's
+        # drafts should not depend on what it was batched with.
+        x = torch.cat([head.fc(torch.cat([c.features.float(),
+                                          head.embed[torch.tensor(c.next_tokens, dtype=torch.long)].float()], dim=-1))
+                       for c in calls])  # [rows, d]
+        starts, trees, bases, slots = [], [], [], []
+        for c in calls:
+            start = c.cache.length
+            c.cache.reserve(start + len(c.next_tokens))
+            starts.append(start)
+            trees.append(torch.tensor(c.parents if c.parents is not None else [], dtype=torch.long))
+            bases.append(start if c.base is None else c.base)
+            slots.append(torch.tensor(list(c.slot_parents), dtype=torch.long))
+        logits, hidden = self.decoder.forward_batch(torch.empty(0, dtype=torch.long), x, [c.cache.kv for c in calls],
+                                                    starts, [len(c.next_tokens) for c in calls],
+                                                    [1 if c.parents is None else 2 for c in calls], trees, bases, slots)
+        out, row, at = [], 0, 0
+        for c in calls:
+            n = len(c.next_tokens)
+            c.cache.length += n
+            if c.parents is None:  # a chain step: the last row's logits
+                out.append((hidden[row:row + n], logits[at]))
+                at += 1
+            else:
+                out.append((hidden[row:row + n], logits[at:at + n]))
+                at += n
+            row += n
+        return out
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """One session's drafting step as a drafter asks for it (NativeHead.run batches them): its
+    cache, the features and next tokens of the rows it feeds and, for a tree step, their parents
+    (see NativeHead.tree_step)."""
+
+    cache: object
+    features: torch.Tensor  # [n, d]
+    next_tokens: list[int]
+    parents: list[int] | None = None
+    base: int | None = None
+    slot_parents: tuple[int, ...] | list[int] = ()
 
 
 class TorchHead:
@@ -312,3 +346,7 @@ class TorchHead:
     def step(self, cache: HeadCache, features: torch.Tensor, next_tokens: list[int]):
         out = head_step(self.head, cache, features, next_tokens)
         return out, self.head.logits(out[-1])
+
+    def run(self, calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Chain steps one after the other (torch has no tree steps here)."""
+        return [self.step(c.cache, c.features, c.next_tokens) for c in calls]

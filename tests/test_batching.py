@@ -169,3 +169,40 @@ async def test_concurrent_requests_share_forwards_and_answer_as_alone(models, tm
                 rows = [r.batch_rows for a in answers for r in a.stats.round_records if r.batch_calls == 1]
                 assert all(n == 1 + r.drafted for a in answers for r in a.stats.round_records
                            if r.batch_calls == 1 for n in [r.batch_rows]), rows
+
+
+def test_the_self_head_drafts_several_sessions_in_one_call_as_it_drafts_each_alone(models, self_head):
+    """drive_all runs every session's head steps in lock-step, one kernel call per turn: each
+    session proposes exactly what it proposes alone (chains and EAGLE trees), and its caches end
+    where they would."""
+    from draft_service.drafters.base import drive_all
+    from draft_service.drafters.selfdraft import SelfDrafter
+    from specsplit.featurehead import NativeHead
+
+    drafter = SelfDrafter(self_head, models["target"])
+    if not isinstance(drafter.runner, NativeHead):
+        pytest.skip("the head runs on torch here")
+    lm = load_model(models["target"], "float32")
+    prompts = [p[:n] for p, n in zip(_prompts(4, lm.vocab_size, seed=3), (5, 12, 30, 9))]
+
+    def started(prompt):
+        session = drafter.start(prompt)
+        seq = KVSequence(lm.model)
+        session.add_features(0, seq.hidden(prompt[:-1]).float())
+        return session
+
+    calls = []
+    real = drafter.runner.run
+    drafter.runner.run = lambda steps: calls.append(len(steps)) or real(steps)
+    for gamma, budget in ((4, 0), (3, 8)):
+        singles = [started(p) for p in prompts]
+        alone = [drafter.propose(s, gamma, budget) for s in singles]
+        calls.clear()
+        sessions = [started(p) for p in prompts]
+        together = drive_all([(drafter.steps(s, gamma, budget), drafter.runner) for s in sessions])
+        assert [tuple(p.tokens) for p in together] == [tuple(p.tokens) for p in alone], (gamma, budget)
+        assert [p.parents for p in together] == [p.parents for p in alone]
+        for a, b in zip(together, alone):
+            assert a.scores == pytest.approx(b.scores, abs=1e-5) if a.scores else not b.scores
+        assert max(calls) == len(prompts)  # a turn's steps of all four sessions in one call
+        assert [s.cache.length for s in sessions] == [s.cache.length for s in singles]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -217,3 +218,60 @@ class Drafter(Protocol):
 
     def end(self, session: DraftSession) -> None:
         """The session is over (its output may be remembered, e.g. by a retrieval store)."""
+
+
+# A drafter's propose as a generator of model steps: it yields what it needs computed (a step
+# object its runner takes), is sent the runner's result for it, and returns the Proposal. Drafters
+# whose work batches across sessions offer `steps(session, gamma, budget) -> Steps` beside
+# propose, and `runner` (whose `run(steps) -> results` takes several sessions' steps at once).
+Steps = Generator[object, object, Proposal]
+
+
+def steps_of(drafter, session: DraftSession, gamma: int, budget: int = 0) -> Steps:
+    """A drafter's steps; for one without them, its propose as steps that need no runner."""
+    if hasattr(drafter, "steps"):
+        return (yield from drafter.steps(session, gamma, budget))
+    return drafter.propose(session, gamma, budget)
+
+
+def drive(steps: Steps, runner) -> Proposal:
+    """Runs one session's steps alone."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(runner.run([step])[0])
+    except StopIteration as done:
+        return done.value
+
+
+def drive_all(work: list[tuple[Steps, object]]) -> list[Proposal | BaseException]:
+    """Several sessions' (steps, runner) in lock-step: at each turn every unfinished session's next
+    step, one runner.run per runner over all of them; per session its Proposal or exception."""
+    outcomes: list[Proposal | BaseException | None] = [None] * len(work)
+    pending: dict[int, object] = {}
+
+    def advance(i: int, value=None, first: bool = False) -> None:
+        try:
+            pending[i] = next(work[i][0]) if first else work[i][0].send(value)
+        except StopIteration as done:
+            outcomes[i] = done.value
+        except Exception as e:  # noqa: BLE001 -- this session's outcome
+            outcomes[i] = e
+
+    for i in range(len(work)):
+        advance(i, first=True)
+    while pending:
+        turn, pending = pending, {}
+        by_runner: dict[int, list[int]] = {}
+        for i in turn:
+            by_runner.setdefault(id(work[i][1]), []).append(i)
+        for members in by_runner.values():
+            try:
+                results = work[members[0]][1].run([turn[i] for i in members])
+            except Exception as e:  # noqa: BLE001 -- the batch's sessions fail, not the service
+                for i in members:
+                    outcomes[i] = e
+                continue
+            for i, result in zip(members, results):
+                advance(i, result)
+    return outcomes

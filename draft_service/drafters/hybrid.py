@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from draft_service.drafters.base import DrafterDescription, Proposal
+from draft_service.drafters.base import DrafterDescription, Proposal, Steps, drive, steps_of
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.selfdraft import SelfDrafter, SelfSession
 from specsplit.ewma import Ewma
@@ -83,7 +83,16 @@ class HybridDrafter:
             self._tasks.popitem(last=False)
         return means
 
+    @property
+    def runner(self):
+        return getattr(self.head, "runner", None)
+
     def propose(self, session: SelfSession, gamma: int, budget: int = 0) -> Proposal:
+        return drive(self.steps(session, gamma, budget), self.runner)
+
+    def steps(self, session: SelfSession, gamma: int, budget: int = 0) -> Steps:
+        """propose() as the head's steps (base.Steps); the head's time includes the other sessions'
+        steps it was batched with: what the round waited for."""
         if session.choice is None:
             task = self._task(session.task_type)
             task["sessions"] = task.get("sessions", 0) + 1
@@ -103,7 +112,7 @@ class HybridDrafter:
         proposal = None
         if head_value > match_value:
             started = time.perf_counter()
-            proposal = self.head.propose(session, gamma, budget)
+            proposal = yield from steps_of(self.head, session, gamma, budget)
             if proposal.tokens:
                 choice.head_ms.add((time.perf_counter() - started) * 1e3)
         if budget > 1 and not session.rejects:

@@ -12,10 +12,13 @@ from draft_service.drafters.base import (
     DrafterDescription,
     DraftSession,
     Proposal,
+    Steps,
     chain_tree,
     choose,
+    drive,
     sampled_from,
 )
+from specsplit.fastllama import Feed
 from specsplit.modeling import KVSequence, LoadedModel, Sequence
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `specsplit distill --kind model`
@@ -42,6 +45,7 @@ class ModelDrafter:
             name=name, kind="model", model_id=lm.model_id, tokenizer_fingerprint=lm.fingerprint,
             param_bytes=lm.param_bytes, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device))
         self.memory_bytes = lm.param_bytes
+        self.runner = SequenceRunner(lm.native)
 
     def start(self, prompt: list[int]) -> ModelSession:
         # No forward here: the first propose feeds the prompt. StartSession runs while the verifier
@@ -50,6 +54,11 @@ class ModelDrafter:
         return ModelSession(prompt, KVSequence(self.lm.model))
 
     def propose(self, session: ModelSession, gamma: int, budget: int = 0) -> Proposal:
+        return drive(self.steps(session, gamma, budget), self.runner)
+
+    def steps(self, session: ModelSession, gamma: int, budget: int = 0) -> Steps:
+        """propose() as forward steps (base.Steps: fastllama.Feed, answered with (logits, features)),
+        so that the draft service runs several sessions' steps in one forward."""
         tokens = session.tokens
         if len(tokens) + gamma > self.lm.max_context:
             gamma = self.lm.max_context - len(tokens)
@@ -63,7 +72,8 @@ class ModelDrafter:
         choices = []
         while len(choices) < gamma:
             session.drafting = len(choices)
-            choices.append(self._next(session, pending))
+            logits, hidden = yield Feed(session.kv, pending, last_only=True, logits=self.rows is None)
+            choices.append(self._choose(session, logits, hidden))
             pending = [choices[-1].token]
         drafts = [c.token for c in choices]
         session.fed = tokens + drafts[:-1]
@@ -71,15 +81,33 @@ class ModelDrafter:
             return chain_tree(choices, budget, "model")
         return Proposal(drafts, "model", sampled_from(choices))
 
-    def _next(self, session: ModelSession, pending: list[int]) -> Choice:
+    def _choose(self, session: ModelSession, logits, hidden) -> Choice:
         if self.rows is None:
-            logits = session.kv.forward(pending, last_only=True)[0]
-            return choose(session, logits, None, self.lm.vocab_size)
-        hidden = session.kv.hidden(pending)[-1]
-        return choose(session, hidden.float() @ self.rows.float().T, self.vocab_ids, self.lm.vocab_size)
+            return choose(session, logits[0], None, self.lm.vocab_size)
+        return choose(session, hidden[-1].float() @ self.rows.float().T, self.vocab_ids, self.lm.vocab_size)
 
     def end(self, session: ModelSession) -> None:
         pass
+
+
+class SequenceRunner:
+    """Runs Feeds: several sequences in one native forward, else one by one on their own forward."""
+
+    def __init__(self, native):
+        self.native = native  # fastllama.FastLlama, or None (transformers' forward)
+
+    def run(self, feeds: list[Feed]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        if self.native is not None:
+            for f in feeds:
+                f.sequence.reserve(len(f.token_ids))
+            return self.native.run(feeds)
+        out = []
+        for f in feeds:
+            if f.logits:
+                out.append((f.sequence.forward(f.token_ids, last_only=f.last_only), None))
+            else:
+                out.append((None, f.sequence.hidden(f.token_ids)))
+        return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

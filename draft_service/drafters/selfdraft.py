@@ -13,12 +13,14 @@ from draft_service.drafters.base import (
     DrafterDescription,
     DraftSession,
     Proposal,
+    Steps,
     candidates,
     chain_tree,
     choose,
+    drive,
     sampled_from,
 )
-from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, NativeHead, TorchHead
+from specsplit.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, NativeHead, TorchHead
 from specsplit.modeling import weights_fingerprint
 from specsplit.tokentree import Tree
 
@@ -144,8 +146,13 @@ class SelfDrafter:
     def start(self, prompt: list[int]) -> SelfSession:
         return SelfSession(prompt, self.head.cfg.hidden, self.runner.new_cache())
 
-    @torch.inference_mode()
     def propose(self, session: SelfSession, gamma: int, budget: int = 0) -> Proposal:
+        return drive(self.steps(session, gamma, budget), self.runner)
+
+    @torch.inference_mode()
+    def steps(self, session: SelfSession, gamma: int, budget: int = 0) -> Steps:
+        """propose() as a generator of head steps (HeadCall, answered with the runner's result), so
+        that the draft service can run several sessions' steps in one call (drive_all)."""
         n, have = len(session.tokens), len(session.features)
         if not have:
             return Proposal([], "")  # no features yet: nothing to draft from
@@ -153,16 +160,16 @@ class SelfDrafter:
         cache.truncate(session.cached)  # drop last round's drafted steps
         if session.cached < have:
             feats = session.features[session.cached:have].to(self.device)
-            out, logits = runner.step(cache, feats, session.tokens[session.cached + 1:have + 1])
+            out, logits = yield HeadCall(cache, feats, session.tokens[session.cached + 1:have + 1])
             session.cached, session.last = have, (out[-1], logits)
         pred, logits = session.last  # the head's prediction of the feature at position `have`
         # Positions [have, n - 1) have no target features yet: tokens a pre-drafting gateway assumed
         # while their Verify is in flight. Go on from the head's own predictions, as drafting does.
         for token in session.tokens[have + 1:n]:
-            out, logits = runner.step(cache, pred[None], [token])
+            out, logits = yield HeadCall(cache, pred[None], [token])
             pred = out[-1]
         if budget > 1 and not session.rejects and hasattr(runner, "tree_step"):
-            return self._expand(session, cache, pred, logits, gamma, budget)
+            return (yield from self._expand(session, cache, pred, logits, gamma, budget))
         choices = []
         confidence = 1.0
         for k in range(gamma):
@@ -173,19 +180,19 @@ class SelfDrafter:
                 break
             choices.append(choice)
             if k + 1 < gamma:
-                out, logits = runner.step(cache, pred[None], [choice.token])
+                out, logits = yield HeadCall(cache, pred[None], [choice.token])
                 pred = out[-1]
         if budget > 1 and choices:
             return chain_tree(choices, budget, "self")
         return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
 
     def _expand(self, session: SelfSession, cache, pred: torch.Tensor, logits: torch.Tensor, gamma: int,
-                budget: int) -> Proposal:
+                budget: int) -> Steps:
         """EAGLE-2's dynamic tree: at each depth the WIDTH best nodes so far (by the product of the
         head's probabilities along their path) are expanded in one head call (a tree step over
         their rows), each giving its WIDTH best next tokens; the best `budget` nodes are proposed,
         best first."""
-        head, runner = self.head, self.runner
+        head = self.head
         vocab = head.embed.shape[0]
         tree, base, slot_parents = Tree(), cache.length, []
         frontier = [(-1, -1, pred, logits, 1.0)]  # (tree node, cache slot, predicted feature, logits, score)
@@ -202,8 +209,8 @@ class SelfDrafter:
                 break
             rows = [g[2] for g in grown]
             start = cache.length
-            out, row_logits = runner.tree_step(cache, torch.stack([g[3] for g in grown]), [g[4] for g in grown],
-                                               [-1 if s < 0 else -2 - s for s in rows], base, slot_parents)
+            out, row_logits = yield HeadCall(cache, torch.stack([g[3] for g in grown]), [g[4] for g in grown],
+                                             [-1 if s < 0 else -2 - s for s in rows], base, tuple(slot_parents))
             slot_parents += rows
             frontier = [(g[1], start + i, out[i], row_logits[i], g[0]) for i, g in enumerate(grown)]
         tokens, parents, scores, _ = tree.select(budget, gamma)

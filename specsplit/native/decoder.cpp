@@ -351,22 +351,34 @@ class Decoder {
     return run(x, s);
   }
 
-  // Several sequences in one forward: sequence i feeds counts[i] consecutive ids at positions
-  // [starts[i], starts[i] + counts[i]) of caches[i], with heads[i] as in forward and trees[i]
-  // (empty: a chain). Returns (the logits of every sequence's head rows in order, hidden [n]).
-  std::vector<torch::Tensor> forward_batch(torch::Tensor ids, std::vector<torch::Tensor> caches,
+  // Several sequences in one forward: sequence i feeds counts[i] consecutive rows at positions
+  // [starts[i], starts[i] + counts[i]) of caches[i], with heads[i] as in forward, trees[i] (empty:
+  // a chain) and, for a tree grown over calls, bases[i] and slot_parents[i] as in forward. The rows
+  // are token ids, or input rows [n, hidden] (float32) when ids is empty (a draft head). Returns
+  // (the logits of every sequence's head rows in order, hidden [n]).
+  std::vector<torch::Tensor> forward_batch(torch::Tensor ids, torch::Tensor rows, std::vector<torch::Tensor> caches,
                                            std::vector<int64_t> starts, std::vector<int64_t> counts,
-                                           std::vector<int64_t> heads, std::vector<torch::Tensor> trees) {
+                                           std::vector<int64_t> heads, std::vector<torch::Tensor> trees,
+                                           std::vector<int64_t> bases, std::vector<torch::Tensor> slot_parents) {
     const size_t m = caches.size();
-    TORCH_CHECK(starts.size() == m && counts.size() == m && heads.size() == m && trees.size() == m,
-                "one start, count, head and tree per cache");
+    TORCH_CHECK(starts.size() == m && counts.size() == m && heads.size() == m && trees.size() == m &&
+                    bases.size() == m && slot_parents.size() == m,
+                "one start, count, head, tree, base and slot_parents per cache");
     int64_t total = 0;
     for (int64_t c : counts) total += c;
-    TORCH_CHECK(total == ids.size(0), "counts must add up to the number of ids");
-    std::vector<float> x = embed(ids);
+    std::vector<float> x;
+    if (ids.numel() > 0) {
+      TORCH_CHECK(total == ids.size(0), "counts must add up to the number of ids");
+      x = embed(ids);
+    } else {
+      TORCH_CHECK(rows.dim() == 2 && rows.size(0) == total && rows.size(1) == hidden_,
+                  "without ids, rows must be [sum of counts, hidden]");
+      auto r = rows.to(torch::kFloat32).contiguous();
+      x.assign(r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
+    }
     Scratch s;
     for (size_t i = 0; i < m; ++i)
-      add_segment(s, caches[i], counts[i], starts[i], heads[i], trees[i], starts[i], torch::Tensor());
+      add_segment(s, caches[i], counts[i], starts[i], heads[i], trees[i], bases[i], slot_parents[i]);
     return run(x, s);
   }
 
