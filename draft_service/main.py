@@ -37,9 +37,10 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
 async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     runtime.configure_process(settings.server.threads)
     tel = telemetry.configure("specsplit-draft", settings.server.metrics_port)
-    worker = ModelWorker("draft")
+    worker = ModelWorker("draft", settings.batch_wait_ms / 1e3)
     drafters = await worker.run(build_drafters, settings)
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
+    worker.expected = lambda: len(sessions)  # every drafting session sends a Propose per round
     default = settings.default_drafter
     if default == "auto":
         default = "hybrid" if "hybrid" in drafters else "ngram"

@@ -112,8 +112,9 @@ class RoundLoop:
         request.committed = [*(drafts[i] for i in path), verdict.next_token_id]
         if request.ready is not None:  # the drafter already holds these tokens
             request.base, request.unsent = verdict.length, []
-        else:
-            request.base, request.unsent = request.length, list(request.committed)
+        else:  # the drafter hears them with the next Propose (or EndSession); rounds without a
+            # Propose (no room left to draft) keep adding to what it has not heard yet
+            request.unsent = [*request.unsent, *request.committed]
         request.length = verdict.length
         request.generated += len(request.committed)
         end = now()

@@ -111,8 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--idle-timeout", type=float, default=600.0, help="evict sessions idle this long (s)")
     v.add_argument("--batch-rows", type=int, default=256,
                    help="most rows of concurrent sessions' calls batched into one forward (1: no batching)")
-    v.add_argument("--batch-wait-ms", type=float, default=2.0,
-                   help="how long a call may wait for other sessions' calls to join its forward")
+    v.add_argument("--batch-wait-ms", type=float, default=5.0,
+                   help="how long a call may wait for other sessions' calls to join its forward (a batch runs "
+                        "at once when every live session has sent its call)")
 
     d = roles.add_parser("draft", help="the drafters")
     _server_flags(d, "127.0.0.1:50052")
@@ -141,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(renormalised) and sends that distribution with each draft token")
     d.add_argument("--max-sessions", type=int, default=64)
     d.add_argument("--idle-timeout", type=float, default=600.0)
+    d.add_argument("--batch-wait-ms", type=float, default=2.0,
+                   help="how long a Propose may wait for other sessions' to draft with it (at once when "
+                        "every session has sent one)")
 
     g = roles.add_parser("gateway", help="the public Generate API")
     _server_flags(g, "127.0.0.1:50050")
@@ -373,7 +377,7 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--batch-wait-ms", type=float, default=2.0,
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="the verify service's wait for other sessions' calls to join a forward")
     p.add_argument("--tree-budget", type=int, default=8,
                    help="the gateway's token-tree size per round for requests that do not say (0: chains)")
@@ -425,7 +429,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                  idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
                                  self_head=_self_head(a.self_head, a.target_model), target_model=a.target_model,
                                  device=a.device, hybrid_min_match=a.hybrid_min_match,
-                                 self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k)
+                                 self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k,
+                                 batch_wait_ms=a.batch_wait_ms)
     else:
         from gateway.access import read_token
         from gateway.main import run

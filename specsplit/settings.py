@@ -52,7 +52,7 @@ class VerifySettings:
     # Batching across sessions: the most rows one forward takes, and how long the first call of a
     # batch may wait for the others (a batch also runs once the sessions of the last one are back).
     batch_rows: int = 256
-    batch_wait_ms: float = 2.0
+    batch_wait_ms: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class DraftSettings:
     proposal_top_k: int = 16  # rejection sampling: tokens kept (and sent) per draft distribution
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
+    batch_wait_ms: float = 2.0  # how long a Propose may wait for other sessions' to draft with it
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ also means one OpenMP team for the native kernels.
 
 Gathered work (`gather`, `run_gathered`) is batched: items that arrive close together are handed
 to their runner in one call (the verify service runs them in one forward). A batch is run once it
-is as large as the previous one (the sessions that were in it have all come back), holds `max_rows`
-rows, or its first item has waited `wait_s`; a plain job runs only after the batch before it, so
-arrival order holds across both kinds."""
+holds a call from every live session (`expected()`, the service's session count: in steady state
+each session sends one round per forward, so they all come back), holds `max_rows` rows, or its
+first item has waited `wait_s`; a plain job runs only after the batch before it, so arrival order
+holds across both kinds. Waiting for every session keeps them in step: one that misses a forward
+would otherwise run its own, beside (and on a shared CPU, against) the others' drafting."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ Reply = Callable[[Any], None]
 
 
 class ModelWorker:
-    def __init__(self, name: str, wait_s: float = 0.0, max_rows: int = 256):
+    def __init__(self, name: str, wait_s: float = 0.0, max_rows: int = 256,
+                 expected: Callable[[], int] = lambda: 1):
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -43,7 +46,7 @@ class ModelWorker:
         self.wait_s, self.max_rows = wait_s, max_rows
         self._batch: list[tuple[Runner, Any, int, Reply]] = []
         self._batch_since = 0.0  # when the batch's first item arrived (perf_counter)
-        self._last_size = 1  # items in the previous batch
+        self.expected = expected  # how many calls a batch can expect (set by the service)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -111,7 +114,7 @@ class ModelWorker:
         """How long the batch may still wait for more items (None: there is none)."""
         if not self._batch:
             return None
-        if len(self._batch) >= self._last_size or sum(b[2] for b in self._batch) >= self.max_rows:
+        if len(self._batch) >= self.expected() or sum(b[2] for b in self._batch) >= self.max_rows:
             return 0
         return max(0.0, self.wait_s - (time.perf_counter() - self._batch_since))
 
@@ -127,7 +130,6 @@ class ModelWorker:
                 rest.append(entry)
         self._batch = rest
         self._batch_since = time.perf_counter()
-        self._last_size = len(taken)
         try:
             outcomes = runner([entry[1] for entry in taken])
         except BaseException as e:  # noqa: BLE001 -- a runner's bug fails its items, not the thread

@@ -122,9 +122,10 @@ async def test_worker_gathers_calls_that_arrive_together_and_keeps_order_around_
         worker.shutdown()
 
 
-async def test_worker_waits_for_the_sessions_of_the_last_batch_within_its_budget():
+async def test_worker_waits_for_every_live_session_within_its_budget():
+    live = [3]
     for wait_s, expected in ((1.0, [[1, 2, 3], [4, 5, 6]]), (0.0, [[1, 2, 3], [4], [5, 6]])):
-        worker = ModelWorker("test", wait_s=wait_s)
+        worker = ModelWorker("test", wait_s=wait_s, expected=lambda: live[0])
         batches: list[list] = []
         runner = _recording_runner(batches)
         try:
@@ -137,6 +138,12 @@ async def test_worker_waits_for_the_sessions_of_the_last_batch_within_its_budget
                                  worker.run_gathered(runner, 5), worker.run_gathered(runner, 6))
             assert batches == expected, wait_s
             assert time.perf_counter() - start < 0.5  # a full batch runs without waiting out the budget
+            # A session that is gone is not waited for.
+            live[0], batches[:] = 1, []
+            t = time.perf_counter()
+            await worker.run_gathered(runner, 7)
+            assert batches == [[7]] and time.perf_counter() - t < 0.5
+            live[0] = 3
         finally:
             worker.shutdown()
 
@@ -206,3 +213,28 @@ def test_the_self_head_drafts_several_sessions_in_one_call_as_it_drafts_each_alo
             assert a.scores == pytest.approx(b.scores, abs=1e-5) if a.scores else not b.scores
         assert max(calls) == len(prompts)  # a turn's steps of all four sessions in one call
         assert [s.cache.length for s in sessions] == [s.cache.length for s in singles]
+
+
+async def test_the_concurrency_sweep_measures_every_level_and_mode_and_checks_answers(models, tmp_path):
+    """bench --concurrency against the real services: every level runs off, on and AUTO, reports the
+    batches formed, and exits 0 only when every answer equals its one-client spec-off answer."""
+    import io
+
+    from specsplit.tools import concurrency
+    from specsplit.tools.workload import Prompt, Variant
+
+    prompts = [Prompt("code", "def add(a, b):"), Prompt("chat", "Once upon a time")]
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        with grpc.insecure_channel(stack.gateway) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            out = io.StringIO()
+            status = await asyncio.to_thread(concurrency.run, stub, prompts, [1, 3], 12, Variant("ngram"), 6, out)
+    report = out.getvalue()
+    assert status == 0, report
+    rows = [r for r in (line.split() for line in report.splitlines())
+            if len(r) > 1 and r[0] in ("1", "3") and r[1] in ("off", "on", "auto")]
+    assert [(r[0], r[1]) for r in rows] == [(c, m) for c in ("1", "3") for m in ("off", "on", "auto")], report
+    batch = {(r[0], r[1]): float(r[8]) for r in rows}
+    assert batch[("1", "off")] == 1.0 and batch[("3", "off")] > 1.5, report  # 3 clients share forwards
+    assert all(r[11].split("/")[0] == r[11].split("/")[1] for r in rows), report  # all identical
+    assert "auto/best" in report

@@ -56,6 +56,7 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
         log.info("freed transformers' copy of the packed weights: %.0f MiB", freed / 2**20)
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
+    worker.expected = lambda: len(sessions)  # every live session sends a round per forward
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
     _gauges(lm, sessions)
     fast = servicer.rounds.open_fast_path("verify", settings.server.shared_memory)

@@ -1,7 +1,8 @@
 """`specsplit bench --concurrency 1,2,4,8,16`: N clients at once, speculation off, on and AUTO, at
 each level: aggregate tokens/s, per-request P50/P95 latency and time to first token, per task type,
 with the verify batches actually formed; every greedy answer is checked against its spec-off
-answer with one client."""
+answer with one client. The three modes run interleaved in short turns (two requests per client
+each), so that the machine's drift over a level hits all of them alike."""
 
 from __future__ import annotations
 
@@ -72,16 +73,18 @@ def one(stub, p: Prompt, index: int, mode: str, max_new_tokens: int, variant: Va
                   stats.speculation_reason, stats.accepted_tokens)
 
 
-def level(stub, prompts: list[Prompt], clients: int, mode: str, max_new_tokens: int, variant: Variant,
-          per_client: int) -> Level:
-    """`clients` threads, each sending `per_client` requests back to back (client i starts at prompt
-    i, so every prompt is met at every level)."""
-    out = Level(clients, mode, 0.0)
+TURN = 2  # requests per client in one turn of a mode
+
+
+def turn(stub, prompts: list[Prompt], out: Level, max_new_tokens: int, variant: Variant, first: int) -> None:
+    """`out.clients` threads, each sending TURN requests back to back (client i starts at prompt
+    first + i, so every prompt is met at every level); adds to out's answers and wall time."""
+    clients, mode = out.clients, out.mode
     lock = threading.Lock()
 
     def client(i: int) -> None:
-        for n in range(per_client):
-            index = (i + n * clients) % len(prompts)
+        for n in range(TURN):
+            index = (first + i + n * clients) % len(prompts)
             try:
                 answer = one(stub, prompts[index], index, mode, max_new_tokens, variant)
             except Exception as e:  # noqa: BLE001 -- counted and printed
@@ -97,8 +100,7 @@ def level(stub, prompts: list[Prompt], clients: int, mode: str, max_new_tokens: 
         t.start()
     for t in threads:
         t.join()
-    out.wall_s = time.perf_counter() - start
-    return out
+    out.wall_s += time.perf_counter() - start
 
 
 def run(stub, prompts: list[Prompt], levels: list[int], max_new_tokens: int, variant: Variant,
@@ -108,13 +110,16 @@ def run(stub, prompts: list[Prompt], levels: list[int], max_new_tokens: int, var
     reference: dict[int, list[int]] = {}
     results: list[Level] = []
     for clients in levels:
-        per_client = max(1, -(-requests_per_level // clients))
-        for mode in MODES:
-            lv = level(stub, prompts, clients, mode, max_new_tokens, variant, per_client)
-            if clients == levels[0] and mode == "off":
-                reference = {a.prompt: a.tokens for a in lv.answers}
+        turns = max(1, -(-requests_per_level // (clients * TURN)))
+        modes = {mode: Level(clients, mode, 0.0) for mode in MODES}
+        for t in range(turns):
+            for mode in (list(MODES) if t % 2 == 0 else list(reversed(MODES))):
+                turn(stub, prompts, modes[mode], max_new_tokens, variant, t * clients * TURN)
+        if clients == levels[0]:
+            reference = {a.prompt: a.tokens for a in modes["off"].answers}
+        for lv in modes.values():
             results.append(lv)
-            print(f"concurrency {clients:>2} {mode:<4} {lv.rate():7.1f} tok/s  {len(lv.answers)} requests"
+            print(f"concurrency {clients:>2} {lv.mode:<4} {lv.rate():7.1f} tok/s  {len(lv.answers)} requests"
                   f"{f'  {len(lv.errors)} errors' if lv.errors else ''}", file=sys.stderr, flush=True)
     return report(results, reference, prompts, out)
 
