@@ -16,11 +16,12 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from gateway.load import Load
 from specsplit.errors import Failure
 from specsplit.serving import aio_channel
 from specsplit.settings import ClientTLS
@@ -40,6 +41,7 @@ class Replica:
     serving: bool = False  # new sessions come here once it answered SERVING and serves the target
     sessions: int = 0  # requests pinned here now
     gone: bool = False  # no longer resolved: close once its sessions ended
+    load: Load = field(default_factory=Load)  # what its sessions' rounds put into its forwards
 
 
 def resolve(spec: str, lookup: Callable = socket.getaddrinfo) -> list[str]:

@@ -15,6 +15,7 @@ import grpc
 from gateway import payloads
 from gateway.draftwatch import DraftWatch
 from gateway.instruments import Instruments
+from gateway.load import Load
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
@@ -36,18 +37,21 @@ _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEAD
 class RoundLoop:
     def __init__(self, upstream: Upstream, verifier: vpb_grpc.VerifierStub, tokenizer, target: vpb.InfoResponse,
                  rpc_timeout_s: float, instruments: Instruments, watch: DraftWatch,
-                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20):
-        # `verifier`: the verify replica this loop's session is pinned to (gateway.replicas).
+                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20, load: Load | None = None):
+        # `verifier`: the verify replica this loop's session is pinned to (gateway.replicas), `load`
+        # what the other sessions there put into its (batched) forwards.
         self._up, self._verifier, self._tokenizer, self._target, self._watch = upstream, verifier, tokenizer, \
             target, watch
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
+        self._load = load or Load()
 
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
         request = Request(plan, uuid.uuid4().hex, plan.speculate, started=now())
         request.segment = self._segment(request)
         deadline = Deadline(time_remaining, self._rpc_timeout_s)
+        self._load.enter(request.session_id)
         try:
             with self._instruments.prefill(request):
                 await self._prefill(request, deadline)
@@ -61,6 +65,7 @@ class RoundLoop:
             stats = self._instruments.finished(request, len(text.token_ids))
             yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish, stats=stats)
         finally:
+            self._load.leave(request.session_id)
             self._up.in_background(self._release(request))
 
     async def _round(self, request: Request, mark: int) -> int:
@@ -117,6 +122,7 @@ class RoundLoop:
             request.unsent = [*request.unsent, *request.committed]
         request.length = verdict.length
         request.generated += len(request.committed)
+        self._load.report(request.session_id, 1 + len(drafts), len(request.committed))
         end = now()
         request.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
@@ -150,16 +156,19 @@ class RoundLoop:
               draft_ms: float) -> tuple[list[int], list[int], float]:
         """A proposed token tree cut to what pays: its best-first prefix whose expected tokens per
         millisecond are highest at the verifier's measured cost per width (this round's drafting
-        and the link's overhead count too), the drafter's scores scaled by how far they have held
-        up (the controller's score_scale), and to `gamma` deep; an unscored tree (rejection
+        and the link's overhead count too; with other sessions on the replica, the whole batch's
+        tokens per millisecond at the width they and this round put into the forward), the
+        drafter's scores scaled by how far they have held up (the controller's score_scale), and to
+        `gamma` deep; an unscored tree (rejection
         sampling's, whose layout must not depend on the drawn values) by depth only. Returns (the
         kept indices, their parents, the sum of the kept tokens' unscaled scores)."""
         scores = list(proposal.draft_scores)
         if len(scores) != len(proposal.draft_token_ids):
             scores = []
+        other_rows, other_gain = self._load.others(request.session_id)
         size = tokentree.worth_verifying([s * request.plan.score_scale for s in scores],
-                                         list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS) \
-            if scores else None
+                                         list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS,
+                                         other_rows, other_gain) if scores else None
         keep, parents = tokentree.prune(list(proposal.draft_parents)[:len(proposal.draft_token_ids)], gamma, size)
         return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 

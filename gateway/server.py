@@ -189,11 +189,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 
-    def _loop(self, verifier) -> RoundLoop:
+    def _loop(self, replica) -> RoundLoop:
         b = self._backends
         instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
-        return RoundLoop(b.upstream, verifier, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
-                         b.watch, b.segments, b.settings.shm_segment_bytes)
+        return RoundLoop(b.upstream, replica.stub, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
+                         b.watch, b.segments, b.settings.shm_segment_bytes, replica.load)
 
     async def Generate(self, request, context):
         text, ids, last = [], [], None
@@ -230,7 +230,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             self._inflight += 1
             replica.sessions += 1
             try:
-                async with contextlib.aclosing(self._loop(replica.stub).generate(plan, time_remaining)) as chunks:
+                async with contextlib.aclosing(self._loop(replica).generate(plan, time_remaining)) as chunks:
                     async for chunk in chunks:
                         if chunk.token_ids and first is None:
                             first = time.perf_counter() - started

@@ -142,17 +142,22 @@ class Tree:
         return tokens, parents, scores, sources
 
 
-def worth_verifying(scores: list[float], forward_ms_by_rows: list[float], fixed_ms: float) -> int:
+def worth_verifying(scores: list[float], forward_ms_by_rows: list[float], fixed_ms: float,
+                    other_rows: int = 0, other_gain: float = 0.0) -> int:
     """How many leading nodes of a best-first tree to verify: the count m whose expected tokens per
     round (1 + the sum of their scores, each node's chance of being on the accepted path) per
     millisecond (the verify forward of m + 1 rows plus the round's other costs) is highest. Without a
-    cost curve, all of them."""
+    cost curve, all of them. With a batching verifier, other sessions' rounds share the forward:
+    `other_rows` of theirs, expected to commit `other_gain` tokens; then the count is the one that
+    maximises the whole batch's tokens per millisecond, so a node must pay for what its row costs
+    everyone (alone, both are 0 and it is the session's own rate)."""
     if not forward_ms_by_rows:
         return len(scores)
-    best, best_rate, gain = 0, 1.0 / (verify_ms(forward_ms_by_rows, 1) + fixed_ms), 1.0
+    gain = other_gain + 1.0
+    best, best_rate = 0, gain / (verify_ms(forward_ms_by_rows, other_rows + 1) + fixed_ms)
     for m, score in enumerate(scores, start=1):
         gain += score
-        rate = gain / (verify_ms(forward_ms_by_rows, m + 1) + fixed_ms)
+        rate = gain / (verify_ms(forward_ms_by_rows, other_rows + m + 1) + fixed_ms)
         if rate > best_rate:
             best, best_rate = m, rate
     return best

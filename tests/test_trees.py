@@ -9,6 +9,7 @@ from conftest import running_stack
 
 from draft_service.drafters.base import Choice, chain_tree
 from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
+from gateway.load import Load
 from specsplit import native
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -120,6 +121,27 @@ def test_expected_gain_keeps_the_nodes_that_pay_for_their_rows():
     assert worth_verifying([0.9, 0.8, 0.7, 0.1, 0.1], flat_then_steep, 1.0) == 3
     assert worth_verifying([0.01, 0.01], flat_then_steep, 1.0) == 0  # 1.01 / 11.2 < 1 / 11
     assert worth_verifying([0.9, 0.9], [], 1.0) == 2  # no cost curve: everything
+
+
+def test_in_a_shared_forward_a_node_must_pay_for_its_row_across_the_batch():
+    """With other sessions' rows in the forward (a batching verifier), the flat part of the cost
+    curve is theirs: a node pays only if its chance beats what its row costs the whole batch."""
+    curve = [10.0] * 8 + [10.0 + 1.5 * (r - 8) for r in range(9, 65)]  # flat to 8 rows, then 1.5 ms a row
+    scores = [0.9, 0.7, 0.5, 0.3, 0.2]
+    assert worth_verifying(scores, curve, 1.0) == 5  # alone every row is free
+    busy = worth_verifying(scores, curve, 1.0, other_rows=5, other_gain=5.0)  # 5 spec-off sessions
+    assert busy == 2  # the free rows left go to the likelier nodes; past them, none pays
+    # The batch's 8 tokens per 11 ms against (8 + 0.9) per 12.5 ms for the first node past the flat part.
+    assert worth_verifying(scores, curve, 1.0, other_rows=7, other_gain=7.0) == 0
+    assert worth_verifying(scores, curve, 1.0, other_rows=30, other_gain=30.0) == 0
+    load = Load()
+    for sid, (rows, gain) in {"a": (5, 2.5), "b": (1, 1.0), "c": (3, 2.0)}.items():
+        load.enter(sid)
+        load.report(sid, rows, gain)
+    assert load.others("a") == (4, 3.0) and load.others("new") == (9, 5.5)
+    load.leave("b")
+    load.enter("d")  # a new session counts as a spec-off round until it reports
+    assert load.others("a") == (4, 3.0) and (load.rows, load.gain) == (9, 5.5)
 
 
 def test_retrieval_tree_counts_what_followed_every_occurrence():

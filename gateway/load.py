@@ -1,0 +1,31 @@
+"""What the other sessions on a verify replica put into its forwards: their rows and expected tokens
+per round, as their last rounds reported. With a batching verifier a session's rounds share
+forwards with theirs, so the gateway cuts a token tree by what it adds to the whole batch
+(tokentree.worth_verifying with others' rows and gain), not by what it costs alone."""
+
+from __future__ import annotations
+
+
+class Load:
+    def __init__(self):
+        self._rounds: dict[str, tuple[int, float]] = {}  # session id -> (rows, expected tokens) of its last round
+        self.rows, self.gain = 0, 0.0  # sums over the sessions
+
+    def enter(self, session_id: str) -> None:
+        self.report(session_id, 1, 1.0)  # until its first round: what a spec-off round puts in
+
+    def report(self, session_id: str, rows: int, gain: float) -> None:
+        old_rows, old_gain = self._rounds.get(session_id, (0, 0.0))
+        self._rounds[session_id] = (rows, gain)
+        self.rows += rows - old_rows
+        self.gain += gain - old_gain
+
+    def leave(self, session_id: str) -> None:
+        rows, gain = self._rounds.pop(session_id, (0, 0.0))
+        self.rows -= rows
+        self.gain -= gain
+
+    def others(self, session_id: str) -> tuple[int, float]:
+        """(rows, expected tokens) of the other sessions' rounds."""
+        rows, gain = self._rounds.get(session_id, (0, 0.0))
+        return self.rows - rows, self.gain - gain
