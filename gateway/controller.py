@@ -46,6 +46,11 @@ def p95(values) -> float:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def load_bucket(clients: int) -> int:
+    """Concurrency levels judged together: 1, 2, 3-4, 5-8, 9-16, ... (the next power of two)."""
+    return 1 if clients <= 1 else 1 << (clients - 1).bit_length()
+
+
 def expected_length(alpha: float, gamma: int) -> float:
     """Tokens per round when each draft token is accepted with probability alpha (independently):
     1 + alpha + ... + alpha^gamma."""
@@ -80,6 +85,22 @@ class TypeState:
         self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
         # Per spec-on round: the rows it verifies and its drafting on the critical path.
         self.rows_on, self.draft_round_ms = Ewma(d), Ewma(d)
+        # With others in flight: per load bucket, decode ms per token of spec-on and spec-off
+        # requests that ran at that concurrency, and the bucket's decisions so far.
+        self.loaded: dict[int, tuple[deque[float], deque[float]]] = {}
+        self.load_turns: dict[int, int] = {}
+
+    def under_load(self, clients: int, cost_curve: Sequence[float]) -> tuple[bool, str]:
+        """Whether to speculate with `clients` requests in flight, and on what grounds: measured at
+        this load once both modes have enough requests there (median ms per token), else
+        predicted (gain_at; speculate until anything is known)."""
+        s = self.settings
+        on, off = self.loaded.get(load_bucket(clients), ((), ()))
+        need = max(3, s.min_requests // 2)
+        if len(on) >= need and len(off) >= need:
+            return statistics.median(on) < statistics.median(off), "measured"
+        gain = self.gain_at(clients, cost_curve)
+        return gain is None or gain >= 1.0, "predicted"
 
     @property
     def score_scale(self) -> float:
@@ -173,6 +194,7 @@ class Decision:
     speculate: bool
     gamma: int
     reason: str  # forced | controller-off | concurrency | control | disabled | probe | on
+    clients: int = 1  # requests in flight when it was made, this one included
 
 
 class Controller:
@@ -199,33 +221,39 @@ class Controller:
         st.gamma = min(max(gamma, self.settings.gamma_min), self.settings.gamma_max)
 
     def decide(self, task_type: str, drafter: str, mode: str, requested_gamma: int, inflight: int) -> Decision:
-        """mode: AUTO, ON or OFF (the request's). requested_gamma 0: the controller's choice."""
+        """mode: AUTO, ON or OFF (the request's). requested_gamma 0: the controller's choice.
+        inflight: the other requests in flight now."""
         s = self.settings
         st = self.state(task_type, drafter)
+        clients = inflight + 1
         if mode == OFF:
-            return Decision(False, 0, "forced")
+            return Decision(False, 0, "forced", clients)
         if mode == ON:
-            return Decision(True, requested_gamma or st.gamma, "forced")
+            return Decision(True, requested_gamma or st.gamma, "forced", clients)
         if not s.enabled:
-            return Decision(True, requested_gamma or s.gamma_start, "controller-off")
+            return Decision(True, requested_gamma or s.gamma_start, "controller-off", clients)
         self.requests += 1
         if s.max_inflight and inflight > s.max_inflight:
-            return Decision(False, 0, "concurrency")
-        if inflight >= 1:  # with others in flight, speculation spends rows the batch would share
-            gain = st.gain_at(inflight + 1, self.cost_curve)
-            if gain is not None and gain < 1.0:
-                return Decision(False, 0, "concurrency")
+            return Decision(False, 0, "concurrency", clients)
         gamma = requested_gamma or st.gamma
+        if clients > 1:  # judged at this load, not by the single-stream state below
+            bucket = load_bucket(clients)
+            turn = st.load_turns[bucket] = st.load_turns.get(bucket, 0) + 1
+            speculate, _ = st.under_load(clients, self.cost_curve)
+            if turn % s.probe_every == 0:  # the other mode now and then, so that both stay measured
+                return Decision(not speculate, gamma if not speculate else 0,
+                                "probe" if not speculate else "control", clients)
+            return Decision(True, gamma, "on", clients) if speculate else Decision(False, 0, "concurrency", clients)
         if not st.enabled:
             st.since_probe += 1
             if st.since_probe >= s.probe_every:
                 st.since_probe = 0
-                return Decision(True, gamma, "probe")
-            return Decision(False, 0, "disabled")
+                return Decision(True, gamma, "probe", clients)
+            return Decision(False, 0, "disabled", clients)
         st.auto_requests += 1
         if s.control_share > 0 and st.auto_requests % max(1, round(1 / s.control_share)) == 0:
-            return Decision(False, 0, "control")  # every n-th request: deterministic, spread evenly
-        return Decision(True, gamma, "on")
+            return Decision(False, 0, "control", clients)  # every n-th request: deterministic, spread evenly
+        return Decision(True, gamma, "on", clients)
 
     def predraft(self, task_type: str, drafter: str) -> bool:
         return self.state(task_type, drafter).predraft()
@@ -238,28 +266,37 @@ class Controller:
         """Learns from a finished request (`predraft`: whether it pre-drafted) and re-evaluates its
         task type."""
         st = self.state(task_type, drafter)
+        alone = decision.clients <= 1  # timings under load (batched forwards) say nothing of a lone request
         for r in stats.rounds:
             if r.drafted:
                 st.accepted.add(r.accepted)
                 st.rejected.add(1.0 if r.accepted < (r.depth or r.drafted) else 0.0)
                 st.tokens_per_round.add(r.accepted + 1)
-                st.draft_ms_per_token.add(r.draft_ms / r.drafted)
-                st.network_on.add(r.network_ms)
                 st.rows_on.add(1 + r.drafted)
-                st.draft_round_ms.add(r.draft_ms)
-            else:
+                if alone:
+                    st.draft_ms_per_token.add(r.draft_ms / r.drafted)
+                    st.network_on.add(r.network_ms)
+                    st.draft_round_ms.add(r.draft_ms)
+            elif alone:
                 st.network_off.add(r.network_ms)
-            st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)
+            if alone:
+                st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)
             if r.expected > 0:
                 st.tree_accepted.add(r.accepted)
                 st.tree_expected.add(r.expected)
-        if stats.generated_tokens > 1:
-            # Decode time per token: prefill depends on the prompt's length, not on speculation, and
-            # would make the comparison one of prompt mixes rather than of on vs off.
-            per_token = stats.decode_ms / (stats.generated_tokens - 1)
-            (st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token).append(per_token)
-            if stats.speculation_used:
-                st.predraft_ms[predraft].append(per_token)
+        if stats.generated_tokens <= 1:
+            return
+        # Decode time per token: prefill depends on the prompt's length, not on speculation, and
+        # would make the comparison one of prompt mixes rather than of on vs off.
+        per_token = stats.decode_ms / (stats.generated_tokens - 1)
+        if not alone:
+            window = self.settings.window
+            on, off = st.loaded.setdefault(load_bucket(decision.clients), (deque(maxlen=window), deque(maxlen=window)))
+            (on if stats.speculation_used else off).append(per_token)
+            return
+        (st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token).append(per_token)
+        if stats.speculation_used:
+            st.predraft_ms[predraft].append(per_token)
         if decision.reason in ("on", "probe", "disabled", "control"):
             self._evaluate(st)
 

@@ -43,7 +43,7 @@ class Workload:
 def serve(controller: Controller, workload: Workload, requests: int, task: str = "code") -> list:
     decisions = []
     for _ in range(requests):
-        d = controller.decide(task, "hybrid", AUTO, 0, inflight=1)
+        d = controller.decide(task, "hybrid", AUTO, 0, inflight=0)
         controller.observe(task, "hybrid", d, outcome(workload.run(d.speculate, d.gamma)))
         decisions.append(d)
     return decisions
@@ -128,7 +128,7 @@ def test_predrafting_is_kept_where_it_pays_and_dropped_where_it_does_not():
         work = PredraftWorkload(alpha=0.8, network_ms=network, extra_ms=extra, seed=7)
         arms = []
         for _ in range(120):
-            d = c.decide("code", "hybrid", AUTO, 0, inflight=1)
+            d = c.decide("code", "hybrid", AUTO, 0, inflight=0)
             arm = c.predraft("code", "hybrid")
             c.observe("code", "hybrid", d, outcome(work.run_arm(d.gamma, arm)), arm)
             arms.append(arm)
@@ -171,3 +171,25 @@ def test_speculation_stops_where_the_batch_width_it_spends_stops_being_free():
     weak = c.state("open", "hybrid")
     cut = lambda s: min(n for n in range(1, 65) if s.gain_at(n, c.cost_curve) < 1)  # noqa: E731
     assert cut(weak) < cut(st), (cut(weak), cut(st))
+
+
+def test_under_load_what_was_measured_at_that_load_decides_over_the_prediction():
+    """The prediction misses what the verifier's cost curve does not show (a drafter sharing the
+    CPU, the gateway's work per session): once spec-on and spec-off requests have run at a load,
+    their decode time per token there decides, and every probe_every-th decision at that load runs
+    the other mode so that both stay measured. A lone request is judged apart."""
+    c = Controller(ControllerSettings(control_share=0.0))
+    c.cost_curve = [10.0] * 64  # width looks free: the prediction says speculate at any load
+    serve(c, Workload(alpha=0.75), 20)
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=3).reason == "on"  # predicted
+    for _ in range(4):  # at 4 in flight, spec-on measured 30 % slower per token than spec-off
+        for mode, ms in ((ON, 13.0), (OFF, 10.0)):
+            d = c.decide("code", "hybrid", mode, 0, inflight=3)
+            c.observe("code", "hybrid", d, outcome(pb.GenerationStats(
+                generated_tokens=65, decode_ms=64 * ms, speculation_used=mode == ON)))
+    decisions = [c.decide("code", "hybrid", AUTO, 0, inflight=2) for _ in range(20)]  # 3 in flight: same bucket
+    assert [d.reason for d in decisions].count("concurrency") == 18, decisions
+    assert [d.reason for d in decisions].count("probe") == 2 and all(d.clients == 3 for d in decisions)
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=7).speculate  # 8 in flight: not measured, predicted
+    assert c.decide("code", "hybrid", AUTO, 0, inflight=0).reason == "on"  # alone: its own state
+    assert c.state("code", "hybrid").enabled
