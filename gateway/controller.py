@@ -17,6 +17,7 @@ from specsplit.settings import ControllerSettings
 from specsplit.tokentree import verify_ms
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
+LOAD_PROBE_FACTOR = 4  # under load, one decision in probe_every x this runs the other mode
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,9 @@ class Controller:
             bucket = load_bucket(clients)
             turn = st.load_turns[bucket] = st.load_turns.get(bucket, 0) + 1
             speculate, _ = st.under_load(clients, self.cost_curve)
-            if turn % s.probe_every == 0:  # the other mode now and then, so that both stay measured
+            # The other mode now and then, so that both stay measured; rarer than a lone request's
+            # probe: under load a spec-on request slows every session it shares forwards with.
+            if turn % (LOAD_PROBE_FACTOR * s.probe_every) == 0:
                 return Decision(not speculate, gamma if not speculate else 0,
                                 "probe" if not speculate else "control", clients)
             return Decision(True, gamma, "on", clients) if speculate else Decision(False, 0, "concurrency", clients)

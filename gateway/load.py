@@ -5,6 +5,40 @@ forwards with theirs, so the gateway cuts a token tree by what it adds to the wh
 
 from __future__ import annotations
 
+import math
+import time
+
+
+class InFlight:
+    """Generate calls in flight, now and as a decayed mean over the last `tau_s` seconds: a request
+    lives for seconds, and the load it will share forwards with is the recent one, not the instant
+    it arrived at (a lull between two requests of a busy client would otherwise judge it alone)."""
+
+    def __init__(self, tau_s: float = 2.0, clock=time.monotonic):
+        self.now, self._mean, self._tau, self._clock = 0, 0.0, tau_s, clock
+        self._at = clock()
+
+    def _settle(self) -> None:
+        t = self._clock()
+        keep = math.exp(-(t - self._at) / self._tau)
+        self._mean = self._mean * keep + self.now * (1 - keep)
+        self._at = t
+
+    def enter(self) -> None:
+        self._settle()
+        self.now += 1
+
+    def leave(self) -> None:
+        self._settle()
+        self.now -= 1
+
+    def others(self) -> int:
+        """Other requests a new one (not yet entered) should expect to share forwards with: the
+        larger of those in flight now and the recent mean less one (N clients back to back keep
+        about N in flight, each request among N - 1 others)."""
+        self._settle()
+        return max(self.now, round(self._mean) - 1)
+
 
 class Load:
     def __init__(self):

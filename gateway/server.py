@@ -17,6 +17,7 @@ from gateway.access import ClientCap, client_of
 from gateway.controller import AUTO, OFF, ON, Controller, Decision
 from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.instruments import GatewayMetrics, Instruments
+from gateway.load import InFlight
 from gateway.replicas import VerifyReplicas
 from gateway.rounds import RoundLoop
 from gateway.state import Plan
@@ -183,7 +184,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(self, backends: Backends):
         self._backends = backends
         self.controller = backends.controller
-        self._inflight = 0  # Generate calls running now (the controller's concurrency signal)
+        self._inflight = InFlight()  # Generate calls running now and recently (the controller's load signal)
         self._cap = ClientCap(backends.settings.max_sessions_per_client)
         self._metrics = GatewayMetrics(self.controller)
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
@@ -227,7 +228,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             plan = self.plan(request)
             replica = self._backends.verify.pick()  # the session's KV cache lives there: all its calls go there
             self._cap.enter(client)
-            self._inflight += 1
+            self._inflight.enter()
             replica.sessions += 1
             try:
                 async with contextlib.aclosing(self._loop(replica).generate(plan, time_remaining)) as chunks:
@@ -238,7 +239,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                         last = chunk
                         yield chunk
             finally:
-                self._inflight -= 1
+                self._inflight.leave()
                 replica.sessions -= 1
                 self._cap.leave(client)
             status = "OK"
@@ -284,7 +285,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         mode = MODES.get(request.speculation, AUTO)
-        decision = self.controller.decide(request.task_type, drafter, mode, request.gamma, self._inflight)
+        decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
+                                          self._inflight.others())
         if decision.speculate and not b.watch.up:
             if mode != AUTO:
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "

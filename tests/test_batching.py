@@ -238,3 +238,21 @@ async def test_the_concurrency_sweep_measures_every_level_and_mode_and_checks_an
     assert batch[("1", "off")] == 1.0 and batch[("3", "off")] > 1.5, report  # 3 clients share forwards
     assert all(r[11].split("/")[0] == r[11].split("/")[1] for r in rows), report  # all identical
     assert "auto/best" in report
+
+
+async def test_two_rounds_of_one_session_at_once_commit_one_and_refuse_the_other(models, tmp_path):
+    from specsplit.verify.v1 import verify_pb2 as vpb
+    from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+    async with running_stack(tmp_path, "tcp", models["target"], models["draft"], shared_memory=False) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            v = vpb_grpc.VerifierStub(ch)
+            first = await v.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=[5, 6, 7, 8]))
+            same = vpb.VerifyRequest(session_id="s", length=first.length, draft_token_ids=[first.next_token_id])
+            outcomes = await asyncio.gather(v.Verify(same), v.Verify(same), return_exceptions=True)
+            ok = [o for o in outcomes if not isinstance(o, BaseException)]
+            refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+            assert len(ok) == 1 and len(refused) == 1, outcomes
+            assert refused[0].code() == grpc.StatusCode.FAILED_PRECONDITION
+            after = await v.Verify(vpb.VerifyRequest(session_id="s", length=ok[0].length))
+            assert after.length == ok[0].length + 1  # the session went on from the committed round

@@ -176,8 +176,9 @@ def test_speculation_stops_where_the_batch_width_it_spends_stops_being_free():
 def test_under_load_what_was_measured_at_that_load_decides_over_the_prediction():
     """The prediction misses what the verifier's cost curve does not show (a drafter sharing the
     CPU, the gateway's work per session): once spec-on and spec-off requests have run at a load,
-    their decode time per token there decides, and every probe_every-th decision at that load runs
-    the other mode so that both stay measured. A lone request is judged apart."""
+    their decode time per token there decides, and now and then (more rarely than alone: a probe
+    slows every session it shares forwards with) a decision at that load runs the other mode so
+    that both stay measured. A lone request is judged apart."""
     c = Controller(ControllerSettings(control_share=0.0))
     c.cost_curve = [10.0] * 64  # width looks free: the prediction says speculate at any load
     serve(c, Workload(alpha=0.75), 20)
@@ -187,9 +188,9 @@ def test_under_load_what_was_measured_at_that_load_decides_over_the_prediction()
             d = c.decide("code", "hybrid", mode, 0, inflight=3)
             c.observe("code", "hybrid", d, outcome(pb.GenerationStats(
                 generated_tokens=65, decode_ms=64 * ms, speculation_used=mode == ON)))
-    decisions = [c.decide("code", "hybrid", AUTO, 0, inflight=2) for _ in range(20)]  # 3 in flight: same bucket
-    assert [d.reason for d in decisions].count("concurrency") == 18, decisions
-    assert [d.reason for d in decisions].count("probe") == 2 and all(d.clients == 3 for d in decisions)
+    decisions = [c.decide("code", "hybrid", AUTO, 0, inflight=2) for _ in range(40)]  # 3 in flight: same bucket
+    assert [d.reason for d in decisions].count("concurrency") == 39, decisions
+    assert [d.reason for d in decisions].count("probe") == 1 and all(d.clients == 3 for d in decisions)
     assert c.decide("code", "hybrid", AUTO, 0, inflight=7).speculate  # 8 in flight: not measured, predicted
     assert c.decide("code", "hybrid", AUTO, 0, inflight=0).reason == "on"  # alone: its own state
     assert c.state("code", "hybrid").enabled

@@ -9,7 +9,7 @@ from conftest import running_stack
 
 from draft_service.drafters.base import Choice, chain_tree
 from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
-from gateway.load import Load
+from gateway.load import InFlight, Load
 from specsplit import native
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -204,3 +204,23 @@ def test_a_rejection_tree_keeps_its_layout_whatever_was_drawn():
     assert proposal.tokens == [5, 3, 8, 3] and proposal.parents == [-1, -1, 0, 2]
     assert proposal.scores is None and len(proposal.probs) == 4
     assert chain_tree(choices, 3, "model").tokens == [5, 8, 3]  # no room for siblings
+
+
+def test_in_flight_counts_the_recent_load_not_only_the_instant():
+    t = [0.0]
+    load = InFlight(tau_s=2.0, clock=lambda: t[0])
+    assert load.others() == 0
+    for _ in range(8):  # 8 clients back to back for a while
+        load.enter()
+    t[0] = 20.0
+    assert load.others() == 8
+    for _ in range(8):  # a lull: all 8 between two requests
+        load.leave()
+    t[0] = 20.1
+    assert load.others() == 7  # the next request will share forwards with the 7 others coming back
+    t[0] = 40.0
+    assert load.others() == 0  # and once the load has gone, it is gone
+    load.enter()
+    t[0] = 60.0
+    load.leave()
+    assert load.others() == 0  # one client alone is alone

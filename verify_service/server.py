@@ -109,10 +109,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def run_calls(self, calls: list) -> list:
         """A batch of prefills and rounds (on the worker thread) in one forward: per call its answer,
         or the Failure (or exception) for its caller. A call that cannot be planned fails alone."""
-        steps, planned = [], []
+        steps, planned, seen = [], [], set()
         outcomes: list = [None] * len(calls)
         for i, call in enumerate(calls):
             try:
+                if call.session_id in seen:  # it would write the same cache slots in the same forward
+                    raise Failure(grpc.StatusCode.FAILED_PRECONDITION, f"session {call.session_id} already has a "
+                                  "call in this forward; send a session's rounds one at a time")
+                seen.add(call.session_id)
                 steps.append(self._plan_prefill(call) if isinstance(call, _Prefill) else self._plan_verify(call))
                 planned.append(i)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
