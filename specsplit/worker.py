@@ -175,18 +175,3 @@ def _settle(future: concurrent.futures.Future, outcome: Any) -> None:
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
-
-
-def each(handle: Callable[[Any], Any]) -> Runner:
-    """A runner that handles a batch's items one by one (for work that does not batch)."""
-
-    def run(items: list) -> list:
-        outcomes = []
-        for item in items:
-            try:
-                outcomes.append(handle(item))
-            except BaseException as e:  # noqa: BLE001 -- the item's outcome
-                outcomes.append(e)
-        return outcomes
-
-    return run

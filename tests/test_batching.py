@@ -17,7 +17,7 @@ from specsplit.fastllama import Feed
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import KVSequence, load_model
-from specsplit.worker import ModelWorker, each
+from specsplit.worker import ModelWorker
 from verify_service.engine import Target
 
 
@@ -146,12 +146,6 @@ async def test_worker_waits_for_every_live_session_within_its_budget():
             live[0] = 3
         finally:
             worker.shutdown()
-
-
-def test_each_runs_items_one_by_one():
-    assert each(lambda x: 1 / x)([1, 0, 2])[0] == 1.0
-    outcomes = each(lambda x: 1 / x)([1, 0, 2])
-    assert isinstance(outcomes[1], ZeroDivisionError) and outcomes[2] == 0.5
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
