@@ -91,17 +91,17 @@ class TypeState:
         self.loaded: dict[int, tuple[deque[float], deque[float]]] = {}
         self.load_turns: dict[int, int] = {}
 
-    def under_load(self, clients: int, cost_curve: Sequence[float]) -> tuple[bool, str]:
-        """Whether to speculate with `clients` requests in flight, and on what grounds: measured at
-        this load once both modes have enough requests there (median ms per token), else
-        predicted (gain_at; speculate until anything is known)."""
+    def under_load(self, clients: int, cost_curve: Sequence[float]) -> bool:
+        """Whether to speculate with `clients` requests in flight: as measured at this load once
+        both modes have enough requests there (median ms per token), else as predicted (gain_at;
+        speculate until anything is known)."""
         s = self.settings
         on, off = self.loaded.get(load_bucket(clients), ((), ()))
         need = max(3, s.min_requests // 2)
         if len(on) >= need and len(off) >= need:
-            return statistics.median(on) < statistics.median(off), "measured"
+            return statistics.median(on) < statistics.median(off)
         gain = self.gain_at(clients, cost_curve)
-        return gain is None or gain >= 1.0, "predicted"
+        return gain is None or gain >= 1.0
 
     @property
     def score_scale(self) -> float:
@@ -240,7 +240,7 @@ class Controller:
         if clients > 1:  # judged at this load, not by the single-stream state below
             bucket = load_bucket(clients)
             turn = st.load_turns[bucket] = st.load_turns.get(bucket, 0) + 1
-            speculate, _ = st.under_load(clients, self.cost_curve)
+            speculate = st.under_load(clients, self.cost_curve)
             # The other mode now and then, so that both stay measured; rarer than a lone request's
             # probe: under load a spec-on request slows every session it shares forwards with.
             if turn % (LOAD_PROBE_FACTOR * s.probe_every) == 0:

@@ -1,5 +1,5 @@
-"""What the other sessions on a verify replica put into its forwards: their rows and expected tokens
-per round, as their last rounds reported. With a batching verifier a session's rounds share
+"""What the other sessions on a verify replica put into its forwards: their rows and committed
+tokens per round, as their last rounds reported. With a batching verifier a session's rounds share
 forwards with theirs, so the gateway cuts a token tree by what it adds to the whole batch
 (tokentree.worth_verifying with others' rows and gain), not by what it costs alone."""
 
@@ -42,7 +42,7 @@ class InFlight:
 
 class Load:
     def __init__(self):
-        self._rounds: dict[str, tuple[int, float]] = {}  # session id -> (rows, expected tokens) of its last round
+        self._rounds: dict[str, tuple[int, float]] = {}  # session id -> (rows, tokens committed) of its last round
         self.rows, self.gain = 0, 0.0  # sums over the sessions
 
     def enter(self, session_id: str) -> None:
@@ -60,6 +60,6 @@ class Load:
         self.gain -= gain
 
     def others(self, session_id: str) -> tuple[int, float]:
-        """(rows, expected tokens) of the other sessions' rounds."""
+        """(rows, tokens committed) of the other sessions' last rounds."""
         rows, gain = self._rounds.get(session_id, (0, 0.0))
         return self.rows - rows, self.gain - gain

@@ -230,10 +230,6 @@ class FastSequence:
         """Room for `rows` more positions (CacheFull when the budget cannot give it)."""
         self._buffer.reserve(self._buffer.length + rows)
 
-    @property
-    def native(self) -> FastLlama:
-        return self._lm
-
     def _run(self, token_ids: list[int], head: int, parents: list[int] | None = None):
         buffer = self._buffer
         start = buffer.length
