@@ -1,8 +1,8 @@
-"""The draft service as the gateway sees it: how long a call may wait, and whether the service is
-up. Speculation is an optimisation, so a drafter that fails or stalls must cost a request its
+"""A draft service (one replica of it) as the gateway sees it: how long a call may wait, and
+whether the service is up. Speculation is an optimisation, so a drafter that fails or stalls must cost a request its
 drafts, never its answer: a call that fails, or waits past its budget while the service finishes
-nothing else either, marks the service down (the request goes on target-only, new requests start
-without speculation) and a probe with backoff brings it back.
+nothing else either, marks the service down (the request goes on target-only, new requests go to
+another draft replica or start without speculation) and a probe with backoff brings it back.
 
 Stalled, not busy: under a burst of sessions one call may queue behind many others for longer
 than any per-call budget, while the service keeps answering. So a call is given up only when it
@@ -29,9 +29,10 @@ PROBE_TIMEOUT_S = 1.0
 
 
 class DraftWatch:
-    def __init__(self, probe, clock=time.monotonic):
-        """probe: an awaitable factory that succeeds when the draft service answers (its Info)."""
-        self._probe, self._clock = probe, clock
+    def __init__(self, probe, clock=time.monotonic, name: str = "draft service"):
+        """probe: an awaitable factory that succeeds when the draft service answers (its Info);
+        name: what the log calls it (a replica's address when there are several)."""
+        self._probe, self._clock, self.name = probe, clock, name
         self._times: dict[tuple[str, str], deque] = {}  # by (drafter, kind of call)
         self._progress = -float("inf")  # when a draft call last finished
         self.down_since: float | None = None
@@ -85,7 +86,7 @@ class DraftWatch:
         if not self.up:
             return
         self.down_since, self.reason, self.losses = self._clock(), why, self.losses + 1
-        log.warning("draft service marked down, requests go on without drafts: %s", why)
+        log.warning("%s marked down, requests go on without its drafts: %s", self.name, why)
         self._task = asyncio.ensure_future(self._reprobe())
 
     async def _reprobe(self) -> None:
@@ -96,10 +97,10 @@ class DraftWatch:
                 async with asyncio.timeout(PROBE_TIMEOUT_S):
                     await self._probe()
             except Exception as e:  # noqa: BLE001 - any failure: still down
-                log.info("draft service still down (%s); next probe in %.2f s", e, min(2 * delay, PROBE_MAX_S))
+                log.info("%s still down (%s); next probe in %.2f s", self.name, e, min(2 * delay, PROBE_MAX_S))
                 delay = min(2 * delay, PROBE_MAX_S)
                 continue
-            log.warning("draft service answers again after %.1f s: speculation resumes",
+            log.warning("%s answers again after %.1f s: speculation resumes", self.name,
                         self._clock() - self.down_since)
             self.down_since, self.reason = None, ""
             return

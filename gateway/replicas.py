@@ -1,13 +1,16 @@
-"""The verify service's replicas behind one gateway. A session's KV cache lives on the replica that
-prefilled it, so the gateway keeps affinity itself rather than leaving it to a per-call load
-balancer: each request (one session) is pinned to one replica for all its calls, and a new session
-goes to the serving replica with the fewest sessions in flight.
+"""A service's replicas behind one gateway: the verify service's, and the draft service's. Both keep
+per-session state (the verifier a session's KV cache, the drafter its context, cache and tree), so
+the gateway keeps affinity itself rather than leaving it to a per-call load balancer: each request
+(one session) is pinned to one replica of each service for all its calls, and a new session goes to
+the available replica with the fewest sessions in flight.
 
-`--verify` takes one address, several separated by commas, or `dns:///NAME:PORT`: every address NAME
-resolves to, re-resolved every few seconds (a Kubernetes headless Service lists its ready pods).
-A replica that stops answering health checks gets no new sessions; sessions on it fail as with a
-failed verifier (UNAVAILABLE naming the verify service); one that leaves DNS is dropped once its
-sessions have ended."""
+`--verify` / `--draft` take one address, several separated by commas, or `dns:///NAME:PORT`: every
+address NAME resolves to, re-resolved every few seconds (a Kubernetes headless Service lists its
+ready pods). A replica that stops answering health checks, or that serves something else than the
+first one the gateway connected to, gets no new sessions; one that leaves DNS is dropped once its
+sessions have ended. What a session on a lost replica sees differs by service: on a verify replica
+it fails (UNAVAILABLE naming the verify service); on a draft replica it loses its drafts and goes on
+target-only (gateway.draftwatch), since speculation is an optimisation."""
 
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.load import Load
+from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.errors import Failure
 from specsplit.serving import aio_channel
 from specsplit.settings import ClientTLS
@@ -36,12 +42,19 @@ DNS = "dns:///"
 class Replica:
     address: str
     channel: grpc.aio.Channel
-    stub: vpb_grpc.VerifierStub
+    stub: object  # the service's stub (VerifierStub, DrafterStub)
     health: health_pb2_grpc.HealthStub
-    serving: bool = False  # new sessions come here once it answered SERVING and serves the target
+    serving: bool = False  # new sessions come here once it answered SERVING and fits (Backends)
+    fits: bool = False  # it was checked to serve what the first replica serves
+    why: str = ""  # why it is not serving, as the last check found
     sessions: int = 0  # requests pinned here now
     gone: bool = False  # no longer resolved: close once its sessions ended
     load: Load = field(default_factory=Load)  # what its sessions' rounds put into its forwards
+    watch: DraftWatch | None = None  # a draft replica's: whether it answers in time
+
+    @property
+    def available(self) -> bool:
+        return self.serving and not self.gone and (self.watch is None or self.watch.up)
 
 
 def resolve(spec: str, lookup: Callable = socket.getaddrinfo) -> list[str]:
@@ -54,17 +67,19 @@ def resolve(spec: str, lookup: Callable = socket.getaddrinfo) -> list[str]:
             continue
         host, _, port = entry.removeprefix(DNS).rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"--verify {entry!r}: use dns:///NAME:PORT")
+            raise ValueError(f"{entry!r}: use dns:///NAME:PORT")
         found = {info[4][0] for info in lookup(host, int(port), type=socket.SOCK_STREAM)}
         addresses += sorted(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in found)
     return addresses
 
 
-class VerifyReplicas:
-    def __init__(self, spec: str, tls: ClientTLS | None, interceptors=(), lookup: Callable = socket.getaddrinfo,
-                 clock: Callable[[], float] = time.monotonic):
-        self.spec, self._tls, self._interceptors, self._lookup, self._clock = spec, tls, list(interceptors), \
-            lookup, clock
+class Replicas:
+    """The replicas of one service (`service`: "verify" or "draft", as failures name it)."""
+
+    def __init__(self, service: str, spec: str, tls: ClientTLS | None, interceptors=(),
+                 lookup: Callable = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic):
+        self.service, self.spec, self._tls, self._interceptors, self._lookup, self._clock = \
+            service, spec, tls, list(interceptors), lookup, clock
         self._resolved_at: float | None = None
         self._dynamic = DNS in spec
         # Certificates name the Service, not the pods' IPs.
@@ -72,6 +87,17 @@ class VerifyReplicas:
                                   if e.strip().startswith(DNS)), None)
         self.replicas: dict[str, Replica] = {}
         self.sync(resolve(spec, lookup) if not self._dynamic else [])
+
+    def _stub(self, channel: grpc.aio.Channel):
+        return vpb_grpc.VerifierStub(channel) if self.service == "verify" else dpb_grpc.DrafterStub(channel)
+
+    def _added(self, replica: Replica) -> None:
+        """A new replica's extras: a draft replica is watched for stalls (gateway.draftwatch)."""
+        if self.service == "draft":
+            name = "draft service" if not self._dynamic and "," not in self.spec else \
+                f"draft replica {replica.address}"
+            replica.watch = DraftWatch(lambda: replica.stub.Info(dpb.InfoRequest(), timeout=PROBE_TIMEOUT_S),
+                                       name=name)
 
     def sync(self, addresses: list[str]) -> None:
         """Adds the replicas new in `addresses` and marks the missing ones gone."""
@@ -81,22 +107,23 @@ class VerifyReplicas:
                 options = [("grpc.ssl_target_name_override", self._server_name)] if self._tls and \
                     self._server_name else []
                 channel = aio_channel(address, self._tls, self._interceptors, options)
-                self.replicas[address] = Replica(address, channel, vpb_grpc.VerifierStub(channel),
-                                                 health_pb2_grpc.HealthStub(channel))
+                replica = self.replicas[address] = Replica(address, channel, self._stub(channel),
+                                                           health_pb2_grpc.HealthStub(channel))
+                self._added(replica)
                 if len(self.replicas) > 1 or self._dynamic:
-                    log.info("verify replica %s added", address)
+                    log.info("%s replica %s added", self.service, address)
             elif replica.gone:
                 replica.gone = False
         for address, replica in self.replicas.items():
             if address not in addresses and not replica.gone:
                 replica.gone = True
-                log.warning("verify replica %s left %s: no new sessions", address, self.spec)
+                log.warning("%s replica %s left %s: no new sessions", self.service, address, self.spec)
 
-    async def refresh(self) -> None:
-        """Re-resolves a dns:/// spec (at most every RESOLVE_EVERY_S; the health loop calls this more
-        often); drops replicas that left once their sessions ended."""
+    async def refresh(self, force: bool = False) -> None:
+        """Re-resolves a dns:/// spec (at most every RESOLVE_EVERY_S unless `force`; the health loop
+        calls this more often); drops replicas that left once their sessions ended."""
         now = self._clock()
-        if self._dynamic and (self._resolved_at is None or now - self._resolved_at >= RESOLVE_EVERY_S):
+        if self._dynamic and (force or self._resolved_at is None or now - self._resolved_at >= RESOLVE_EVERY_S):
             self._resolved_at = now
             try:
                 self.sync(await asyncio.to_thread(resolve, self.spec, self._lookup))
@@ -105,27 +132,48 @@ class VerifyReplicas:
         for address, replica in list(self.replicas.items()):
             if replica.gone and replica.sessions == 0:
                 del self.replicas[address]
-                await replica.channel.close()
+                await self._drop(replica)
 
-    @property
-    def any(self) -> Replica:
-        """A replica to ask what the target is (they must all serve the same one)."""
-        if not self.replicas:
-            raise Failure(grpc.StatusCode.UNAVAILABLE, f"verify service: {self.spec} resolves to no address")
+    async def first(self, timeout_s: float, every_s: float = 0.5) -> Replica:
+        """A replica to ask what the service serves (they must all serve the same): waits up to
+        `timeout_s` for a dns:/// spec to resolve to something (pods become ready after the gateway)."""
+        deadline = self._clock() + timeout_s
+        while not self.replicas:
+            if self._clock() >= deadline:
+                raise RuntimeError(f"{self.service} service: {self.spec} resolved to no address within {timeout_s} s")
+            await asyncio.sleep(every_s)
+            await self.refresh(force=True)
         return next(iter(self.replicas.values()))
 
     def pick(self) -> Replica:
-        """The serving replica with the fewest sessions in flight (ties: the first listed)."""
-        live = [r for r in self.replicas.values() if r.serving and not r.gone]
+        """The available replica with the fewest sessions in flight (ties: the first listed)."""
+        live = [r for r in self.replicas.values() if r.available]
         if not live:
-            raise Failure(grpc.StatusCode.UNAVAILABLE, f"verify service: no replica of {self.spec} is serving")
+            raise Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: {self.why_none()}")
         return min(live, key=lambda r: r.sessions)
 
     @property
     def serving(self) -> bool:
-        return any(r.serving and not r.gone for r in self.replicas.values())
+        """Some replica can take a new session."""
+        return any(r.available for r in self.replicas.values())
+
+    def why_none(self) -> str:
+        """Why no replica can take a new session (for messages)."""
+        if not self.replicas:
+            return f"{self.spec} resolves to no address"
+        why = {address: (r.watch.reason if r.watch is not None and not r.watch.up else
+                         "left DNS" if r.gone else r.why or "no health check answered yet")
+               for address, r in self.replicas.items()}
+        if len(why) == 1:
+            return next(iter(why.values()))
+        return f"no replica of {self.spec} is serving ({'; '.join(f'{a}: {w}' for a, w in why.items())})"
+
+    async def _drop(self, replica: Replica) -> None:
+        if replica.watch is not None:
+            replica.watch.close()
+        await replica.channel.close()
 
     async def close(self) -> None:
         for replica in self.replicas.values():
-            await replica.channel.close()
+            await self._drop(replica)
         self.replicas.clear()

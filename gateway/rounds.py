@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway import payloads
-from gateway.draftwatch import DraftWatch
 from gateway.instruments import Instruments
-from gateway.load import Load
+from gateway.replicas import Replica
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
@@ -24,7 +23,6 @@ from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
@@ -35,24 +33,29 @@ _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEAD
 
 
 class RoundLoop:
-    def __init__(self, upstream: Upstream, verifier: vpb_grpc.VerifierStub, tokenizer, target: vpb.InfoResponse,
-                 rpc_timeout_s: float, instruments: Instruments, watch: DraftWatch,
-                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20, load: Load | None = None):
-        # `verifier`: the verify replica this loop's session is pinned to (gateway.replicas), `load`
-        # what the other sessions there put into its (batched) forwards.
-        self._up, self._verifier, self._tokenizer, self._target, self._watch = upstream, verifier, tokenizer, \
-            target, watch
+    def __init__(self, upstream: Upstream, verify: Replica, draft: Replica | None, tokenizer,
+                 target: vpb.InfoResponse, rpc_timeout_s: float, instruments: Instruments,
+                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20):
+        # `verify`, `draft`: the replicas this loop's session is pinned to (gateway.replicas; no draft
+        # replica: the request does not speculate); `verify.load` is what the other sessions there
+        # put into its (batched) forwards.
+        self._up, self._tokenizer, self._target = upstream, tokenizer, target
+        self._pinned = [r for r in (verify, draft) if r is not None]  # each counts the session until released
+        self._verifier = verify.stub
+        self._drafter, self._watch = (draft.stub, draft.watch) if draft is not None else (None, None)
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
-        self._load = load or Load()
+        self._load = verify.load
 
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
-        request = Request(plan, uuid.uuid4().hex, plan.speculate, started=now())
-        request.segment = self._segment(request)
-        deadline = Deadline(time_remaining, self._rpc_timeout_s)
-        self._load.enter(request.session_id)
+        request = Request(plan, uuid.uuid4().hex, plan.speculate and self._drafter is not None, started=now())
+        for replica in self._pinned:
+            replica.sessions += 1
         try:
+            request.segment = self._segment(request)
+            deadline = Deadline(time_remaining, self._rpc_timeout_s)
+            self._load.enter(request.session_id)
             with self._instruments.prefill(request):
                 await self._prefill(request, deadline)
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
@@ -222,7 +225,7 @@ class RoundLoop:
             sampling=plan.sampling, shm_segment=name), "verify", deadline)
         started = None
         if request.drafting:
-            start = up.call(up.drafter.StartSession, dpb.StartSessionRequest(
+            start = up.call(self._drafter.StartSession, dpb.StartSessionRequest(
                 session_id=request.session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
                 target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
@@ -248,7 +251,8 @@ class RoundLoop:
                                                 deadline)
         if request.drafting:
             try:
-                request.drafter = await up.draft_link(started.fast_path if request.shm_draft else "", deadline)
+                request.drafter = await up.draft_link(self._drafter, started.fast_path if request.shm_draft else "",
+                                                      deadline)
             except Failure as e:
                 self._lose(request, str(e))
         request.fast_path = bool(request.shm_verify and verified.fast_path)
@@ -268,17 +272,22 @@ class RoundLoop:
 
     async def _release(self, request: Request) -> None:
         """Frees the session on both services (the drafter hears the last committed tokens), then
-        removes the shared memory."""
-        for link in (request.verifier, request.drafter):
-            if link is not None:
-                link.close()
-        up = self._up
-        calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
-        if request.drafting or request.lost or request.start_abandoned:  # a stalled drafter may hold it
-            calls.append(up.drafter.EndSession(dpb.EndSessionRequest(
-                session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent), timeout=5))
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(outcome, BaseException):
-                log.warning("releasing session %s failed: %s", request.session_id, outcome)
-        if request.segment is not None:
-            self._segments.remove(request.segment)
+        removes the shared memory; the replicas count the session until then (a replica that left
+        DNS closes its channel only once no session needs it)."""
+        try:
+            for link in (request.verifier, request.drafter):
+                if link is not None:
+                    link.close()
+            calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
+            if request.drafting or request.lost or request.start_abandoned:  # a stalled drafter may hold it
+                calls.append(self._drafter.EndSession(dpb.EndSessionRequest(
+                    session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent),
+                    timeout=5))
+            for outcome in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    log.warning("releasing session %s failed: %s", request.session_id, outcome)
+            if request.segment is not None:
+                self._segments.remove(request.segment)
+        finally:
+            for replica in self._pinned:
+                replica.sessions -= 1

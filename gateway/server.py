@@ -15,23 +15,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway import policy
 from gateway.access import ClientCap, client_of
 from gateway.controller import AUTO, OFF, ON, Controller, Decision
-from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.instruments import GatewayMetrics, Instruments
 from gateway.load import InFlight
-from gateway.replicas import VerifyReplicas
+from gateway.replicas import Replica, Replicas
 from gateway.rounds import RoundLoop
 from gateway.state import Plan
 from gateway.upstream import Upstream
 from specsplit import shm
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
 from specsplit.sampling import SamplingParams
-from specsplit.serving import aio_channel, unix_path
+from specsplit.serving import unix_path
 from specsplit.settings import GatewaySettings
 from specsplit.verify.v1 import verify_pb2 as vpb
 
@@ -77,22 +75,26 @@ async def _check(stub: health_pb2_grpc.HealthStub) -> tuple[bool, str]:
         return False, f"{e.code().name}: {e.details()}"
 
 
+def _drafters_signature(drafters) -> list[tuple]:
+    """What a draft replica must serve alike for sessions to go to any of them."""
+    return sorted((d.name, d.kind, d.model_id, d.tokenizer_fingerprint, d.target_model_fingerprint, d.needs_features)
+                  for d in drafters)
+
+
 class Backends:
-    """Channels to the draft and verify services and what the gateway learnt from them at start."""
+    """Channels to the draft and verify services' replicas and what the gateway learnt from them at
+    start."""
 
     def __init__(self, settings: GatewaySettings, tokenizer, interceptors=()):
         self.settings = settings
         self.tokenizer = tokenizer
-        self.verify = VerifyReplicas(settings.verify_address, settings.upstream_tls, interceptors)
-        self._draft_channel = aio_channel(settings.draft_address, settings.upstream_tls, interceptors)
-        self.drafter = dpb_grpc.DrafterStub(self._draft_channel)
-        self.upstream = Upstream(self.drafter)
-        self.watch = DraftWatch(lambda: self.drafter.Info(dpb.InfoRequest(), timeout=PROBE_TIMEOUT_S))
+        self.verify = Replicas("verify", settings.verify_address, settings.upstream_tls, interceptors)
+        self.draft = Replicas("draft", settings.draft_address, settings.upstream_tls, interceptors)
+        self.upstream = Upstream()
         self.controller = Controller(settings.controller)
         # The co-located fast path: this gateway's shared-memory segments (None: off or no /dev/shm).
         self.segments = shm.Creator() if settings.server.shared_memory and shm.available() else None
         self.target: vpb.InfoResponse | None = None
-        self._fits: set[str] = set()  # verify replicas checked to serve the same target
         self.drafters: dict[str, dpb.DrafterInfo] = {}
         self.default_drafter = ""
 
@@ -100,13 +102,14 @@ class Backends:
         """Waits for both services and checks that they fit together; raises with a clear message
         when they do not. Requests are refused as UNAVAILABLE until this has finished."""
         timeout = self.settings.connect_timeout_s
-        await self.verify.refresh()
-        target = await self.verify.any.stub.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        first = await self.verify.first(timeout)
+        target = await first.stub.Info(vpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
         ours = tokenizer_fingerprint(self.tokenizer)
         if ours != target.tokenizer_fingerprint:
             raise RuntimeError(f"the gateway's tokenizer ({ours}) is not the target's "
                                f"({target.tokenizer_fingerprint}); pass the target's --tokenizer")
-        info = await self.drafter.Info(dpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        first = await self.draft.first(timeout)
+        info = await first.stub.Info(dpb.InfoRequest(), timeout=timeout, wait_for_ready=True)
         drafters = {d.name: d for d in info.drafters}
         default = self.settings.default_drafter or info.default_drafter
         problem = incompatibility(target, drafters, default)
@@ -117,65 +120,67 @@ class Backends:
                 log.warning("%s", warning)
         self.drafters, self.default_drafter, self.target = drafters, default, target
         self.controller.cost_curve = list(target.forward_ms_by_rows)  # what a forward of n rows costs
-        for replica in self.verify.replicas.values():  # the others in rotation once they fit
-            replica.serving = (await self._fits_target(replica))[0]
+        for replicas in (self.verify, self.draft):  # the others in rotation once they fit
+            for replica in replicas.replicas.values():
+                replica.serving, replica.why = await self._fits(replicas, replica)
 
     def incompatibility(self, name: str) -> str:
         return incompatibility(self.target, self.drafters, name)
 
     async def watch_health(self, report) -> None:
-        """Health that tells the truth: the gateway is SERVING only while its verify service says
-        SERVING; each backend also has an entry under its own service name. A draft service that is
-        not SERVING costs speculation, not service: it is marked down (DraftWatch) and AUTO requests
-        run without it until it answers again."""
-        draft = health_pb2_grpc.HealthStub(self._draft_channel)
+        """Health that tells the truth: the gateway is SERVING only while some verify replica says
+        SERVING; each backend also has an entry under its own service name. A draft replica that
+        is not SERVING costs speculation, not service: it is marked down (DraftWatch), its sessions
+        go on without drafts, and new sessions go to another draft replica, else run without
+        speculation until one answers again."""
         seen: dict[str, bool] = {}
         while True:
-            await self.verify.refresh()
-            for replica in list(self.verify.replicas.values()):
-                serving, why = await _check(replica.health)
-                if serving and replica.address not in self._fits:
-                    serving, why = await self._fits_target(replica)
-                if serving != replica.serving:
-                    log.warning("verify replica %s is %s", replica.address,
-                                "SERVING again" if serving else f"down ({why})")
-                replica.serving = serving
-            for name in (VERIFY_SERVICE, DRAFT_SERVICE):
-                if name == VERIFY_SERVICE:  # serving while any replica is
-                    serving, why = self.verify.serving, f"no replica of {self.verify.spec} is serving"
-                else:
-                    serving, why = await _check(draft)
-                if name == DRAFT_SERVICE and not serving:
-                    self.watch.lost(f"draft service health check: {why}")
+            for name, replicas in ((VERIFY_SERVICE, self.verify), (DRAFT_SERVICE, self.draft)):
+                await replicas.refresh()
+                for replica in list(replicas.replicas.values()):
+                    serving, why = await _check(replica.health)
+                    if serving and not replica.fits:
+                        serving, why = await self._fits(replicas, replica)
+                    if not serving and replica.watch is not None:
+                        replica.watch.lost(f"{replicas.service} replica {replica.address} health check: {why}")
+                    if serving != replica.serving and len(replicas.replicas) > 1:
+                        log.warning("%s replica %s is %s", replicas.service, replica.address,
+                                    "SERVING again" if serving else f"down ({why})")
+                    replica.serving, replica.why = serving, "" if serving else why
+                serving = replicas.serving
                 if seen.get(name) != serving:
                     if name in seen:
-                        log.warning("%s is %s", name, "SERVING again" if serving else f"down ({why})")
+                        log.warning("%s is %s", name, "SERVING again" if serving else f"down ({replicas.why_none()})")
                     seen[name] = serving
                     await report(name, serving)
                     if name == VERIFY_SERVICE:
                         await report("", serving)
             await asyncio.sleep(HEALTH_EVERY_S)
 
-    async def _fits_target(self, replica) -> tuple[bool, str]:
-        """A replica serves the target the gateway connected to (weights and tokenizer), else it is
-        kept out of rotation."""
+    async def _fits(self, replicas: Replicas, replica) -> tuple[bool, str]:
+        """A replica serves what the gateway connected to (a verify replica the same target weights
+        and tokenizer, a draft replica the same drafters), else it is kept out of rotation."""
         try:
-            info = await replica.stub.Info(vpb.InfoRequest(), timeout=HEALTH_EVERY_S * 4)
+            info = await replica.stub.Info(vpb.InfoRequest() if replicas.service == "verify" else dpb.InfoRequest(),
+                                           timeout=HEALTH_EVERY_S * 4)
         except grpc.aio.AioRpcError as e:
             return False, f"{e.code().name}: {e.details()}"
-        if (info.model_fingerprint, info.tokenizer_fingerprint) != (self.target.model_fingerprint,
-                                                                    self.target.tokenizer_fingerprint):
+        if replicas.service == "verify" and (info.model_fingerprint, info.tokenizer_fingerprint) != \
+                (self.target.model_fingerprint, self.target.tokenizer_fingerprint):
             return False, (f"serves {info.model_id} ({info.model_fingerprint}), not the target "
                            f"{self.target.model_id} ({self.target.model_fingerprint})")
-        self._fits.add(replica.address)
+        if replicas.service == "draft" and _drafters_signature(info.drafters) != \
+                _drafters_signature(self.drafters.values()):
+            return False, (f"serves drafters {sorted(d.name for d in info.drafters)} unlike the first replica's "
+                           f"{sorted(self.drafters)} (each must serve the same drafters with the same models)")
+        replica.fits = True
         return True, ""
 
     async def close(self) -> None:
-        self.watch.close()
         await self.upstream.drain(timeout_s=5)
         self.upstream.close()
         await self.verify.close()
-        await self._draft_channel.close()
+        await self.draft.close()
         if self.segments is not None:
             self.segments.close()
 
@@ -190,11 +195,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 
-    def _loop(self, replica) -> RoundLoop:
+    def _loop(self, verify: Replica, draft: Replica | None) -> RoundLoop:
         b = self._backends
         instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
-        return RoundLoop(b.upstream, replica.stub, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
-                         b.watch, b.segments, b.settings.shm_segment_bytes, replica.load)
+        return RoundLoop(b.upstream, verify, draft, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
+                         b.segments, b.settings.shm_segment_bytes)
 
     async def Generate(self, request, context):
         text, ids, last = [], [], None
@@ -226,12 +231,13 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         started, first, tokens, last, status = time.perf_counter(), None, 0, None, "CANCELLED"
         try:
             plan = self.plan(request)
-            replica = self._backends.verify.pick()  # the session's KV cache lives there: all its calls go there
+            # The session's state lives on one replica of each service: all its calls go there.
+            verify = self._backends.verify.pick()
+            draft = self._backends.draft.pick() if plan.speculate else None
             self._cap.enter(client)
             self._inflight.enter()
-            replica.sessions += 1
             try:
-                async with contextlib.aclosing(self._loop(replica).generate(plan, time_remaining)) as chunks:
+                async with contextlib.aclosing(self._loop(verify, draft).generate(plan, time_remaining)) as chunks:
                     async for chunk in chunks:
                         if chunk.token_ids and first is None:
                             first = time.perf_counter() - started
@@ -240,7 +246,6 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                         yield chunk
             finally:
                 self._inflight.leave()
-                replica.sessions -= 1
                 self._cap.leave(client)
             status = "OK"
         except Failure as e:
@@ -287,10 +292,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         mode = MODES.get(request.speculation, AUTO)
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
                                           self._inflight.others())
-        if decision.speculate and not b.watch.up:
+        if decision.speculate and not b.draft.serving:
             if mode != AUTO:
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
-                              f"({b.watch.reason}); AUTO runs without it meanwhile")
+                              f"({b.draft.why_none()}); AUTO runs without it meanwhile")
             decision = Decision(False, 0, "drafter-down")
         speculate = decision.speculate
         gamma = decision.gamma or request.gamma or settings.controller.gamma_start

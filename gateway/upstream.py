@@ -87,11 +87,10 @@ class FastSessionLink:
 
 
 class Upstream:
-    """The gateway's channels' stubs, its fast-path connections, and the session releases still
-    running after their request answered."""
+    """The gateway's fast-path connections, and the session releases still running after their
+    request answered."""
 
-    def __init__(self, drafter: dpb_grpc.DrafterStub):
-        self.drafter = drafter
+    def __init__(self):
         self._fast: dict[str, FastLink] = {}
         self._opening: dict[str, asyncio.Future] = {}
         self._releases: set[asyncio.Task] = set()
@@ -108,10 +107,11 @@ class Upstream:
             return FastSessionLink(await self._fast_link(fast_path, "verify"), vpb.VerifyResponse, deadline)
         return StreamLink(verifier.VerifyStream, "verify", deadline)
 
-    async def draft_link(self, fast_path: str, deadline: Deadline):
+    async def draft_link(self, drafter: dpb_grpc.DrafterStub, fast_path: str, deadline: Deadline):
+        """The session's round link to its draft replica: the fast path it offered, else a stream."""
         if fast_path:
             return FastSessionLink(await self._fast_link(fast_path, "draft"), dpb.ProposeResponse, deadline)
-        return StreamLink(self.drafter.ProposeStream, "draft", deadline)
+        return StreamLink(drafter.ProposeStream, "draft", deadline)
 
     async def _fast_link(self, path: str, service: str) -> FastLink:
         """The open connection to `path`, (re)opened once however many sessions ask at once."""

@@ -152,7 +152,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the verify service: an address, several separated by commas (replicas), or dns:///NAME:PORT "
                         "(every address NAME resolves to, re-resolved: a Kubernetes headless Service); each session "
                         "stays on one replica")
-    g.add_argument("--draft", required=True, help="address of the draft service")
+    g.add_argument("--draft", required=True,
+                   help="the draft service, as --verify: replicas too, each session stays on one; a lost replica "
+                        "costs its sessions their drafts, not their answers")
     g.add_argument("--tokenizer", default=ENV("SPECSPLIT_TARGET_MODEL", "default"),
                    help="model dir holding the target's tokenizer ('default': the embedded model)")
     g.add_argument("--gamma", type=int, default=4, help="tokens drafted per round to start from (the "

@@ -175,11 +175,14 @@ def test_manifests_run_what_the_cli_accepts_and_wire_up(overlay):
             assert int(port) in {p["port"] for p in service["spec"]["ports"]}
             assert service["spec"]["selector"] == by_kind(docs, "Deployment")[host]["spec"]["selector"]["matchLabels"]
             assert args[backend].tls_client_ca  # mutual TLS between the tiers
-        # Verify replicas: a headless Service the gateway resolves itself, pinning each session to one.
-        assert services["specsplit-verify"]["spec"]["clusterIP"] == "None"
-        assert args["gateway"].verify == "dns:///specsplit-verify:50051"
-        assert by_kind(docs, "Deployment")["specsplit-verify"]["spec"]["replicas"] > 1
-        assert by_kind(docs, "Deployment")["specsplit-draft"]["spec"]["replicas"] == 1
+        # Verify and draft replicas: headless Services the gateway resolves itself, pinning each session
+        # to one replica of each; an autoscaler per tier.
+        hpas = {h["spec"]["scaleTargetRef"]["name"] for h in by_kind(docs, "HorizontalPodAutoscaler").values()}
+        for backend, port in (("verify", 50051), ("draft", 50052)):
+            name = f"specsplit-{backend}"
+            assert services[name]["spec"]["clusterIP"] == "None"
+            assert getattr(args["gateway"], backend) == f"dns:///{name}:{port}"
+            assert by_kind(docs, "Deployment")[name]["spec"]["replicas"] > 1 and name in hpas
         gw = args["gateway"]
         assert gw.upstream_ca and gw.upstream_cert and gw.upstream_key
     # Every Service points at container ports that exist in the pods it selects.

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.replicas import RESOLVE_EVERY_S, VerifyReplicas, resolve
+from gateway.replicas import RESOLVE_EVERY_S, Replicas, resolve
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -37,7 +37,7 @@ def test_resolve_expands_dns_names_and_keeps_plain_addresses():
 async def test_replicas_follow_dns_and_pick_the_least_loaded_serving_one():
     table = {"verify": ["10.0.0.1", "10.0.0.2"]}
     clock = [0.0]
-    replicas = VerifyReplicas("dns:///verify:50051", None, lookup=fake_dns(table), clock=lambda: clock[0])
+    replicas = Replicas("verify", "dns:///verify:50051", None, lookup=fake_dns(table), clock=lambda: clock[0])
     assert not replicas.replicas  # resolved on the first refresh
     await replicas.refresh()
     a, b = replicas.replicas["10.0.0.1:50051"], replicas.replicas["10.0.0.2:50051"]
@@ -63,22 +63,28 @@ async def test_replicas_follow_dns_and_pick_the_least_loaded_serving_one():
     await replicas.close()
 
 
-@pytest.fixture
-async def two_replicas(models, tmp_path, monkeypatch):
-    """Two verify services, one draft service and a gateway told about both verify addresses."""
+async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: tuple[str, ...]):
+    """Verify and draft services (one process each, by name) and a gateway told about all of them;
+    yields (gateway address, stop events by name, tasks by name, sessions started per replica of
+    each service)."""
     from draft_service.main import run as run_draft
+    from draft_service.server import DrafterServicer
     from gateway.main import run as run_gateway
     from verify_service.main import run as run_verify
 
-    prefills: Counter = Counter()  # sessions prefilled, per replica (its session table)
-    original = VerifierServicer.Prefill
+    started = {"verify": Counter(), "draft": Counter()}  # sessions started, per replica (its session table)
 
-    async def counted(self, request, context):
-        response = await original(self, request, context)
-        prefills[id(self._sessions)] += 1
-        return response
+    def counting(cls, method: str, counter: Counter) -> None:
+        original = getattr(cls, method)
 
-    monkeypatch.setattr(VerifierServicer, "Prefill", counted)
+        async def counted(self, request, context):
+            response = await original(self, request, context)
+            counter[id(self._sessions)] += 1
+            return response
+        monkeypatch.setattr(cls, method, counted)
+
+    counting(VerifierServicer, "Prefill", started["verify"])
+    counting(DrafterServicer, "StartSession", started["draft"])
 
     def server(name: str) -> ServerSettings:
         return ServerSettings(listen=f"unix://{tmp_path / f'{name}.sock'}", address_file=str(tmp_path / f"{name}.a"),
@@ -94,28 +100,42 @@ async def two_replicas(models, tmp_path, monkeypatch):
         await asyncio.to_thread(wait_serving, addr, 30)
         return addr
 
-    stops = {name: asyncio.Event() for name in ("v1", "v2", "rest")}
+    stops = {name: asyncio.Event() for name in (*verify, *draft, "gateway")}
     model = ModelSettings(str(models["target"]), "float32")
     tasks = {name: asyncio.create_task(run_verify(VerifySettings(server(name), model), stops[name],
-                                                  handle_signals=False)) for name in ("v1", "v2")}
-    tasks["draft"] = asyncio.create_task(run_draft(DraftSettings(server("draft"), None, default_drafter="ngram"),
-                                                   stops["rest"], handle_signals=False))
+                                                  handle_signals=False)) for name in verify}
+    tasks |= {name: asyncio.create_task(run_draft(DraftSettings(server(name), None, default_drafter="ngram"),
+                                                  stops[name], handle_signals=False)) for name in draft}
     try:
-        verify = [await address(n, tasks[n]) for n in ("v1", "v2")]
-        draft = await address("draft", tasks["draft"])
-        settings = GatewaySettings(server("gateway"), ",".join(verify), draft, tokenizer=str(models["target"]),
-                                   connect_timeout_s=10)
-        tasks["gateway"] = asyncio.create_task(run_gateway(settings, stops["rest"], handle_signals=False))
-        gateway = await address("gateway", tasks["gateway"])
-        yield gateway, stops, tasks, prefills
+        verify_at = [await address(n, tasks[n]) for n in verify]
+        draft_at = [await address(n, tasks[n]) for n in draft]
+        settings = GatewaySettings(server("gateway"), ",".join(verify_at), ",".join(draft_at),
+                                   tokenizer=str(models["target"]), connect_timeout_s=10)
+        tasks["gateway"] = asyncio.create_task(run_gateway(settings, stops["gateway"], handle_signals=False))
+        yield await address("gateway", tasks["gateway"]), stops, tasks, started
     finally:
         for stop in stops.values():
             stop.set()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
 
 
+@pytest.fixture
+async def two_replicas(models, tmp_path, monkeypatch):
+    """Two verify services, one draft service."""
+    async for stack in _stack(models, tmp_path, monkeypatch, ("v1", "v2"), ("d1",)):
+        yield stack
+
+
+@pytest.fixture
+async def two_drafters(models, tmp_path, monkeypatch):
+    """One verify service, two draft services."""
+    async for stack in _stack(models, tmp_path, monkeypatch, ("v1",), ("d1", "d2")):
+        yield stack
+
+
 async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_replicas):
-    gateway, stops, tasks, prefills = two_replicas
+    gateway, stops, tasks, started = two_replicas
+    prefills = started["verify"]
     request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=24, speculation=pb.SPECULATION_ON,
                                  drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
     async with grpc.aio.insecure_channel(gateway) as channel:
@@ -139,3 +159,45 @@ async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_rep
         assert all(list(a.token_ids) == list(off.token_ids) for a in again)
         grown = {k: prefills[k] - before.get(k, 0) for k in prefills}
         assert sorted(grown.values()) == [0, 4]  # all on the replica that is left
+
+
+async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_not_answers(two_drafters):
+    gateway, stops, tasks, started = two_drafters
+    request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
+                                 speculation=pb.SPECULATION_ON, drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        off = await stub.Generate(pb.GenerateRequest(text=request.text, max_new_tokens=24, stop=request.stop,
+                                                     speculation=pb.SPECULATION_OFF), timeout=60)
+        assert started["draft"] == Counter()  # spec-off takes no draft session
+        answers = await asyncio.gather(*(stub.Generate(request, timeout=120) for _ in range(8)))
+        # Every Propose went to the replica that started the session: one sent elsewhere would find no
+        # session there and cost the request its drafts (speculation_reason drafter-lost).
+        assert all(list(a.token_ids) == list(off.token_ids) for a in answers)
+        assert all(a.stats.speculation_used and a.stats.speculation_reason != "drafter-lost" and
+                   a.stats.accepted_tokens > 0 for a in answers), [a.stats.speculation_reason for a in answers]
+        draft = started["draft"]
+        assert len(draft) == 2 and min(draft.values()) >= 3, draft  # spread by load over both
+        # One draft replica goes away: speculation goes on with the other, and no answer changes.
+        stops["d2"].set()
+        await tasks["d2"]
+        await asyncio.sleep(1.5)  # a few health checks
+        before = dict(draft)
+        again = await asyncio.gather(*(stub.Generate(request, timeout=120) for _ in range(4)))
+        assert all(list(a.token_ids) == list(off.token_ids) and a.stats.speculation_used and
+                   a.stats.accepted_tokens > 0 for a in again)
+        grown = {k: draft[k] - before.get(k, 0) for k in draft}
+        assert sorted(grown.values()) == [0, 4]  # all on the replica that is left
+        # The last one goes too: ON is refused with the reason, AUTO runs without drafts, same answer.
+        stops["d1"].set()
+        await tasks["d1"]
+        await asyncio.sleep(1.5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Generate(request, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draft service" in refused.value.details()
+        auto = pb.GenerateRequest()
+        auto.CopyFrom(request)
+        auto.speculation = pb.SPECULATION_AUTO
+        alone = await stub.Generate(auto, timeout=60)
+        assert list(alone.token_ids) == list(off.token_ids) and not alone.stats.speculation_used
+        assert alone.stats.speculation_reason == "drafter-down"

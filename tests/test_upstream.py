@@ -18,7 +18,7 @@ def failing(code: grpc.StatusCode):
 ])
 async def test_backend_errors_keep_an_actionable_code_and_name_the_service(backend_code, client_code):
     with pytest.raises(Failure) as err:
-        await Upstream(None).call(failing(backend_code), object(), "verify", Deadline(lambda: None, 1.0))
+        await Upstream().call(failing(backend_code), object(), "verify", Deadline(lambda: None, 1.0))
     assert err.value.code == client_code
     assert str(err.value) == "verify service: boom"
 
@@ -29,7 +29,7 @@ async def test_internal_deadline_is_bounded_by_the_clients():
     async def method(request, timeout):
         seen.append(timeout)
 
-    up = Upstream(None)
+    up = Upstream()
     for remaining in (0.5, None, 120.0):
         await up.call(method, object(), "draft", Deadline(lambda r=remaining: r, 60.0))
     assert seen == [0.5, 60.0, 60.0]
