@@ -63,6 +63,30 @@ async def test_replicas_follow_dns_and_pick_the_least_loaded_serving_one():
     await replicas.close()
 
 
+async def test_connecting_waits_for_dns_to_list_a_replica_then_says_what_is_missing():
+    table = {"draft": []}  # the gateway started before any draft pod is ready
+    clock = [0.0]
+
+    async def later():
+        await asyncio.sleep(0.05)
+        table["draft"] = ["10.0.0.7"]
+
+    replicas = Replicas("draft", "dns:///draft:50052", None, lookup=fake_dns(table), clock=lambda: clock[0])
+    task = asyncio.ensure_future(later())
+    first = await replicas.first(timeout_s=5, every_s=0.01)
+    await task
+    assert first.address == "10.0.0.7:50052" and first.watch is not None  # a draft replica is watched
+    empty = Replicas("verify", "dns:///verify:50051", None, lookup=fake_dns({"verify": []}), clock=lambda: clock[0])
+    with pytest.raises(RuntimeError, match="verify service: dns:///verify:50051 resolved to no address"):
+        clock[0] = 0.0
+        waiting = asyncio.ensure_future(empty.first(timeout_s=1, every_s=0.01))
+        await asyncio.sleep(0.05)
+        clock[0] = 2.0  # past the timeout
+        await waiting
+    await replicas.close()
+    await empty.close()
+
+
 async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: tuple[str, ...]):
     """Verify and draft services (one process each, by name) and a gateway told about all of them;
     yields (gateway address, stop events by name, tasks by name, sessions started per replica of
@@ -164,7 +188,8 @@ async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_rep
 async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_not_answers(two_drafters):
     gateway, stops, tasks, started = two_drafters
     request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
-                                 speculation=pb.SPECULATION_ON, drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
+                                 speculation=pb.SPECULATION_ON, drafter="ngram",
+                                 stop=pb.StopConditions(ignore_eos=True))
     async with grpc.aio.insecure_channel(gateway) as channel:
         stub = pb_grpc.GatewayStub(channel)
         off = await stub.Generate(pb.GenerateRequest(text=request.text, max_new_tokens=24, stop=request.stop,
