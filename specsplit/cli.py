@@ -634,12 +634,11 @@ def cmd_health(a: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    if a.tls_ca:
-        def read(path):
-            return Path(path).read_bytes() if path else None
+    from specsplit.serving import channel_credentials
 
+    if a.tls_ca:
         options = [("grpc.ssl_target_name_override", a.tls_server_name)] if a.tls_server_name else []
-        credentials = grpc.ssl_channel_credentials(read(a.tls_ca), read(a.tls_key), read(a.tls_cert))
+        credentials = channel_credentials(ClientTLS(a.tls_ca, a.tls_cert, a.tls_key))
         channel = grpc.secure_channel(a.address, credentials, options=options)
     else:
         channel = grpc.insecure_channel(a.address)

@@ -71,15 +71,20 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
                                        require_client_auth=bool(settings.tls_client_ca))
 
 
+def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
+    """TLS to a specsplit service from `tls`'s PEM files (with a client certificate: mutual TLS)."""
+    if bool(tls.cert) != bool(tls.key):
+        raise ValueError("a client certificate needs its key, and the key its certificate")
+    return grpc.ssl_channel_credentials(_read(tls.ca), _read(tls.key), _read(tls.cert))
+
+
 def aio_channel(address: str, tls: ClientTLS | None = None, interceptors=(), options=()) -> grpc.aio.Channel:
     """A channel to a specsplit service: plaintext, or TLS/mTLS with `tls`; keepalive either way."""
     options = [*CHANNEL_OPTIONS, *options]
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors))
-    if bool(tls.cert) != bool(tls.key):
-        raise ValueError("a client certificate needs its key, and the key its certificate")
-    credentials = grpc.ssl_channel_credentials(_read(tls.ca), _read(tls.key), _read(tls.cert))
-    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=list(interceptors))
+    return grpc.aio.secure_channel(address, channel_credentials(tls), options=options,
+                                   interceptors=list(interceptors))
 
 
 def unix_path(address: str) -> Path | None:
