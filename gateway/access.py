@@ -4,7 +4,7 @@ Health and reflection stay open (orchestrators probe them without credentials)."
 from __future__ import annotations
 
 import hmac
-from collections import Counter
+from collections import Counter, namedtuple
 from pathlib import Path
 
 import grpc
@@ -20,6 +20,33 @@ def read_token(path: str) -> str:
     if not token:
         raise UsageError(f"{path}: the auth token file is empty")
     return token
+
+
+class _CallDetails(namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                               "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class SendToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """The client side of BearerAuth: every call on a (blocking) channel carries the token."""
+
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._header], d.credentials,
+                            d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+def with_token(channel: grpc.Channel, token_file: str | None) -> grpc.Channel:
+    """`channel`, sending the bearer token in `token_file` with every call (None: as it is)."""
+    return grpc.intercept_channel(channel, SendToken(read_token(token_file))) if token_file else channel
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):

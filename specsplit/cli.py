@@ -275,6 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
     _stack_flags(bench)
     bench.add_argument("--gateway", help="use this running gateway instead of starting a stack")
+    bench.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                       help="with --gateway: send the bearer token in this file")
     bench.add_argument("--prompts", help="JSONL with task_type, prompt and optionally temperature (default: the "
                                          "starter prompts; 'mixed': the controller's mixed workload; 'copy': "
                                          "verbatim repetition, where drafts are almost always right; 'long': "
@@ -345,6 +347,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--repeats", type=int, default=1)
     cal.add_argument("--store-tokens", type=int, default=0, help="as for bench")
     cal.add_argument("--gateway", help="calibrate a running gateway (its default drafter) instead of a new stack")
+    cal.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                     help="with --gateway: send the bearer token in this file")
     cal.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
     cal.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
     cal.add_argument("--policy-out", default="specsplit-policy.json", help="where to write the policy")
@@ -523,20 +527,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
         request.text = a.prompt
     else:
         request.chat.messages.add(role="user", content=a.prompt)
-    from gateway.access import read_token
+    from gateway.access import with_token
 
-    metadata = [("authorization", f"Bearer {read_token(a.auth_token_file)}")] if a.auth_token_file else None
     with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.GatewayStub(channel)
+        stub = pb_grpc.GatewayStub(with_token(channel, a.auth_token_file))
         try:
             if a.stream and not a.json:
-                for chunk in stub.GenerateStream(request, timeout=a.timeout, metadata=metadata):
+                for chunk in stub.GenerateStream(request, timeout=a.timeout):
                     print(chunk.text, end="", flush=True)
                     last = chunk
                 print()
                 print(_summary(last.stats, last.finish_reason), file=sys.stderr)
                 return 0
-            response = stub.Generate(request, timeout=a.timeout, metadata=metadata)
+            response = stub.Generate(request, timeout=a.timeout)
         except grpc.RpcError as e:
             print(f"{e.code().name}: {e.details()}", file=sys.stderr)
             return 1

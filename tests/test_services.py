@@ -555,4 +555,17 @@ async def test_bearer_token_and_per_client_cap(models, tmp_path):
             assert all(o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per client" in o.details()
                        for o in refused)
             assert (await gw.Generate(request(PROMPTS[0]), metadata=token)).stats.generated_tokens == 40
+        # The tools' clients (bench, calibrate, generate) send the token from --auth-token-file.
+        from specsplit.tools.bench import gateway_stub
+
+        (tmp_path / "token").write_text("s3cret\n")
+        for token_file, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (str(tmp_path / "token"), None)):
+            with gateway_stub(stack.gateway, None, token_file) as (stub, _):
+                try:
+                    out = await asyncio.to_thread(stub.Generate, request(PROMPTS[0]), timeout=60)
+                    chunks = await asyncio.to_thread(lambda: list(stub.GenerateStream(request(PROMPTS[0]),
+                                                                                      timeout=60)))
+                    assert code is None and out.stats.generated_tokens == 40 and chunks[-1].finish_reason
+                except grpc.RpcError as e:
+                    assert e.code() == code, e
         assert await wait_released(stack) == (0, 0)

@@ -293,9 +293,12 @@ def controlled(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, l
 
 
 @contextlib.contextmanager
-def gateway_stub(address: str | None, config: StackConfig):
-    """(stub, stack): a stub for the gateway at `address`, or for a stack started here from
-    `config` (stack None otherwise); the stack is stopped on exit."""
+def gateway_stub(address: str | None, config: StackConfig, token_file: str | None = None):
+    """(stub, stack): a stub for the gateway at `address` (sending the bearer token in `token_file`,
+    if any), or for a stack started here from `config` (stack None otherwise); the stack is
+    stopped on exit."""
+    from gateway.access import with_token
+
     stack = None
     try:
         if not address:
@@ -303,7 +306,7 @@ def gateway_stub(address: str | None, config: StackConfig):
             print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
             address = stack.start()
         with grpc.insecure_channel(address) as channel:
-            yield pb_grpc.GatewayStub(channel), stack
+            yield pb_grpc.GatewayStub(with_token(channel, token_file if not stack else None)), stack
     finally:
         if stack is not None:
             stack.stop()
@@ -327,12 +330,12 @@ def main(args, config: StackConfig) -> int:
         topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
         return 0
     if args.controlled:
-        with gateway_stub(args.gateway, config) as (stub, _):
+        with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
     if args.concurrency:
         from specsplit.tools import concurrency
 
-        with gateway_stub(args.gateway, config) as (stub, _):
+        with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             variant = Variant(args.drafters[0] if args.drafters else "")
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
             return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant,
@@ -349,7 +352,7 @@ def main(args, config: StackConfig) -> int:
         profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
         anchor = anchoring.Anchor(model_dir, config.dtype)
         anchor.warmup(prompts[0].prompt)
-    with gateway_stub(args.gateway, config) as (stub, stack):
+    with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         names = list(args.drafters)
         if not names:  # every drafter the stack's draft service hosts; else the gateway's default
             names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]

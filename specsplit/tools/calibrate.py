@@ -70,7 +70,7 @@ def recommend(controller: Controller, walls: dict, drafter: str, gamma: int) -> 
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     controller = Controller(ControllerSettings(gamma_start=args.gamma))
-    with gateway_stub(args.gateway, config) as (stub, stack):
+    with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         first = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats
         drafter, tree = first.drafter, first.tree_budget
         walls = measure(stub, prompts, drafter, args.gamma, args.max_new_tokens, args.repeats, controller)
