@@ -46,9 +46,14 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
         default = "hybrid" if "hybrid" in drafters else "ngram"
     servicer = DrafterServicer(drafters, default, sessions, worker, settings.proposal_top_k,
                                settings.server.shared_memory)
-    telemetry.meter().create_observable_gauge(
+    m = telemetry.meter()
+    m.create_observable_gauge(
         "specsplit.draft.memory", unit="By", description="bytes each drafter holds (DrafterInfo.memory_bytes)",
         callbacks=[lambda _: [Observation(d.memory_bytes, {"drafter": name}) for name, d in drafters.items()]])
+    m.create_observable_gauge("specsplit.draft.sessions", unit="{session}", description="sessions held",
+                              callbacks=[lambda _: [Observation(len(sessions))]])
+    m.create_observable_gauge("specsplit.draft.sessions.limit", unit="{session}", description="--max-sessions",
+                              callbacks=[lambda _: [Observation(sessions.max_sessions)]])
     fast = servicer.rounds.open_fast_path("draft", settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,

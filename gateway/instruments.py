@@ -40,8 +40,9 @@ class GatewayMetrics:
     throughout; the spec-decode counters follow vLLM's, so the acceptance rate is a PromQL ratio:
     rate(accepted_tokens) / rate(draft_tokens)."""
 
-    def __init__(self, controller: Controller):
-        self._controller = controller
+    def __init__(self, controller: Controller, replicas=()):
+        """replicas: the services' gateway.replicas.Replicas, whose sessions and health are gauged."""
+        self._controller, self._replicas = controller, list(replicas)
         m = meter()
         self.acceptance = m.create_histogram(
             "specsplit.acceptance_length", unit="{token}",
@@ -90,6 +91,10 @@ class GatewayMetrics:
                                   description="1 while the controller speculates for the task type and drafter")
         m.create_observable_gauge("specsplit.speculation.gamma", callbacks=[self._observe_gamma],
                                   description="the controller's gamma for the task type and drafter")
+        m.create_observable_gauge("specsplit.replica.sessions", unit="{session}", callbacks=[self._observe_sessions],
+                                  description="requests pinned to each verify and draft replica")
+        m.create_observable_gauge("specsplit.replica.available", callbacks=[self._observe_available],
+                                  description="1 while the replica takes new sessions (serving, fits, not stalled)")
 
     def round(self, record: pb.RoundRecord, task_type: str, drafter: str, position: int) -> None:
         attrs = {"task_type": task_type or "unspecified", "drafter": drafter}
@@ -133,6 +138,14 @@ class GatewayMetrics:
     def _observe_enabled(self, _options):
         return [Observation(int(st.enabled), {"task_type": task, "drafter": drafter})
                 for (task, drafter), st in self._controller.states().items()]
+
+    def _observe_sessions(self, _options):
+        return [Observation(r.sessions, {"service": rs.service, "replica": r.address})
+                for rs in self._replicas for r in list(rs.replicas.values())]
+
+    def _observe_available(self, _options):
+        return [Observation(int(r.available), {"service": rs.service, "replica": r.address})
+                for rs in self._replicas for r in list(rs.replicas.values())]
 
     def _observe_gamma(self, _options):
         return [Observation(st.gamma, {"task_type": task, "drafter": drafter})

@@ -191,7 +191,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self.controller = backends.controller
         self._inflight = InFlight()  # Generate calls running now and recently (the controller's load signal)
         self._cap = ClientCap(backends.settings.max_sessions_per_client)
-        self._metrics = GatewayMetrics(self.controller)
+        self._metrics = GatewayMetrics(self.controller, (backends.verify, backends.draft))
         self._transport = {name: "unix" if unix_path(address) else "tcp" for name, address in
                            (("draft", backends.settings.draft_address), ("verify", backends.settings.verify_address))}
 

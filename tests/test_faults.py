@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -191,4 +192,9 @@ def test_up_serves_each_services_metrics_on_its_own_port(up, capsys):
     assert 'specsplit_request_duration' in gateway and 'speculation="on"' in gateway
     assert "specsplit_spec_decode_accepted_tokens" in gateway and "specsplit_request_time_to_first_token" in gateway
     assert "specsplit_verify_forward_seconds_count" in verify and 'call="prefill"' in verify
-    assert "specsplit_draft_memory" in scrape(2)
+    # Each backend replica the gateway pins sessions to is gauged: here one of each, both available.
+    for service in ("verify", "draft"):
+        assert re.search(r'specsplit_replica_available\{[^}]*service="%s"[^}]*\} 1\.0' % service, gateway), service
+        assert re.search(r'specsplit_replica_sessions\{[^}]*service="%s"' % service, gateway), service
+    draft = scrape(2)
+    assert "specsplit_draft_memory" in draft and re.search(r"specsplit_draft_sessions_limit\{[^}]*\} 64\.0", draft)
