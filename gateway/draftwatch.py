@@ -97,7 +97,8 @@ class DraftWatch:
                 async with asyncio.timeout(PROBE_TIMEOUT_S):
                     await self._probe()
             except Exception as e:  # noqa: BLE001 - any failure: still down
-                log.info("%s still down (%s); next probe in %.2f s", self.name, e, min(2 * delay, PROBE_MAX_S))
+                log.info("%s still down (%s); next probe in %.2f s", self.name, str(e) or type(e).__name__,
+                         min(2 * delay, PROBE_MAX_S))
                 delay = min(2 * delay, PROBE_MAX_S)
                 continue
             log.warning("%s answers again after %.1f s: speculation resumes", self.name,
