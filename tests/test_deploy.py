@@ -69,8 +69,8 @@ def test_compose_services_are_valid_cli_invocations_that_reach_each_other(path):
             mounts = [set(v.rsplit(":ro", 1)[0] for v in services[n]["volumes"]) for n in (backend, "gateway")]
             socket = listen.removeprefix("unix://")
             assert any(socket.startswith(m.split(":")[1] + "/") for m in mounts[0] & mounts[1]), (backend, mounts)
-        else:
-            assert address == f"{backend}:{listen.rsplit(':', 1)[1]}"
+        else:  # every container of the service: replicas with --scale
+            assert address == f"dns:///{backend}:{listen.rsplit(':', 1)[1]}"
     published = {p.split(":")[1] for p in services["gateway"]["ports"]}
     assert gateway.listen.rsplit(":", 1)[1] in published and gateway.http_listen.rsplit(":", 1)[1] in published
     if path.name == "compose.colocated.yaml":
