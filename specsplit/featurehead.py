@@ -241,6 +241,8 @@ class NativeHead:
     FeatureHead.logits, with the weights (and cache) in `dtype`: bfloat16 halves the bytes a step
     reads; its caches are fastllama.KVBuffer (one layer)."""
 
+    trees = True  # tree_step: a draft tree's level in one call
+
     def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32):
         from specsplit import native
 
@@ -335,6 +337,7 @@ class TorchHead:
     """Serving on torch (where the native kernels do not run): head_step and FeatureHead.logits."""
 
     packed_bytes = 0
+    trees = False  # no tree_step: the self drafter drafts chains here
 
     def __init__(self, head: FeatureHead):
         self.head = head

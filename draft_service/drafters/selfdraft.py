@@ -168,7 +168,7 @@ class SelfDrafter:
         for token in session.tokens[have + 1:n]:
             out, logits = yield HeadCall(cache, pred[None], [token])
             pred = out[-1]
-        if budget > 1 and not session.rejects and hasattr(runner, "tree_step"):
+        if budget > 1 and not session.rejects and runner.trees:
             return (yield from self._expand(session, cache, pred, logits, gamma, budget))
         choices = []
         confidence = 1.0
