@@ -45,6 +45,7 @@ def pki(tmp_path_factory) -> Path:
     _leaf(d, "server", "ca", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
     _leaf(d, "gateway", "ca", "extendedKeyUsage=clientAuth\n")
     _leaf(d, "intruder", "rogue-ca", "extendedKeyUsage=clientAuth\n")
+    _leaf(d, "service", "ca", "subjectAltName=DNS:specsplit-verify\nextendedKeyUsage=serverAuth\n")  # no IP
     return d
 
 
@@ -95,3 +96,41 @@ async def test_tls_without_client_certificates(models, tmp_path, pki):
         assert await _info(stack.verify, ClientTLS(str(pki / "ca.pem"))) == "target"
         with pytest.raises(grpc.aio.AioRpcError):
             await _info(stack.verify, ClientTLS(str(pki / "rogue-ca.pem")))
+
+
+async def test_replicas_found_by_dns_are_reached_by_ip_under_the_services_name(pki):
+    """The split Kubernetes layout: the gateway resolves a headless Service to pod IPs and connects to
+    each by IP, while the backends' certificate names the Service (not the pods)."""
+    import socket
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from gateway.replicas import Replicas
+
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    pair = ((pki / "service.key").read_bytes(), (pki / "service.pem").read_bytes())
+    credentials = grpc.ssl_server_credentials([pair], root_certificates=(pki / "ca.pem").read_bytes(),
+                                              require_client_auth=True)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    tls = ClientTLS(str(pki / "ca.pem"), str(pki / "gateway.pem"), str(pki / "gateway.key"))
+
+    def lookup(host, port, type=0):
+        assert host == "specsplit-verify"
+        return [(socket.AF_INET, type, 6, "", ("127.0.0.1", port))]
+
+    by_name = Replicas("verify", f"dns:///specsplit-verify:{port}", tls, lookup=lookup)
+    by_ip = Replicas("verify", f"127.0.0.1:{port}", tls)  # no name to check the certificate against
+    try:
+        await by_name.refresh()
+        replica = by_name.replicas[f"127.0.0.1:{port}"]
+        reply = await replica.health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await by_ip.replicas[f"127.0.0.1:{port}"].health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await by_name.close()
+        await by_ip.close()
+        await server.stop(None)
