@@ -74,12 +74,16 @@ def resolve(spec: str, lookup: Callable = socket.getaddrinfo) -> list[str]:
 
 
 class Replicas:
-    """The replicas of one service (`service`: "verify" or "draft", as failures name it)."""
+    """The replicas of one service: "verify" (VerifierStub) or "draft" (DrafterStub, each replica
+    watched for stalls by its own DraftWatch), as failures name it."""
+
+    STUBS = {"verify": vpb_grpc.VerifierStub, "draft": dpb_grpc.DrafterStub}
 
     def __init__(self, service: str, spec: str, tls: ClientTLS | None, interceptors=(),
                  lookup: Callable = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic):
         self.service, self.spec, self._tls, self._interceptors, self._lookup, self._clock = \
             service, spec, tls, list(interceptors), lookup, clock
+        self._stub = self.STUBS[service]
         self._resolved_at: float | None = None
         self._dynamic = DNS in spec
         # Certificates name the Service, not the pods' IPs.
@@ -88,16 +92,12 @@ class Replicas:
         self.replicas: dict[str, Replica] = {}
         self.sync(resolve(spec, lookup) if not self._dynamic else [])
 
-    def _stub(self, channel: grpc.aio.Channel):
-        return vpb_grpc.VerifierStub(channel) if self.service == "verify" else dpb_grpc.DrafterStub(channel)
-
-    def _added(self, replica: Replica) -> None:
-        """A new replica's extras: a draft replica is watched for stalls (gateway.draftwatch)."""
-        if self.service == "draft":
-            name = "draft service" if not self._dynamic and "," not in self.spec else \
-                f"draft replica {replica.address}"
-            replica.watch = DraftWatch(lambda: replica.stub.Info(dpb.InfoRequest(), timeout=PROBE_TIMEOUT_S),
-                                       name=name)
+    def _watch(self, replica: Replica) -> DraftWatch | None:
+        """A draft replica's DraftWatch, named in the log as the service when it is the only one."""
+        if self.service != "draft":
+            return None
+        name = "draft service" if not self._dynamic and "," not in self.spec else f"draft replica {replica.address}"
+        return DraftWatch(lambda: replica.stub.Info(dpb.InfoRequest(), timeout=PROBE_TIMEOUT_S), name=name)
 
     def sync(self, addresses: list[str]) -> None:
         """Adds the replicas new in `addresses` and marks the missing ones gone."""
@@ -109,7 +109,7 @@ class Replicas:
                 channel = aio_channel(address, self._tls, self._interceptors, options)
                 replica = self.replicas[address] = Replica(address, channel, self._stub(channel),
                                                            health_pb2_grpc.HealthStub(channel))
-                self._added(replica)
+                replica.watch = self._watch(replica)
                 if len(self.replicas) > 1 or self._dynamic:
                     log.info("%s replica %s added", self.service, address)
             elif replica.gone:
