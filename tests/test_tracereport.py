@@ -16,12 +16,12 @@ from specsplit.tools.tracereport import (
 
 
 def _request(trace: str, speculation: str, rounds: list[tuple[float, float, float, float]], tokens: int,
-             digest: str = "p1", predrafted: int = 0) -> list[Span]:
+             digest: str = "p1", predrafted: int = 0, task: str = "code") -> list[Span]:
     """A Generate trace as the gateway writes it: a root, a 1 ms prefill (0.5 of it network) and one
     span per round from (draft compute ms, verify compute ms, network ms, gateway ms); the first
     `predrafted` rounds were served by a pre-draft. The root is 2 ms longer than prefill and rounds."""
     spans = [Span(trace, "root", "", GENERATE, "server", "specsplit-gateway", 0, 0,
-                  {"specsplit.task_type": "code", "specsplit.speculation": speculation,
+                  {"specsplit.task_type": task, "specsplit.speculation": speculation,
                    "specsplit.generated_tokens": tokens, "specsplit.rounds": len(rounds),
                    "specsplit.prompt_digest": digest, "specsplit.predraft_hits": predrafted})]
     spans.append(Span(trace, "pre", "root", "prefill", "internal", "specsplit-gateway", 0, 1_000_000,
@@ -54,6 +54,11 @@ def test_shares_speedup_and_break_even_rtt():
     # RTT*: T_on + rho * RTT = T_off, rho = 4 rounds / 8 tokens.
     assert code.break_even_rtt_ms == pytest.approx((t_off - t_on) / 0.5)
     assert per_request[0].break_even_rtt_ms == pytest.approx(code.break_even_rtt_ms) and not notes
+    # A bench warm-up: the same prompt, one token. Per token it is all prefill; with no spec-off run
+    # of its length (nor of its task type) it is priced against nothing.
+    warm = _request("warm", "on", [(2, 10, 2, 1)], tokens=1, task="warmup")
+    _, tasks, per_request, notes = report(off + on + warm)
+    assert [p.label for p in per_request] == ["on"] and "warmup: no spec-off traces to compare with" in notes
     slow = _request("slow", "on", [(2, 10, 30, 0)] * 8, tokens=8, digest="p2")  # loses: RTT* is 0
     _, tasks, _, _ = report(off + slow)
     assert tasks[0].speedup < 1 and tasks[0].break_even_rtt_ms == 0

@@ -240,7 +240,11 @@ def report(spans: list[Span]) -> tuple[list[RequestReport], list[Pricing], list[
         rows.append(price(task, members, _per_token(baseline), _per_token(baseline, "network_ms")))
     per_request = []
     for r in on:
-        baseline = off_by_prompt.get(r.prompt_digest) or off_by_task.get(r.task_type)
+        # Per token, a request compares only with spec-off runs of the same length: the same prompt
+        # with as many tokens (a 1-token warm-up on a prompt measured at 128 tokens is all prefill),
+        # else its task type's.
+        same = [b for b in off_by_prompt.get(r.prompt_digest, []) if b.tokens == r.tokens]
+        baseline = same or off_by_task.get(r.task_type)
         if baseline:
             per_request.append(price(r.trace_id[:12], [r], _per_token(baseline), _per_token(baseline, "network_ms")))
     return requests, rows, per_request, notes
