@@ -137,8 +137,9 @@ class Backends:
         while True:
             for name, replicas in ((VERIFY_SERVICE, self.verify), (DRAFT_SERVICE, self.draft)):
                 await replicas.refresh()
-                for replica in list(replicas.replicas.values()):
-                    serving, why = await _check(replica.health)
+                members = list(replicas.replicas.values())
+                checks = await asyncio.gather(*(_check(r.health) for r in members))  # at once: one dead
+                for replica, (serving, why) in zip(members, checks):  # replica must not delay the others
                     if serving and not replica.fits:
                         serving, why = await self._fits(replicas, replica)
                     if not serving and replica.watch is not None:
