@@ -145,12 +145,18 @@ class Replicas:
             await self.refresh(force=True)
         return next(iter(self.replicas.values()))
 
-    def pick(self) -> Replica:
-        """The available replica with the fewest sessions in flight (ties: the first listed)."""
-        live = [r for r in self.replicas.values() if r.available]
+    def pick(self, avoid: set[str] = frozenset()) -> Replica:
+        """The available replica with the fewest sessions in flight (ties: the first listed), other
+        than those at the addresses in `avoid`."""
+        live = [r for r in self.replicas.values() if r.available and r.address not in avoid]
         if not live:
             raise Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: {self.why_none()}")
         return min(live, key=lambda r: r.sessions)
+
+    def other(self, avoid: set[str]) -> Replica | None:
+        """pick(avoid), or None when no other replica is available."""
+        return self.pick(avoid) if any(r.available and r.address not in avoid for r in self.replicas.values()) \
+            else None
 
     @property
     def serving(self) -> bool:

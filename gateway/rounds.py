@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -32,16 +32,24 @@ _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEAD
                grpc.StatusCode.RESOURCE_EXHAUSTED: "drafter-full"}
 
 
+# A draft replica that refused a StartSession outright (down, or its session table full): nothing
+# started there, so the session may start on another replica instead.
+_START_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 class RoundLoop:
     def __init__(self, upstream: Upstream, verify: Replica, draft: Replica | None, tokenizer,
                  target: vpb.InfoResponse, rpc_timeout_s: float, instruments: Instruments,
-                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20):
+                 segments: shm.Creator | None = None, segment_bytes: int = 4 << 20,
+                 other_draft: Callable[[set[str]], Replica | None] = lambda tried: None):
         # `verify`, `draft`: the replicas this loop's session is pinned to (gateway.replicas; no draft
         # replica: the request does not speculate); `verify.load` is what the other sessions there
-        # put into its (batched) forwards.
+        # put into its (batched) forwards. `other_draft(tried)`: another available draft replica
+        # than those addresses, or None.
         self._up, self._tokenizer, self._target = upstream, tokenizer, target
         self._pinned = [r for r in (verify, draft) if r is not None]  # each counts the session until released
         self._verifier = verify.stub
+        self._draft_replica, self._other_draft = draft, other_draft
         self._drafter, self._watch = (draft.stub, draft.watch) if draft is not None else (None, None)
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
@@ -225,14 +233,13 @@ class RoundLoop:
             sampling=plan.sampling, shm_segment=name), "verify", deadline)
         started = None
         if request.drafting:
-            start = up.call(self._drafter.StartSession, dpb.StartSessionRequest(
+            start = dpb.StartSessionRequest(
                 session_id=request.session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
                 target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
                 shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows,
-                task_type=plan.task_type), "draft", deadline)
-            verified, started = await asyncio.gather(prefill, self._start(plan.drafter, start),
-                                                     return_exceptions=True)
+                task_type=plan.task_type)
+            verified, started = await asyncio.gather(prefill, self._start(start, deadline), return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
         if isinstance(verified, BaseException):
@@ -263,12 +270,36 @@ class RoundLoop:
         if plan.needs_features and request.drafting:
             request.features = verified.features
 
-    async def _start(self, drafter: str, start):
-        """StartSession under the DraftWatch: a stalled draft service fails it as DEADLINE_EXCEEDED."""
-        try:
-            return await self._watch.guard(drafter, "start", start)
-        except TimeoutError as e:
-            raise Failure(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+    async def _start(self, start: dpb.StartSessionRequest, deadline: Deadline):
+        """StartSession under the DraftWatch (a stalled draft replica fails it as DEADLINE_EXCEEDED);
+        a replica that refuses it outright (_START_ELSEWHERE) is left for the next available one,
+        which the session is then pinned to. Raises the last refusal when none is left."""
+        tried: set[str] = set()
+        while True:
+            try:
+                return await self._watch.guard(start.drafter, "start", self._up.call(
+                    self._drafter.StartSession, start, "draft", deadline))
+            except TimeoutError as e:
+                raise Failure(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)) from None
+            except Failure as e:
+                if e.code not in _START_ELSEWHERE:
+                    raise
+                tried.add(self._draft_replica.address)
+                other = self._other_draft(tried)
+                if other is None:
+                    raise
+                if e.code == grpc.StatusCode.UNAVAILABLE:
+                    self._watch.lost(str(e))
+                log.info("session %s starts on draft replica %s instead of %s: %s", start.session_id,
+                         other.address, self._draft_replica.address, e)
+                self._repin(other)
+
+    def _repin(self, draft: Replica) -> None:
+        """The session's draft replica is `draft` from now on (and counts it instead of the old one)."""
+        self._draft_replica.sessions -= 1
+        draft.sessions += 1
+        self._pinned = [draft if r is self._draft_replica else r for r in self._pinned]
+        self._draft_replica, self._drafter, self._watch = draft, draft.stub, draft.watch
 
     async def _release(self, request: Request) -> None:
         """Frees the session on both services (the drafter hears the last committed tokens), then

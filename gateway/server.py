@@ -200,7 +200,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         b = self._backends
         instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
         return RoundLoop(b.upstream, verify, draft, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
-                         b.segments, b.settings.shm_segment_bytes)
+                         b.segments, b.settings.shm_segment_bytes, b.draft.other)
 
     async def Generate(self, request, context):
         text, ids, last = [], [], None

@@ -87,10 +87,11 @@ async def test_connecting_waits_for_dns_to_list_a_replica_then_says_what_is_miss
     await empty.close()
 
 
-async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: tuple[str, ...]):
-    """Verify and draft services (one process each, by name) and a gateway told about all of them;
-    yields (gateway address, stop events by name, tasks by name, sessions started per replica of
-    each service)."""
+async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: tuple[str, ...],
+                 draft_kw: dict[str, dict] | None = None):
+    """Verify and draft services (one process each, by name; draft_kw: DraftSettings by name) and a
+    gateway told about all of them; yields (gateway address, stop events by name, tasks by name,
+    sessions started per replica of each service)."""
     from draft_service.main import run as run_draft
     from draft_service.server import DrafterServicer
     from gateway.main import run as run_gateway
@@ -128,7 +129,8 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
     model = ModelSettings(str(models["target"]), "float32")
     tasks = {name: asyncio.create_task(run_verify(VerifySettings(server(name), model), stops[name],
                                                   handle_signals=False)) for name in verify}
-    tasks |= {name: asyncio.create_task(run_draft(DraftSettings(server(name), None, default_drafter="ngram"),
+    tasks |= {name: asyncio.create_task(run_draft(DraftSettings(server(name), None, default_drafter="ngram",
+                                                                **(draft_kw or {}).get(name, {})),
                                                   stops[name], handle_signals=False)) for name in draft}
     try:
         verify_at = [await address(n, tasks[n]) for n in verify]
@@ -226,3 +228,33 @@ async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_no
         alone = await stub.Generate(auto, timeout=60)
         assert list(alone.token_ids) == list(off.token_ids) and not alone.stats.speculation_used
         assert alone.stats.speculation_reason == "drafter-down"
+
+
+async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_another(models, tmp_path, monkeypatch):
+    from specsplit.draft.v1 import draft_pb2 as dpb
+    from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+
+    async for gateway, _, _, started in _stack(models, tmp_path, monkeypatch, ("v1",), ("d1", "d2"),
+                                               {"d1": {"max_sessions": 2}}):
+        request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
+                                     drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
+        async with grpc.aio.insecure_channel(gateway) as g, \
+                grpc.aio.insecure_channel((tmp_path / "d1.a").read_text().strip()) as d:
+            stub, d1 = pb_grpc.GatewayStub(g), dpb_grpc.DrafterStub(d)
+            off = pb.GenerateRequest()
+            off.CopyFrom(request)
+            off.speculation = pb.SPECULATION_OFF
+            reference = await stub.Generate(off, timeout=60)
+            # d1's table is filled behind the gateway's back: to the gateway both replicas look idle,
+            # so the first session goes to d1 (the first listed), which refuses it.
+            for i in range(2):
+                await d1.StartSession(dpb.StartSessionRequest(session_id=f"fill{i}", prompt_token_ids=[1, 2]))
+            answers = await asyncio.gather(*(stub.Generate(request, timeout=60) for _ in range(4)))
+            assert all(list(a.token_ids) == list(reference.token_ids) for a in answers)
+            assert all(a.stats.speculation_used and a.stats.speculation_reason != "drafter-full" and
+                       a.stats.accepted_tokens > 0 for a in answers), [a.stats.speculation_reason for a in answers]
+            assert sorted(started["draft"].values()) == [2, 4]  # d1: only the fills; d2: every request
+            for i in range(2):
+                await d1.EndSession(dpb.EndSessionRequest(session_id=f"fill{i}"))
+            again = await stub.Generate(request, timeout=60)  # room is back on d1, and it was never "down"
+            assert again.stats.speculation_used and sorted(started["draft"].values()) == [3, 4]
