@@ -50,7 +50,7 @@ class VerifySettings:
     # capped at a quarter of physical memory.
     kv_cache_mib: int = 0
     # Batching across sessions: the most rows one forward takes, and how long the first call of a
-    # batch may wait for the others (a batch also runs once the sessions of the last one are back).
+    # batch may wait for the others (a batch also runs once every live session has sent its call).
     batch_rows: int = 256
     batch_wait_ms: float = 5.0
 
