@@ -160,7 +160,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if width != entry.session.feature_dim:
                     raise ValueError(f"features of width {width}; drafter {name!r} reads "
                                      f"{f'width {entry.session.feature_dim}' if entry.session.feature_dim else 'none'}")
-            _sync(entry, request.base_length, list(request.new_token_ids), features)
+            _sync(entry.session, request.base_length, list(request.new_token_ids), features)
         except SessionNotFound:
             raise Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {request.session_id!r}") from None
         except ValueError as e:
@@ -210,21 +210,20 @@ def _measure(drafter: Drafter, gamma: int = 4, calls: int = 5) -> int:
     times = []
     for i in range(calls + 1):
         start = time.perf_counter_ns()
-        if i:
-            at = len(session.tokens) - 1  # the features of the last token before the new one
-            session.sync(len(session.tokens), [1])
-            if dim:
-                session.add_features(at, torch.zeros(1, dim, dtype=torch.float32))
+        if i:  # the features of the last token before the new one
+            features = (len(session.tokens) - 1, torch.zeros(1, dim, dtype=torch.float32)) if dim else None
+            _sync(session, len(session.tokens), [1], features)
         drafter.propose(session, gamma, 0)
         if i:
             times.append((time.perf_counter_ns() - start) / gamma)
     return int(statistics.median(times))
 
 
-def _sync(entry: Entry, base_length: int, new_tokens: list[int], features) -> None:
-    entry.session.sync(base_length, new_tokens)
+def _sync(session: DraftSession, base_length: int, new_tokens: list[int], features) -> None:
+    """Tells a session what was committed since base_length, and the target features (start, rows) it lacks."""
+    session.sync(base_length, new_tokens)
     if features is not None:
-        entry.session.add_features(*features)
+        session.add_features(*features)
 
 
 def _timed(steps: Steps) -> Steps:
