@@ -145,23 +145,23 @@ class Replicas:
             await self.refresh(force=True)
         return next(iter(self.replicas.values()))
 
-    def pick(self, avoid: set[str] = frozenset()) -> Replica:
+    def other(self, avoid: set[str] = frozenset()) -> Replica | None:
         """The available replica with the fewest sessions in flight (ties: the first listed), other
-        than those at the addresses in `avoid`."""
-        live = [r for r in self.replicas.values() if r.available and r.address not in avoid]
-        if not live:
-            raise Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: {self.why_none()}")
-        return min(live, key=lambda r: r.sessions)
+        than those at the addresses in `avoid`; None when there is none."""
+        return min((r for r in self.replicas.values() if r.available and r.address not in avoid),
+                   key=lambda r: r.sessions, default=None)
 
-    def other(self, avoid: set[str]) -> Replica | None:
-        """pick(avoid), or None when no other replica is available."""
-        return self.pick(avoid) if any(r.available and r.address not in avoid for r in self.replicas.values()) \
-            else None
+    def pick(self) -> Replica:
+        """other(), or UNAVAILABLE saying why no replica can take a new session."""
+        replica = self.other()
+        if replica is None:
+            raise Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: {self.why_none()}")
+        return replica
 
     @property
     def serving(self) -> bool:
         """Some replica can take a new session."""
-        return any(r.available for r in self.replicas.values())
+        return self.other() is not None
 
     def why_none(self) -> str:
         """Why no replica can take a new session (for messages)."""
