@@ -140,11 +140,13 @@ class GatewayMetrics:
                 for (task, drafter), st in self._controller.states().items()]
 
     def _observe_sessions(self, _options):
-        return [Observation(r.sessions, {"service": rs.service, "replica": r.address})
-                for rs in self._replicas for r in list(rs.replicas.values())]
+        return self._per_replica(lambda r: r.sessions)
 
     def _observe_available(self, _options):
-        return [Observation(int(r.available), {"service": rs.service, "replica": r.address})
+        return self._per_replica(lambda r: int(r.available))
+
+    def _per_replica(self, value) -> list[Observation]:
+        return [Observation(value(r), {"service": rs.service, "replica": r.address})
                 for rs in self._replicas for r in list(rs.replicas.values())]
 
     def _observe_gamma(self, _options):
