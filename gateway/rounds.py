@@ -47,18 +47,28 @@ class RoundLoop:
         # put into its (batched) forwards. `other_draft(tried)`: another available draft replica
         # than those addresses, or None.
         self._up, self._tokenizer, self._target = upstream, tokenizer, target
-        self._pinned = [r for r in (verify, draft) if r is not None]  # each counts the session until released
+        self._verify, self._draft_replica, self._other_draft = verify, draft, other_draft
         self._verifier = verify.stub
-        self._draft_replica, self._other_draft = draft, other_draft
-        self._drafter, self._watch = (draft.stub, draft.watch) if draft is not None else (None, None)
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
         self._load = verify.load
 
+    @property
+    def _drafter(self):
+        return self._draft_replica.stub if self._draft_replica is not None else None
+
+    @property
+    def _watch(self):
+        return self._draft_replica.watch
+
+    def _pinned(self) -> list[Replica]:
+        """The replicas that count the session until it is released."""
+        return [r for r in (self._verify, self._draft_replica) if r is not None]
+
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
         request = Request(plan, uuid.uuid4().hex, plan.speculate and self._drafter is not None, started=now())
-        for replica in self._pinned:
+        for replica in self._pinned():
             replica.sessions += 1
         try:
             request.segment = self._segment(request)
@@ -298,8 +308,7 @@ class RoundLoop:
         """The session's draft replica is `draft` from now on (and counts it instead of the old one)."""
         self._draft_replica.sessions -= 1
         draft.sessions += 1
-        self._pinned = [draft if r is self._draft_replica else r for r in self._pinned]
-        self._draft_replica, self._drafter, self._watch = draft, draft.stub, draft.watch
+        self._draft_replica = draft
 
     async def _release(self, request: Request) -> None:
         """Frees the session on both services (the drafter hears the last committed tokens), then
@@ -320,5 +329,5 @@ class RoundLoop:
             if request.segment is not None:
                 self._segments.remove(request.segment)
         finally:
-            for replica in self._pinned:
+            for replica in self._pinned():
                 replica.sessions -= 1
