@@ -6,7 +6,7 @@ import asyncio
 
 from gateway.access import BearerAuth
 from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
-from specsplit import default_model, runtime, telemetry
+from specsplit import catalog, runtime, telemetry
 from specsplit.serving import serve
 from specsplit.settings import GatewaySettings
 
@@ -16,7 +16,7 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
 
     runtime.configure_process(settings.server.threads)
     tel = telemetry.configure("specsplit-gateway", settings.server.metrics_port)
-    tokenizer_dir = default_model.resolve(settings.tokenizer)
+    tokenizer_dir = catalog.resolve(settings.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     backends = Backends(settings, tokenizer, tel.client_interceptors())
     servicer = GatewayServicer(backends)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from specsplit import default_model
+from specsplit import catalog
 from specsplit.modeling import LoadedModel, load_model
 from specsplit.settings import ModelSettings
 
@@ -17,6 +17,6 @@ def configure_process(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def load(settings: ModelSettings) -> LoadedModel:
-    return load_model(default_model.resolve(settings.path), settings.dtype, settings.device, settings.exact,
-                      quantize=settings.quantize)
+def load(settings: ModelSettings, head_ids: torch.Tensor | None = None) -> LoadedModel:
+    return load_model(catalog.resolve(settings.path), settings.dtype, settings.device, settings.exact,
+                      quantize=settings.quantize, head_ids=head_ids)

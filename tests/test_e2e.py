@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit.default_model import ensure_default_model
+from specsplit import catalog
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.tools.launcher import Stack, StackConfig
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def default_model() -> Path:
-    return ensure_default_model()
+    return catalog.resolve(catalog.DEFAULT)
 
 
 def one_prompt_per_task() -> list:

@@ -66,7 +66,7 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
     """The real servicer and server of `kind` around a stub model."""
     from transformers import AutoTokenizer
 
-    from specsplit import default_model
+    from specsplit import catalog
     from specsplit.modeling import tokenizer_fingerprint
     from specsplit.serving import serve
     from specsplit.sessions import SessionTable
@@ -79,7 +79,7 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
         from verify_service.engine import Target
         from verify_service.server import SERVICE_NAME, VerifierServicer, register
 
-        tokenizer = AutoTokenizer.from_pretrained(default_model.resolve("default"), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(catalog.resolve("default"), local_files_only=True)
         vocab = len(tokenizer)
         lm = SimpleNamespace(model_id="stub", vocab_size=vocab, fingerprint=tokenizer_fingerprint(tokenizer),
                              max_context=1 << 16, dtype=torch.bfloat16, device=torch.device("cpu"), exact=True,

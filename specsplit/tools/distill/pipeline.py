@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from draft_service.drafters.selfdraft import HEAD_FORMAT, target_tensors
-from specsplit import default_model
+from specsplit import catalog
 from specsplit.featurehead import HeadConfig
 from specsplit.modeling import load_model
 from specsplit.tools.distill import gen
@@ -51,7 +51,7 @@ def distill(s: DistillSettings, log=print) -> Path:
     prompts = load_prompts(s.prompts, s.prompt_seeds) if "generate" in s.stages else []  # a bad file fails first
     out = Path(s.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    target_dir = default_model.resolve(s.target_model)
+    target_dir = catalog.resolve(s.target_model)
     data_dir = out / "data"
     lm = load_model(target_dir, s.dtype, s.device, exact=False)
     if "generate" in s.stages:
