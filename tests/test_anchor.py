@@ -10,7 +10,8 @@ def test_anchor_generates_what_our_target_decodes_greedily(models):
     anchor = Anchor(str(models["target"]), "float32")
     record = AnchorRecord("code")
     anchor.run(record, prompt, 12)
-    assert record.plain_tokens >= len(record.plain_ids) > 0 and len(record.plain_s) == len(record.lookup_s) == 1
+    assert record.tokens["plain"] >= len(record.plain_ids) > 0
+    assert [len(record.seconds[m]) for m in ("plain", "lookup")] == [1, 1] and "assisted" not in record.seconds
 
     lm = load_model(models["target"], "float32")
     target = Target(lm)
@@ -21,6 +22,6 @@ def test_anchor_generates_what_our_target_decodes_greedily(models):
     assert ours == record.plain_ids
     # lookup=plain compares whole outputs, end-of-sequence token included (greedy: reproducible)
     ids = anchor._ids(prompt)
-    plain, _ = anchor._generate(ids, 12, lookup=False)
-    lookup, _ = anchor._generate(ids, 12, lookup=True)
-    assert record.lookup_identical == (plain == lookup) and plain[:len(record.plain_ids)] == record.plain_ids
+    plain, _ = anchor._generate(ids, 12, "plain")
+    lookup, _ = anchor._generate(ids, 12, "lookup")
+    assert record.identical["lookup"] == (plain == lookup) and plain[:len(record.plain_ids)] == record.plain_ids

@@ -344,13 +344,14 @@ def main(args, config: StackConfig) -> int:
     if args.anchor and args.temperature > 0:
         print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
     elif args.anchor:
-        from specsplit import default_model
+        from specsplit import catalog
         from specsplit.tools import anchor as anchoring
 
-        model_dir = str(default_model.resolve(config.target_model))
+        model_dir = str(catalog.resolve(config.target_model))
         print("measuring the target step, loading transformers' own model ...", file=sys.stderr, flush=True)
         profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
-        anchor = anchoring.Anchor(model_dir, config.dtype)
+        draft_dir = str(catalog.resolve(config.draft_model)) if config.draft_model else None
+        anchor = anchoring.Anchor(model_dir, config.dtype, draft_dir)
         anchor.warmup(prompts[0].prompt)
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         names = list(args.drafters)
