@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from opentelemetry.metrics import Observation
 
 from draft_service.drafters.base import Drafter
 from draft_service.drafters.hybrid import HybridDrafter
-from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.model import ModelDrafter, draft_vocabulary
 from draft_service.drafters.ngram import NgramDrafter, OutputStore
 from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
-from specsplit import default_model, runtime, telemetry
+from specsplit import catalog, runtime, telemetry
 from specsplit.serving import serve
 from specsplit.sessions import SessionTable
-from specsplit.settings import DraftSettings
+from specsplit.settings import DraftSettings, ModelSettings
 from specsplit.worker import ModelWorker
+
+
+def draft_quantization(model: ModelSettings) -> str:
+    """"auto": int8 weights where the native kernels run the draft model in bf16 (a drafter need
+    not be exact, only cheap: speculation stays lossless), else its own dtype."""
+    if model.quantize != "auto":
+        return model.quantize
+    import torch
+
+    from specsplit import native
+
+    bf16 = model.dtype in ("bfloat16", "bf16")
+    return "int8" if bf16 and not native.unavailable(torch.bfloat16, torch.device(model.device)) else ""
 
 
 def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
@@ -24,13 +38,17 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
     ngram = NgramDrafter("ngram", settings.ngram_min, settings.ngram_max, store=store)
     drafters: dict[str, Drafter] = {"ngram": ngram}
     if settings.model is not None:
-        drafters["model"] = ModelDrafter(runtime.load(settings.model), "model",
-                                         default_model.resolve(settings.model.path))
+        vocab = draft_vocabulary(catalog.resolve(settings.model.path), settings.draft_vocab)
+        model = replace(settings.model, quantize=draft_quantization(settings.model))
+        drafters["model"] = ModelDrafter(runtime.load(model, head_ids=vocab), "model", vocab)
     if settings.self_head is not None:
-        head = SelfDrafter(resolve_head(settings.self_head), default_model.resolve(settings.target_model),
-                           settings.device, min_confidence=settings.self_min_confidence)
-        drafters["self"] = head
-        drafters["hybrid"] = HybridDrafter(ngram, head, settings.hybrid_min_match)
+        drafters["self"] = SelfDrafter(resolve_head(settings.self_head), catalog.resolve(settings.target_model),
+                                       settings.device, min_confidence=settings.self_min_confidence)
+    # Retrieval where it matches, a neural drafter elsewhere: the draft model when one is given
+    # (the user chose it), else the self head.
+    neural = drafters.get("model") or drafters.get("self")
+    if neural is not None:
+        drafters["hybrid"] = HybridDrafter(ngram, neural, settings.hybrid_min_match)
     return drafters
 
 

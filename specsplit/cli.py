@@ -81,7 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specsplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("fetch-model", help="convert the embedded default model into the cache (once)")
+    fm = sub.add_parser("fetch-model", help="fetch a catalog model (pinned, digest checked) and convert it into the "
+                                            "cache once; prints its directory")
+    fm.add_argument("name", nargs="?", default="default", help="a name `specsplit models` lists (default: the "
+                                                               "embedded SmolLM2-135M-Instruct)")
+    sub.add_parser("models", help="list the catalog: names, source, size, digest, licence, whether fetched")
     hp = sub.add_parser("health", help="ask a service's grpc.health.v1: exit 0 if SERVING, 1 if not (container "
                                        "health checks)")
     hp.add_argument("address", help="host:port or unix:///path.sock")
@@ -120,9 +124,17 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"),
                    help="local HF causal LM dir for the 'model' drafter ('default': the embedded model)")
     d.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
+    d.add_argument("--draft-quantize", choices=["auto", "", "int8"],
+                   default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
+                   help="the draft model's GEMM weights: int8, '' (its dtype) or auto (int8 where the native "
+                        "kernels run it in bf16)")
+    d.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", "32768")),
+                   help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
+                        "else the first N ids and the special tokens; 0: all)")
     d.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     d.add_argument("--default-drafter", default="auto",
-                   help="ngram | model | self | hybrid | auto (hybrid when a self head is loaded, else ngram)")
+                   help="ngram | model | self | hybrid | auto (hybrid: n-gram + the draft model or self head, "
+                        "when one is loaded; else ngram)")
     d.add_argument("--ngram-min", type=int, default=1)
     d.add_argument("--ngram-max", type=int, default=3)
     d.add_argument("--store-tokens", type=int, default=262144,
@@ -373,13 +385,20 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"))
     p.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"))
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
+    p.add_argument("--draft-quantize", choices=["auto", "", "int8"],
+                   default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
+                   help="the draft model's GEMM weights: int8, '' (its dtype) or auto (int8 where the native "
+                        "kernels run it in bf16)")
+    p.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", "32768")),
+                   help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
+                        "else the first N ids and the special tokens; 0: all)")
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
     p.add_argument("--quantize", choices=["", "int8"], default=ENV("SPECSPLIT_QUANTIZE", ""),
                    help="int8: the target's GEMM weights in int8 (native kernels)")
     p.add_argument("--drafter", default="auto",
-                   help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid when the "
-                        "self head is there, else ngram)")
+                   help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid: n-gram "
+                        "+ the draft model if given, else the self head if there; else ngram)")
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
@@ -399,7 +418,9 @@ def _stack_config(a: argparse.Namespace):
     from specsplit.tools.launcher import StackConfig
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
-                       draft_dtype=a.draft_dtype, device=a.device, exact=a.exact, quantize=a.quantize,
+                       draft_dtype=a.draft_dtype, draft_quantize=a.draft_quantize, draft_vocab=a.draft_vocab,
+                       device=a.device, exact=a.exact,
+                       quantize=a.quantize,
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
                        self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
@@ -408,7 +429,7 @@ def _stack_config(a: argparse.Namespace):
 
 
 def _last_gateway_file() -> Path:
-    from specsplit.default_model import cache_root
+    from specsplit.catalog import cache_root
 
     return cache_root() / "last-gateway"
 
@@ -429,8 +450,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     elif a.role == "draft":
         from draft_service.main import run
 
-        model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False) if a.draft_model else None
-        settings = DraftSettings(server=server, model=model, default_drafter=a.default_drafter,
+        model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False,
+                              quantize=a.draft_quantize) if a.draft_model else None
+        settings = DraftSettings(server=server, model=model, draft_vocab=a.draft_vocab,
+                                 default_drafter=a.default_drafter,
                                  ngram_min=a.ngram_min, ngram_max=a.ngram_max, max_sessions=a.max_sessions,
                                  idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
                                  self_head=_self_head(a.self_head, a.target_model), target_model=a.target_model,
@@ -478,11 +501,11 @@ def _self_head(flag: str, target_model: str) -> str | None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from specsplit import default_model
+    from specsplit import catalog
     from specsplit.tools.launcher import Stack
 
     for path in {a.target_model, a.draft_model} - {None}:
-        default_model.resolve(path)  # convert the default model once, before three processes want it
+        catalog.resolve(path)  # convert the default model once, before three processes want it
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -608,11 +631,18 @@ def cmd_distill(a: argparse.Namespace) -> int:
 def cmd_fetch_model(a: argparse.Namespace) -> int:
     import logging
 
-    from specsplit.default_model import ensure_default_model
+    from specsplit import catalog
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(ensure_default_model())
+    print(catalog.fetch(a.name))
     _build_native()
+    return 0
+
+
+def cmd_models(a: argparse.Namespace) -> int:
+    from specsplit import catalog
+
+    print("\n".join(catalog.describe()))
     return 0
 
 
@@ -661,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "serve":  # before anything imports torch (and with it libgomp)
         quiet_spin(os.environ)
     command = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "health": cmd_health,
+               "distill": cmd_distill, "fetch-model": cmd_fetch_model, "models": cmd_models, "health": cmd_health,
                "trace-report": cmd_trace_report, "calibrate": cmd_calibrate, "soak": cmd_soak}[a.command]
     try:
         return command(a)

@@ -72,8 +72,10 @@ class KVPool:
 class FastLlama:
     """The packed weights of one model (the native decoder) and the KV budget of its sequences."""
 
-    def __init__(self, model: nn.Module, quantize: str = ""):
-        """quantize "int8": every GEMM weight quantized to int8 per output row (bf16 models)."""
+    def __init__(self, model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None):
+        """quantize "int8": every GEMM weight quantized to int8 per output row (bf16 models).
+        head_ids: the output head keeps only these vocabulary rows (a drafter's draft vocabulary:
+        logits come in that order)."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"no native forward for this model: {reason}")
@@ -86,11 +88,12 @@ class FastLlama:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 2048)
+        head = model.get_output_embeddings().weight.detach()
         with torch.no_grad():  # cos/sin for every position, as transformers computes them
             cos, sin = base.rotary_emb(embed[:1].float(), torch.arange(self.max_context)[None])
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
-            cos[0], sin[0], base.norm.weight.detach(), model.get_output_embeddings().weight.detach(),
+            cos[0], sin[0], base.norm.weight.detach(), head if head_ids is None else head[head_ids].contiguous(),
             quantize == "int8")
         self.quantize = quantize
         empty = torch.empty(0)

@@ -233,11 +233,12 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", exact: bool = True,
-               native: bool = True, quantize: str = "") -> LoadedModel:
+               native: bool = True, quantize: str = "", head_ids: torch.Tensor | None = None) -> LoadedModel:
     """Load a local HF causal-LM directory (config, weights, tokenizer). Never touches a model hub.
     Sequences run on the native kernels when `native` and the model and machine allow it; `exact`
     chooses how transformers' forward runs otherwise. quantize "int8": weight-only int8 GEMMs on the
-    native kernels (refused where they do not run)."""
+    native kernels (refused where they do not run). head_ids: the native head computes only these
+    vocabulary rows (a drafter's draft vocabulary)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -251,7 +252,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         model.to(device).eval()
     model.requires_grad_(False)
     swap_linears(model, RowInvariantLinear if exact else FlatLinear)
-    native, kernels = _native(model, quantize) if native else (None, "transformers (native off)")
+    native, kernels = _native(model, quantize, head_ids) if native else (None, "transformers (native off)")
     if quantize and native is None:
         raise ValueError(f"--quantize {quantize} needs the native kernels; {kernels}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -289,7 +290,7 @@ def _return_free_memory() -> None:
         pass
 
 
-def _native(model: nn.Module, quantize: str = ""):
+def _native(model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None):
     """(FastLlama, "native") when the native kernels can run `model` here, else (None, why not)."""
     import logging
 
@@ -298,7 +299,7 @@ def _native(model: nn.Module, quantize: str = ""):
     reason = fastllama.unsupported_reason(model)
     if reason is None:
         try:
-            native = fastllama.FastLlama(model, quantize=quantize)
+            native = fastllama.FastLlama(model, quantize=quantize, head_ids=head_ids)
         except (RuntimeError, OSError) as e:  # no compiler, a failed build
             reason = f"the native kernels did not build: {e}"
         else:

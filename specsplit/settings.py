@@ -11,7 +11,7 @@ class ModelSettings:
     dtype: str = "bfloat16"
     device: str = "cpu"
     exact: bool = True
-    quantize: str = ""  # "int8": weight-only int8 GEMMs (native kernels only)
+    quantize: str = ""  # "int8": weight-only int8 GEMMs (native kernels only); a draft model's may be "auto"
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class VerifySettings:
 class DraftSettings:
     server: ServerSettings
     model: ModelSettings | None  # None: no standalone draft model
-    default_drafter: str = "auto"  # auto: hybrid when a self head is loaded, else ngram
+    # The model drafter scores this many ids (its draft_vocab.json if it has one; 0: all).
+    draft_vocab: int = 32768
+    default_drafter: str = "auto"  # auto: hybrid when a draft model or self head is loaded, else ngram
     ngram_min: int = 1
     ngram_max: int = 3
     store_tokens: int = 262144  # earlier outputs the retrieval drafter remembers (0: none)

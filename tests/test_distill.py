@@ -133,7 +133,7 @@ def test_builtin_prompts_are_varied_and_hold_out_the_starter_prompts():
 
 
 def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, models, tmp_path):
-    from draft_service.drafters.model import ModelDrafter
+    from draft_service.drafters.model import ModelDrafter, draft_vocabulary
     from specsplit.tools.distill.pipeline import DistillSettings, distill
     from specsplit.tools.distill.standalone import layer_subset, train_standalone
 
@@ -151,7 +151,8 @@ def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, mode
                                         dtype="float32"), log=lambda *_: None)
     card = json.loads((model_dir / "draft.json").read_text())
     assert card["recipe"]["kind"] == "model" and card["recipe"]["target_layers"] == [1]
-    drafter = ModelDrafter(load_model(model_dir, "float32", exact=False), model_dir=model_dir)
+    vocab = draft_vocabulary(model_dir)
+    drafter = ModelDrafter(load_model(model_dir, "float32", exact=False, head_ids=vocab), vocab_ids=vocab)
     assert drafter.vocab_ids is not None and drafter.vocab_ids.numel() == 128
     session = drafter.start([5, 6, 7])
     session.sync(3, [8])

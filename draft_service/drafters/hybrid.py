@@ -1,10 +1,11 @@
-"""Retrieval or the self-drafter, chosen per round by expected gain. Each source's accepted drafts
+"""Retrieval or a neural drafter (the self head, or a draft model: "the head" below), chosen per
+round by expected gain. Each source's accepted drafts
 per round are learnt within the session (the next Propose's sync shows how many of the last
 drafts the target kept): an n-gram match by its length (1, 2, 3+ tokens), the head as one source.
 A round's value is (expected accepted + 1) / (the cost of verifying its drafts + the source's own
 cost, in target steps), and drafting nothing is worth 1; the verify cost by width comes from the
 verifier's measurement (StartSession), the head's cost is its measured drafting time over the
-measured time between rounds. Priors give the old
+rest of a round (the time between Proposes less the head's own). Priors give the old
 fixed order before anything is learnt: a match of `min_match` tokens or more, then the head,
 then a shorter match; the head drafting nothing (unsure) lets a match fill in. A session of a task
 type the service has seen starts instead from the means earlier sessions of that type learnt."""
@@ -14,15 +15,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from draft_service.drafters.base import DrafterDescription, Proposal, Steps, drive, steps_of
+from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, Steps, drive, steps_of
 from draft_service.drafters.ngram import NgramDrafter
-from draft_service.drafters.selfdraft import SelfDrafter, SelfSession
 from specsplit.ewma import Ewma
 from specsplit.tokentree import chain, follow
 
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
 PRIOR_WEIGHT = 2.0  # the priors count as this many rounds
 HEAD_COST = 0.1  # the head's cost per drafted token in target steps until measured
+HEAD = "head"  # the neural source's key among the learnt means (the n-gram's are its match lengths)
 TASK_DECAY = 0.98  # per round, for the means a task type keeps across sessions
 TASK_TYPES = 64  # task types remembered (labels come from clients)
 EXPLORE = 8  # every n-th session of a task type starts from the default priors
@@ -42,7 +43,7 @@ class _Choice:
         # Priors: what earlier sessions of the task type learnt (`task`, which this session's
         # rounds teach in turn), else (or exploring) the old order: long match (1.5) > head (1.0)
         # > short match (0.4).
-        defaults = {1: 0.4, 2: 0.4, 3: 0.4, "self": 1.0}
+        defaults = {1: 0.4, 2: 0.4, 3: 0.4, HEAD: 1.0}
         defaults.update({n: 1.5 for n in (1, 2, 3) if n >= min_match})
         self.task = task if task is not None else {}
         learnt = {} if explore else self.task
@@ -50,27 +51,31 @@ class _Choice:
                       for k, v in defaults.items()}
         # Last round's drafts: (position, tokens, parents or None for a chain, each token's source).
         self.pending: tuple[int, list[int], list[int] | None, list[object]] | None = None
-        self.head_ms = Ewma(DECAY)  # the head's drafting time per round
-        self.round_ms = Ewma(DECAY)  # the time between Proposes (a round)
+        self.head_ms = Ewma(DECAY)  # the head's drafting time per round (its first, which feeds the prompt, left out)
+        self.rest_ms = Ewma(DECAY)  # the time between Proposes less the head's drafting: verify and overheads
+        self.last_head_ms = 0.0  # the head's drafting time in the round that ended at the next Propose
+        self.head_runs = 0
         self.last_call = 0.0
 
 
 class HybridDrafter:
 
-    def __init__(self, ngram: NgramDrafter, head: SelfDrafter, min_match: int = 2, name: str = "hybrid"):
+    def __init__(self, ngram: NgramDrafter, head, min_match: int = 2, name: str = "hybrid"):
+        """head: a drafter with steps() (SelfDrafter or ModelDrafter); its kind names its drafts."""
         self.ngram, self.head, self.min_match = ngram, head, min_match
+        self.source = head.description.kind
         self._tasks: OrderedDict[str, dict] = OrderedDict()  # task type -> source -> Ewma, across sessions
         d = head.description
         self.description = DrafterDescription(
             name=name, kind="hybrid", model_id=d.model_id, tokenizer_fingerprint=d.tokenizer_fingerprint,
-            param_bytes=d.param_bytes, dtype=d.dtype, device=d.device, needs_features=True,
+            param_bytes=d.param_bytes, dtype=d.dtype, device=d.device, needs_features=d.needs_features,
             target_model_fingerprint=d.target_model_fingerprint)
 
     @property
     def memory_bytes(self) -> int:
         return self.head.memory_bytes  # the store is shared with the ngram drafter, counted there
 
-    def start(self, prompt: list[int]) -> SelfSession:
+    def start(self, prompt: list[int]) -> DraftSession:
         session = self.head.start(prompt)
         session.choice = None  # made at the first propose, once the task type is known
         return session
@@ -87,10 +92,10 @@ class HybridDrafter:
     def runner(self):
         return getattr(self.head, "runner", None)
 
-    def propose(self, session: SelfSession, gamma: int, budget: int = 0) -> Proposal:
+    def propose(self, session: DraftSession, gamma: int, budget: int = 0) -> Proposal:
         return drive(self.steps(session, gamma, budget), self.runner)
 
-    def steps(self, session: SelfSession, gamma: int, budget: int = 0) -> Steps:
+    def steps(self, session: DraftSession, gamma: int, budget: int = 0) -> Steps:
         """propose() as the head's steps (base.Steps); the head's time includes the other sessions'
         steps it was batched with: what the round waited for."""
         if session.choice is None:
@@ -104,7 +109,7 @@ class HybridDrafter:
         key = min(n, 3)
         # Tokens per round over the round's cost in target steps: verifying k drafts costs
         # width_cost(k) (measured by the verifier), the head its own drafting time on top.
-        head_value = (choice.means["self"].value + 1) / (session.width_cost(gamma) + self._head_cost(choice, gamma))
+        head_value = (choice.means[HEAD].value + 1) / (session.width_cost(gamma) + self._head_cost(choice, gamma))
         # Drafting nothing is worth 1 (the target's own token, at no extra cost): the head must beat
         # that as well as the match.
         match_value = (min(choice.means[key].value, len(drafts)) + 1) / session.width_cost(len(drafts)) \
@@ -113,57 +118,61 @@ class HybridDrafter:
         if head_value > match_value:
             started = time.perf_counter()
             proposal = yield from steps_of(self.head, session, gamma, budget)
-            if proposal.tokens:
-                choice.head_ms.add((time.perf_counter() - started) * 1e3)
+            choice.last_head_ms = (time.perf_counter() - started) * 1e3
+            choice.head_runs += 1
+            if proposal.tokens and choice.head_runs > 1:
+                choice.head_ms.add(choice.last_head_ms)
         if budget > 1 and not session.rejects:
             return self._tree(session, choice, proposal, gamma, budget)
         if proposal is None or not proposal.tokens:
             # Under rejection sampling the sources are not merged (a merged node has no one q).
             proposal = self.ngram.propose(session, gamma, budget) if budget > 1 else \
                 Proposal(drafts, "ngram" if drafts else "")
-        source = "self" if proposal.source == "self" else key
+        source = HEAD if proposal.source == self.source else key
         choice.pending = (len(session.tokens), list(proposal.tokens), proposal.parents,
                           [source] * len(proposal.tokens))
         return proposal
 
-    def _tree(self, session: SelfSession, choice: _Choice, head: Proposal | None, gamma: int,
+    def _tree(self, session: DraftSession, choice: _Choice, head: Proposal | None, gamma: int,
               budget: int) -> Proposal:
         """The union of the retrieval tree (scored with this session's learnt reliability per match
         length) and the head's tree when it ran, cut to the best `budget` nodes."""
         # A source's mean accepted per round m as a per-token chance r (a geometric run: m = r / (1 - r)).
-        reliability = {k: m.value / (1 + m.value) for k, m in choice.means.items() if k != "self"}
+        reliability = {k: m.value / (1 + m.value) for k, m in choice.means.items() if k != HEAD}
         tree, n = self.ngram.tree(session.tokens, gamma, reliability=reliability)
         if head is not None and head.tokens:
             nodes: list[int] = []
             for token, parent, score in zip(head.tokens, head.parents or chain(len(head.tokens)),
                                             head.scores or [1.0] * len(head.tokens)):
-                nodes.append(tree.add(nodes[parent] if parent >= 0 else -1, token, score, "self"))
+                nodes.append(tree.add(nodes[parent] if parent >= 0 else -1, token, score, HEAD))
         key = min(n, 3)
         tokens, parents, scores, sources = tree.select(budget, gamma)
-        sources = ["self" if s == "self" else key for s in sources]
+        sources = [HEAD if s == HEAD else key for s in sources]
         choice.pending = (len(session.tokens), tokens, parents, sources) if tokens else None
-        names = {"self" if s == "self" else "ngram" for s in sources}
+        names = {self.source if s == HEAD else "ngram" for s in sources}
         source = "+".join(sorted(names)) if names else ""
         return Proposal(tokens, source, None, parents, scores)
 
     def _head_cost(self, choice: _Choice, gamma: int) -> float:
-        """The head's drafting time per round in target steps (the time between rounds less it)."""
-        head, round_ = choice.head_ms.value, choice.round_ms.value
-        if head is None or round_ is None or round_ <= head:
+        """The head's drafting time per round in target steps: over the rest of a round (its verify),
+        measured on every round, so rounds that did not draft with the head do not bias it."""
+        head, rest = choice.head_ms.value, choice.rest_ms.value
+        if head is None or not rest:
             return HEAD_COST * gamma
-        return head / (round_ - head)
+        return head / rest
 
-    def end(self, session: SelfSession) -> None:
+    def end(self, session: DraftSession) -> None:
         self.ngram.end(session)
 
 
-def _learn(session: SelfSession) -> _Choice:
+def _learn(session: DraftSession) -> _Choice:
     """Counts how many of the last round's drafts the target kept, now that the sync told us, and
     times the round; the task type's means (across sessions) learn it too."""
     choice: _Choice = session.choice
     now = time.perf_counter()
     if choice.last_call:
-        choice.round_ms.add((now - choice.last_call) * 1e3)
+        choice.rest_ms.add(max(0.0, (now - choice.last_call) * 1e3 - choice.last_head_ms))
+    choice.last_head_ms = 0.0
     choice.last_call = now
     if choice.pending is not None:
         at, drafts, parents, sources = choice.pending

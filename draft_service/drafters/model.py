@@ -1,4 +1,12 @@
-"""A causal LM drafting greedily, with its own KV cache that follows the committed tokens."""
+"""A causal LM drafting greedily, with its own KV cache that follows the committed tokens.
+
+Most of a small draft model's cost per token can be its output head (Qwen2.5-0.5B: 136M of its 494M
+weights read per token score 151,936 tokens), so it may score only a draft vocabulary: the ids a
+distilled draft lists in `draft_vocab.json`, else the first N ids of its tokenizer (BPE ids are
+numbered in merge order, roughly by frequency) and its added tokens. On the native kernels the head
+is packed with those rows only. A target token outside the vocabulary can never be drafted (the
+round then ends there); sampling stays lossless, since q is the distribution the token was drawn
+from, zero outside the vocabulary."""
 
 from __future__ import annotations
 
@@ -31,16 +39,37 @@ class ModelSession(DraftSession):
         self.fed: list[int] = []  # the tokens whose keys/values kv holds, in order
 
 
+def draft_vocabulary(model_dir: str | Path, size: int = 0) -> torch.Tensor | None:
+    """The ids the drafter scores, ascending: the model's `draft_vocab.json` when it has one, else
+    with `size` > 0 the first `size` ids and every added (special) token; None: the whole vocabulary."""
+    model_dir = Path(model_dir)
+    vocab_file = model_dir / DRAFT_VOCAB_FILE
+    if vocab_file.is_file():
+        return torch.tensor(sorted(json.loads(vocab_file.read_text())), dtype=torch.long)
+    if size <= 0:
+        return None
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    if size >= vocab:
+        return None
+    from transformers import AutoTokenizer
+
+    added = AutoTokenizer.from_pretrained(model_dir, local_files_only=True).added_tokens_decoder
+    return torch.tensor(sorted(set(range(size)) | {i for i in added if size <= i < vocab}), dtype=torch.long)
+
+
 class ModelDrafter:
 
-    def __init__(self, lm: LoadedModel, name: str = "model", model_dir: str | Path | None = None):
+    def __init__(self, lm: LoadedModel, name: str = "model", vocab_ids: torch.Tensor | None = None):
+        """vocab_ids: the draft vocabulary (draft_vocabulary); when lm runs natively, it must have
+        been loaded with the same ids as head_ids."""
         self.lm = lm
-        # A distilled draft scores only its draft vocabulary (most of a small model's cost is the head).
-        vocab_file = Path(model_dir) / DRAFT_VOCAB_FILE if model_dir else None
-        self.vocab_ids = self.rows = None
-        if vocab_file is not None and vocab_file.is_file():
-            self.vocab_ids = torch.tensor(json.loads(vocab_file.read_text()), dtype=torch.long, device=lm.device)
-            self.rows = lm.model.get_output_embeddings().weight.detach()[self.vocab_ids]
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(lm.device)
+        # Natively the packed head already scores the vocabulary; transformers' forward gives
+        # features, scored here against the vocabulary's rows.
+        self.rows = None
+        if vocab_ids is not None and lm.native is None:
+            self.rows = lm.model.get_output_embeddings().weight.detach()[self.vocab_ids].float()
         self.description = DrafterDescription(
             name=name, kind="model", model_id=lm.model_id, tokenizer_fingerprint=lm.fingerprint,
             param_bytes=lm.param_bytes, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device))
@@ -82,9 +111,9 @@ class ModelDrafter:
         return Proposal(drafts, "model", sampled_from(choices))
 
     def _choose(self, session: ModelSession, logits, hidden) -> Choice:
-        if self.rows is None:
-            return choose(session, logits[0], None, self.lm.vocab_size)
-        return choose(session, hidden[-1].float() @ self.rows.float().T, self.vocab_ids, self.lm.vocab_size)
+        if self.rows is not None:
+            logits = (hidden[-1].float() @ self.rows.T)[None]
+        return choose(session, logits[0], self.vocab_ids, self.lm.vocab_size)
 
     def end(self, session: ModelSession) -> None:
         pass

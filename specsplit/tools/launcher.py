@@ -48,6 +48,8 @@ class StackConfig:
     draft_model: str | None = None
     dtype: str = "bfloat16"
     draft_dtype: str = "bfloat16"
+    draft_quantize: str = "auto"  # the draft model's weights: "auto", "" (its dtype) or "int8"
+    draft_vocab: int = 32768  # the model drafter's draft vocabulary (its draft_vocab.json if it has one; 0: all)
     device: str = "cpu"
     exact: bool = True
     quantize: str = ""  # the target's weights: "" (its dtype) or "int8"
@@ -172,6 +174,7 @@ class Stack:
                            "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]
             if c.draft_model:
                 draft_flags += ["--draft-model", c.draft_model, "--draft-dtype", c.draft_dtype]
+                draft_flags += ["--draft-quantize", c.draft_quantize, "--draft-vocab", str(c.draft_vocab)]
             self._spawn("draft", draft_flags)
             self._await(["verify", "draft"], timeout_s)
             draft = draft_via(self.addresses["draft"]) if draft_via else self.addresses["draft"]
