@@ -22,7 +22,9 @@ from torch import nn
 from specsplit import native, rollback
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-QUANTIZE = ("", "int8")  # "": the model's own dtype
+# "": the model's own dtype; "int8": int8 weights per output row, widened to bf16 (bf16 models);
+# "q8_0": int8 weights per output and block of 32 by int8 activations per row and block (VNNI).
+QUANTIZE = {"": 0, "int8": 1, "q8_0": 2}
 
 
 class CacheFull(RuntimeError):
@@ -73,14 +75,16 @@ class FastLlama:
     """The packed weights of one model (the native decoder) and the KV budget of its sequences."""
 
     def __init__(self, model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None):
-        """quantize "int8": every GEMM weight quantized to int8 per output row (bf16 models).
+        """quantize: one of QUANTIZE (every GEMM weight, the head included).
         head_ids: the output head keeps only these vocabulary rows (a drafter's draft vocabulary:
         logits come in that order)."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"no native forward for this model: {reason}")
         if quantize not in QUANTIZE:
-            raise ValueError(f"unknown quantization {quantize!r}; choose one of {QUANTIZE}")
+            raise ValueError(f"unknown quantization {quantize!r}; choose one of {sorted(QUANTIZE)}")
+        if quantize == "q8_0" and native.lacks_vnni():
+            raise ValueError(f"--quantize q8_0 needs AVX-512 VNNI: {native.lacks_vnni()}")
         config, base = model.config, model.model
         embed = base.embed_tokens.weight.detach()
         self.dtype, self.device = embed.dtype, embed.device
@@ -94,7 +98,7 @@ class FastLlama:
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
             cos[0], sin[0], base.norm.weight.detach(), head if head_ids is None else head[head_ids].contiguous(),
-            quantize == "int8")
+            QUANTIZE[quantize])
         self.quantize = quantize
         empty = torch.empty(0)
         for layer in base.layers:

@@ -206,17 +206,23 @@ def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
         target.prefill(PROMPT, sampling=params, method="magic")
 
 
-def test_int8_weights_keep_verification_exact_and_stay_close_to_bf16(models):
+@pytest.mark.parametrize("quantize,dtype", [("int8", "bfloat16"), ("q8_0", "bfloat16"), ("q8_0", "float32")])
+def test_quantized_weights_keep_verification_exact_and_stay_close(models, quantize, dtype):
+    """int8 (weights only) and q8_0 (int8 weights and activations per block of 32, vpdpbusd): a row's
+    logits do not depend on how many rows share the call, and stay close to the unquantized model's."""
     from specsplit import native
 
-    if native.unavailable(torch.bfloat16, torch.device("cpu")):
-        pytest.skip(native.unavailable(torch.bfloat16, torch.device("cpu")))
-    lm = load_model(models["target"], "bfloat16", quantize="int8")
-    assert lm.kernels == "native int8"
+    torch_dtype = getattr(torch, dtype)
+    if native.unavailable(torch_dtype, torch.device("cpu")):
+        pytest.skip(f"{quantize} path not tested on this CPU: {native.unavailable(torch_dtype, torch.device('cpu'))}")
+    if quantize == "q8_0" and native.lacks_vnni():
+        pytest.skip(f"q8_0 path not tested on this CPU: {native.lacks_vnni()}")
+    lm = load_model(models["target"], dtype, quantize=quantize)
+    assert lm.kernels == f"native {quantize}"
     singles = _one_by_one_equals_verified(lm)
-    full = KVSequence(load_model(models["target"], "bfloat16").model)
+    full = KVSequence(load_model(models["target"], dtype).model)
     full.forward(PROMPT)
-    reference = full.forward(TOKENS)  # [8, vocab] with bf16 weights
+    reference = full.forward(TOKENS)  # [8, vocab] unquantized
     assert not torch.equal(singles, reference)  # the weights did change
     assert torch.allclose(singles, reference, atol=0.05 * float(reference.abs().max()))
 

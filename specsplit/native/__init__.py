@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decoder.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+         "-fopenmp"]
 _LOCK = threading.Lock()
 
 
@@ -43,6 +44,11 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
     if dtype not in (torch.bfloat16, torch.float32):
         return f"the native kernels run bfloat16 or float32, not {dtype}"
     return None
+
+
+def lacks_vnni() -> str | None:
+    """None if q8_0 GEMMs (vpdpbusd) can run here, else why not."""
+    return None if "avx512_vnni" in cpu_flags() else "this CPU lacks avx512_vnni"
 
 
 def cache_dir() -> Path:

@@ -25,8 +25,14 @@
 //
 // Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
 // vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
-// [N/16][K][16] fp32; activations between ops are fp32 [rows][features]; the KV
+// [N/16][K][16] fp32, or q8_0: [N/16][K/4][16][4] int8 quads (for vpdpbusd) with a scale per
+// output and block of 32 inputs; activations between ops are fp32 [rows][features] (q8_0: each
+// GEMM input quantized to int8 per row and block of 32, as llama.cpp's q8 blocks); the KV
 // cache is the model dtype, [layers][2][capacity][kv_heads][head_dim].
+//
+// q8_0 exactness: a block's 32 products are summed in int32 (exact in any order), converted to
+// float exactly (|sum| < 2^24) and added to the row's float accumulator block by block in input
+// order, so a row's result still does not depend on the other rows or the threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -82,14 +88,20 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 // A packed weight matrix and how to multiply rows by it.
-enum class Kind { kBF16, kF32, kI8 };
+enum class Kind { kBF16, kF32, kI8, kQ8 };
+// What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, or q8_0 (int8 weights and
+// activations in blocks of 32).
+enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2 };
+constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
 
 struct Packed {
-  torch::Tensor data;  // bf16 or int8 pairs, or fp32 panels
-  torch::Tensor scale;  // int8: float32 per output (w = q * scale)
+  torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
+  torch::Tensor scale;  // int8: float32 per output (w = q * scale); q8_0: per panel, block and output
+  torch::Tensor corr;  // q8_0: 128 * the sum of each block's weights, per panel, block and output (int32)
   const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
   const float* scale_ptr = nullptr;
-  int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even
+  const int32_t* corr_ptr = nullptr;
+  int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
   Kind kind = Kind::kBF16;
   int64_t panels() const { return (n + kLanes - 1) / kLanes; }
 };
@@ -118,9 +130,35 @@ Packed pack_int8(const torch::Tensor& weight) {
   return p;
 }
 
-Packed pack(const torch::Tensor& weight, bool int8 = false) {
+// q8_0, symmetric per output and block of 32 inputs: q = round(w / s), s = max|w| / 127 over the
+// block (llama.cpp's Q8_0), packed as quads for vpdpbusd. vpdpbusd multiplies unsigned by signed
+// bytes, so activations travel as x + 128 and each block's sum is corrected by 128 * sum(q).
+Packed pack_q8(const torch::Tensor& weight) {
+  Packed p;
+  p.kind = Kind::kQ8;
+  p.n = weight.size(0);
+  p.k = weight.size(1);
+  p.k2 = (p.k + kBlock - 1) / kBlock * kBlock;
+  const int64_t blocks = p.k2 / kBlock, panels = p.panels();
+  auto w = torch::zeros({panels * kLanes, p.k2}, torch::kFloat32);
+  w.narrow(0, 0, p.n).narrow(1, 0, p.k).copy_(weight.to(torch::kFloat32));
+  auto wb = w.view({panels * kLanes, blocks, kBlock});
+  auto scale = wb.abs().amax({2}) / 127.0;  // [outputs, blocks]
+  auto q = (wb / scale.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
+  // [panels][k2/4][16][4]: quad j of a panel holds inputs 4j..4j+3 of its 16 outputs.
+  p.data = q.view({panels, kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
+  p.scale = scale.view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
+  p.corr = (q.to(torch::kInt32).sum(2).to(torch::kInt32) * 128).view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
+  p.ptr = p.data.data_ptr();
+  p.scale_ptr = p.scale.data_ptr<float>();
+  p.corr_ptr = p.corr.data_ptr<int32_t>();
+  return p;
+}
+
+Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
-  if (int8) return pack_int8(weight);
+  if (quant == Quant::kInt8) return pack_int8(weight);
+  if (quant == Quant::kQ8) return pack_q8(weight);
   Packed p;
   p.n = weight.size(0);
   p.k = weight.size(1);
@@ -149,14 +187,48 @@ Packed pack(const torch::Tensor& weight, bool int8 = false) {
   return p;
 }
 
-// Activation rows as the GEMM reads them: bf16 pairs or fp32, `stride` elements apart.
+// Activation rows as the GEMM reads them: bf16 pairs, fp32, or q8 blocks (x + 128 as bytes and a
+// scale per block), `stride` elements apart.
 struct Rows {
   std::vector<uint16_t> h;
   std::vector<float> f;
+  std::vector<uint8_t> q;
+  std::vector<float> qs;  // q8: per row and block, x = (q - 128) * qs
   int64_t stride = 0;
 };
 
-void to_rows(const float* x, int64_t rows, int64_t k, bool bf16, Rows& out) {
+enum class Act { kF32, kBF16, kQ8 };
+
+// One row quantized per block of 32: s = max|x| / 127, q = round-to-nearest-even(x / s) + 128.
+void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, float* scales) {
+  alignas(64) float tmp[kBlock];
+  for (int64_t b = 0; b * kBlock < stride; ++b) {
+    const int64_t n = std::min<int64_t>(kBlock, std::max<int64_t>(0, k - b * kBlock));
+    for (int64_t i = 0; i < kBlock; ++i) tmp[i] = i < n ? src[b * kBlock + i] : 0.0f;
+    const __m512 lo = _mm512_load_ps(tmp), hi = _mm512_load_ps(tmp + kLanes);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float s = amax / 127.0f;
+    scales[b] = s;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i off = _mm512_set1_epi32(128);
+    const __m512i qlo = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), off);
+    const __m512i qhi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)), off);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock), _mm512_cvtusepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock + kLanes), _mm512_cvtusepi32_epi8(qhi));
+  }
+}
+
+void to_rows(const float* x, int64_t rows, int64_t k, Act act, Rows& out) {
+  if (act == Act::kQ8) {
+    out.stride = (k + kBlock - 1) / kBlock * kBlock;
+    const int64_t blocks = out.stride / kBlock;
+    out.q.resize(rows * out.stride);
+    out.qs.resize(rows * blocks);
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_row_q8(x + r * k, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks);
+    return;
+  }
+  const bool bf16 = act == Act::kBF16;
   if (!bf16) {
     out.stride = k;
     out.f.assign(x, x + rows * k);
@@ -245,9 +317,55 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
+// q8_0 weights by q8 activations: per block, two int32 chains of vpdpbusd (even and odd quads),
+// summed, corrected for the +128 offset, converted to float and scaled into the row's float
+// accumulator, block after block in input order (the same for every row count).
+template <int R>
+void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, int64_t stride, float* y,
+              int64_t ldy) {
+  const int64_t blocks = w.k2 / kBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * w.k2 * kLanes;
+  const float* sp = w.scale_ptr + panel * blocks * kLanes;
+  const int32_t* cp = w.corr_ptr + panel * blocks * kLanes;
+  constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs = 512 bytes a block
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* wb = wp + b * kBlock * kLanes;
+    __m512i wq[kQuads];
+    for (int j = 0; j < kQuads; ++j) {
+      wq[j] = _mm512_loadu_si512(wb + j * 4 * kLanes);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    const __m512 ws = _mm512_loadu_ps(sp + b * kLanes);
+    const __m512i corr = _mm512_loadu_si512(cp + b * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* xb = x + r * stride + b * kBlock;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < kQuads; j += 2) {
+        int32_t q0, q1;
+        std::memcpy(&q0, xb + 4 * j, 4);
+        std::memcpy(&q1, xb + 4 * j + 4, 4);
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(q0), wq[j]);
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(q1), wq[j + 1]);
+      }
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * (stride / kBlock) + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+    }
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
+}
+
 template <int R>
 void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   switch (w.kind) {
+    case Kind::kQ8:
+      panel_q8<R>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * (x.stride / kBlock), x.stride,
+                  y + row * ldy, ldy);
+      break;
     case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
@@ -297,31 +415,35 @@ struct Layer {
 
 class Decoder {
  public:
-  // int8: every GEMM weight (head included) quantized to int8 per output row; needs bf16 activations.
+  // quant 1 (int8): every GEMM weight (head included) quantized to int8 per output row; needs bf16
+  // activations. quant 2 (q8_0): int8 per output and block of 32, and so are the GEMM inputs.
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed, torch::Tensor cos,
-          torch::Tensor sin, torch::Tensor norm, torch::Tensor head, bool int8)
+          torch::Tensor sin, torch::Tensor norm, torch::Tensor head, int64_t quant)
       : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
         embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
-        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()), int8_(int8) {
+        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()),
+        quant_(static_cast<Quant>(quant)) {
+    TORCH_CHECK(quant >= 0 && quant <= 2, "quant must be 0 (none), 1 (int8) or 2 (q8_0)");
     hidden_ = embed_.size(1);  // embed may have no rows (a draft head is fed rows, not ids)
     bf16_ = embed_.scalar_type() == torch::kBFloat16;
-    TORCH_CHECK(!int8 || bf16_, "int8 weights need a bfloat16 model");
-    head_ = pack(head, int8_);
+    TORCH_CHECK(quant_ != Quant::kInt8 || bf16_, "int8 weights need a bfloat16 model");
+    act_ = quant_ == Quant::kQ8 ? Act::kQ8 : bf16_ ? Act::kBF16 : Act::kF32;
+    head_ = pack(head, quant_);
   }
 
   void add_layer(torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o, torch::Tensor gate,
                  torch::Tensor up, torch::Tensor down, torch::Tensor norm_in, torch::Tensor norm_post) {
     Layer l;
-    l.qkv = pack(qkv, int8_);
-    l.o = pack(o, int8_);
+    l.qkv = pack(qkv, quant_);
+    l.o = pack(o, quant_);
     // gate and up interleaved by panel: panel 2j holds gate outputs 16j.., panel 2j+1 the up ones,
     // so one GEMM yields both and SiLU(gate) * up pairs up panel by panel.
     const int64_t inter = gate.size(0);
     TORCH_CHECK(inter % kLanes == 0, "intermediate size must be a multiple of 16");
     auto g = gate.reshape({inter / kLanes, kLanes, gate.size(1)});
     auto u = up.reshape({inter / kLanes, kLanes, up.size(1)});
-    l.gate_up = pack(torch::stack({g, u}, 1).reshape({2 * inter, gate.size(1)}), int8_);
-    l.down = pack(down, int8_);
+    l.gate_up = pack(torch::stack({g, u}, 1).reshape({2 * inter, gate.size(1)}), quant_);
+    l.down = pack(down, quant_);
     l.qkv_bias = qkv_bias.defined() && qkv_bias.numel() ? qkv_bias.to(torch::kFloat32).contiguous() : torch::Tensor();
     l.norm_in = norm_in.to(torch::kFloat32).contiguous();
     l.norm_post = norm_post.to(torch::kFloat32).contiguous();
@@ -502,7 +624,7 @@ class Decoder {
           picked.resize(rows * width);
           for (int64_t i = 0; i < rows; ++i)
             std::memcpy(picked.data() + i * width, s.a.data() + s.head_rows[i] * width, width * 4);
-          to_rows(picked.data(), rows, width, bf16_, s.in);
+          to_rows(picked.data(), rows, width, act_, s.in);
         }
       }
       if (head) gemm_team(head_, s.in, rows, out);
@@ -518,7 +640,7 @@ class Decoder {
 #pragma omp single
     {
       rms_norm(x, l.norm_in.data_ptr<float>(), n, width, eps_, s.a.data());
-      to_rows(s.a.data(), n, width, bf16_, s.in);
+      to_rows(s.a.data(), n, width, act_, s.in);
     }
     gemm_team(l.qkv, s.in, n, s.qkv.data());
 #pragma omp single
@@ -536,13 +658,13 @@ class Decoder {
     }
     attend_team(li, s.qkv.data(), ld, s, s.att.data());
 #pragma omp single
-    to_rows(s.att.data(), n, qw, bf16_, s.in);
+    to_rows(s.att.data(), n, qw, act_, s.in);
     gemm_team(l.o, s.in, n, s.y.data());
 #pragma omp single
     {
       for (int64_t i = 0; i < n * width; ++i) x[i] += s.y[i];
       rms_norm(x, l.norm_post.data_ptr<float>(), n, width, eps_, s.a.data());
-      to_rows(s.a.data(), n, width, bf16_, s.in);
+      to_rows(s.a.data(), n, width, act_, s.in);
     }
     gemm_team(l.gate_up, s.in, n, s.gu.data());
 #pragma omp single
@@ -555,7 +677,7 @@ class Decoder {
           const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
           _mm512_storeu_ps(s.h.data() + r * inter + j, _mm512_mul_ps(silu, u));
         }
-      to_rows(s.h.data(), n, inter, bf16_, s.in);
+      to_rows(s.h.data(), n, inter, act_, s.in);
     }
     gemm_team(l.down, s.in, n, s.y.data());
 #pragma omp single
@@ -660,7 +782,8 @@ class Decoder {
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
   float eps_;
   bool bf16_ = true;
-  bool int8_ = false;
+  Quant quant_ = Quant::kNone;
+  Act act_ = Act::kBF16;
   torch::Tensor embed_, cos_, sin_, norm_;
   Packed head_;
   std::vector<Layer> layers_;
@@ -671,7 +794,7 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor, bool>())
+                          torch::Tensor, torch::Tensor, int64_t>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -379,7 +379,7 @@ def main(args, config: StackConfig) -> int:
         memory = _draft_memory(stack.addresses["draft"]) if stack else None
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
-    weights = f"{config.dtype} with int8 weights" if config.quantize == "int8" else config.dtype
+    weights = f"{config.dtype} with {config.quantize} weights" if config.quantize else config.dtype
     where = (f"transport={config.transport}, target {weights}, output store={config.store_tokens} tokens"
              if stack else f"gateway={args.gateway}")
     sampling = f"temperature={args.temperature}, seed={args.seed}" if args.temperature > 0 else "greedy"
