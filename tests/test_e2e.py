@@ -38,8 +38,9 @@ def generate(stub, prompt: str, speculation: int, **kw) -> pb.GenerateResponse:
 
 @pytest.mark.parametrize("transport,dtype", [("unix", "bfloat16"), ("tcp", "bfloat16"), ("unix", "float32")])
 def test_greedy_speculation_is_token_identical_on_the_default_model(default_model, tmp_path, transport, dtype):
+    # The draft is the target itself, in bf16 with every id: it should agree almost always.
     config = StackConfig(transport=transport, dtype=dtype, draft_model="default", draft_dtype="bfloat16",
-                         run_dir=str(tmp_path))
+                         draft_quantize="", draft_vocab=0, run_dir=str(tmp_path))
     with Stack(config) as stack:
         address = stack.start()
         assert address.startswith("unix://") == (transport == "unix")
