@@ -21,16 +21,22 @@ from specsplit.worker import ModelWorker
 
 
 def draft_quantization(model: ModelSettings) -> str:
-    """"auto": int8 weights where the native kernels run the draft model in bf16 (a drafter need
-    not be exact, only cheap: speculation stays lossless), else its own dtype."""
+    """"auto": q8_0 where the native kernels run and the CPU has VNNI, else int8 weights where they
+    run the draft model in bf16, else its own dtype (a drafter need not be exact, only cheap:
+    speculation stays lossless). Measured on the 0.5B draft: 1 row 41.5 ms bf16, 23.5 int8 or
+    q8_0; 5 rows 56.5 / 44.2 / 28.9 ms."""
     if model.quantize != "auto":
         return model.quantize
     import torch
 
     from specsplit import native
 
-    bf16 = model.dtype in ("bfloat16", "bf16")
-    return "int8" if bf16 and not native.unavailable(torch.bfloat16, torch.device(model.device)) else ""
+    dtype = torch.bfloat16 if model.dtype in ("bfloat16", "bf16") else torch.float32
+    if native.unavailable(dtype, torch.device(model.device)):
+        return ""
+    if not native.lacks_vnni():
+        return "q8_0"
+    return "int8" if dtype == torch.bfloat16 else ""
 
 
 def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:

@@ -104,9 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="local HF model dir, or 'default' (embedded SmolLM2-135M-Instruct)")
     v.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="bfloat16 | float32 | float16")
     v.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
-    v.add_argument("--quantize", choices=["", "int8", "q8_0"], default=ENV("SPECSPLIT_QUANTIZE", ""),
+    v.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0"], default=ENV("SPECSPLIT_QUANTIZE", ""),
                    help="int8: weight-only int8 target GEMMs on the native kernels; q8_0: int8 weights per block of 32 "
-                        "by int8 activations (AVX-512 VNNI); spec on still equals off")
+                        "by int8 activations (AVX-512 VNNI); q4_0: 4-bit weights, the same activations; spec on "
+                        "still equals off")
     v.add_argument("--no-exact", dest="exact", action="store_false",
                    help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
     v.add_argument("--max-sessions", type=int, default=64)
@@ -125,10 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"),
                    help="local HF causal LM dir for the 'model' drafter ('default': the embedded model)")
     d.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
-    d.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0"],
+    d.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0"],
                    default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
-                   help="the draft model's GEMM weights: int8, '' (its dtype) or auto (int8 where the native "
-                        "kernels run it in bf16)")
+                   help="the draft model's GEMM weights: q8_0, q4_0, int8, '' (its dtype) or auto (q8_0 where the "
+                        "native kernels run and the CPU has VNNI, else int8 for a bf16 draft, else its dtype)")
     d.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", "32768")),
                    help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
                         "else the first N ids and the special tokens; 0: all)")
@@ -386,18 +387,18 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"))
     p.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"))
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
-    p.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0"],
+    p.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0"],
                    default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
-                   help="the draft model's GEMM weights: int8, '' (its dtype) or auto (int8 where the native "
-                        "kernels run it in bf16)")
+                   help="the draft model's GEMM weights: q8_0, q4_0, int8, '' (its dtype) or auto (q8_0 where the "
+                        "native kernels run and the CPU has VNNI, else int8 for a bf16 draft, else its dtype)")
     p.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", "32768")),
                    help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
                         "else the first N ids and the special tokens; 0: all)")
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
-    p.add_argument("--quantize", choices=["", "int8", "q8_0"], default=ENV("SPECSPLIT_QUANTIZE", ""),
-                   help="int8: the target's GEMM weights in int8; q8_0: int8 weights and activations per block of 32 "
-                        "(native kernels, VNNI)")
+    p.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0"], default=ENV("SPECSPLIT_QUANTIZE", ""),
+                   help="int8: the target's GEMM weights in int8; q8_0 / q4_0: 8- / 4-bit weights by int8 activations "
+                        "per block of 32 (native kernels, VNNI)")
     p.add_argument("--drafter", default="auto",
                    help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid: n-gram "
                         "+ the draft model if given, else the self head if there; else ngram)")

@@ -23,8 +23,9 @@ from specsplit import native, rollback
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # "": the model's own dtype; "int8": int8 weights per output row, widened to bf16 (bf16 models);
-# "q8_0": int8 weights per output and block of 32 by int8 activations per row and block (VNNI).
-QUANTIZE = {"": 0, "int8": 1, "q8_0": 2}
+# "q8_0": int8 weights per output and block of 32 by int8 activations per row and block (VNNI);
+# "q4_0": 4-bit weights per block of 32 (llama.cpp's Q4_0 rounding), the same int8 activations.
+QUANTIZE = {"": 0, "int8": 1, "q8_0": 2, "q4_0": 3}
 
 
 class CacheFull(RuntimeError):
@@ -83,8 +84,8 @@ class FastLlama:
             raise ValueError(f"no native forward for this model: {reason}")
         if quantize not in QUANTIZE:
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {sorted(QUANTIZE)}")
-        if quantize == "q8_0" and native.lacks_vnni():
-            raise ValueError(f"--quantize q8_0 needs AVX-512 VNNI: {native.lacks_vnni()}")
+        if quantize in ("q8_0", "q4_0") and native.lacks_vnni():
+            raise ValueError(f"--quantize {quantize} needs AVX-512 VNNI: {native.lacks_vnni()}")
         config, base = model.config, model.model
         embed = base.embed_tokens.weight.detach()
         self.dtype, self.device = embed.dtype, embed.device

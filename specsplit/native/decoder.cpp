@@ -88,10 +88,10 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 // A packed weight matrix and how to multiply rows by it.
-enum class Kind { kBF16, kF32, kI8, kQ8 };
-// What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, or q8_0 (int8 weights and
-// activations in blocks of 32).
-enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2 };
+enum class Kind { kBF16, kF32, kI8, kQ8, kQ4 };
+// What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, q8_0 (int8 weights and
+// activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
+enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
 constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
 
 struct Packed {
@@ -133,9 +133,11 @@ Packed pack_int8(const torch::Tensor& weight) {
 // q8_0, symmetric per output and block of 32 inputs: q = round(w / s), s = max|w| / 127 over the
 // block (llama.cpp's Q8_0), packed as quads for vpdpbusd. vpdpbusd multiplies unsigned by signed
 // bytes, so activations travel as x + 128 and each block's sum is corrected by 128 * sum(q).
-Packed pack_q8(const torch::Tensor& weight) {
+// q4_0 (llama.cpp's Q4_0): s = m / -8 with m the block's value of largest magnitude, q in [-8, 7],
+// two quads a byte (inputs 4v..4v+3 in the low nibbles, 16+4v.. in the high), widened in registers.
+Packed pack_q8(const torch::Tensor& weight, bool four_bit = false) {
   Packed p;
-  p.kind = Kind::kQ8;
+  p.kind = four_bit ? Kind::kQ4 : Kind::kQ8;
   p.n = weight.size(0);
   p.k = weight.size(1);
   p.k2 = (p.k + kBlock - 1) / kBlock * kBlock;
@@ -143,10 +145,22 @@ Packed pack_q8(const torch::Tensor& weight) {
   auto w = torch::zeros({panels * kLanes, p.k2}, torch::kFloat32);
   w.narrow(0, 0, p.n).narrow(1, 0, p.k).copy_(weight.to(torch::kFloat32));
   auto wb = w.view({panels * kLanes, blocks, kBlock});
-  auto scale = wb.abs().amax({2}) / 127.0;  // [outputs, blocks]
-  auto q = (wb / scale.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
-  // [panels][k2/4][16][4]: quad j of a panel holds inputs 4j..4j+3 of its 16 outputs.
-  p.data = q.view({panels, kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
+  torch::Tensor scale, q;  // [outputs, blocks], [outputs, blocks, 32]
+  if (four_bit) {
+    auto at = wb.abs().argmax(2, true);
+    scale = wb.gather(2, at).squeeze(2) / -8.0;
+    auto inv = torch::where(scale == 0, torch::zeros_like(scale), 1.0 / scale);
+    q = (wb * inv.unsqueeze(2)).round().clamp(-8, 7).to(torch::kInt8);
+    // byte (panel, block, v, output, t): low nibble input 4v+t, high nibble input 16+4v+t, each + 8.
+    auto u = (q.to(torch::kInt16) + 8).view({panels, kLanes, blocks, 2, 4, 4});
+    auto bytes = u.select(3, 0) + u.select(3, 1) * 16;  // [panels, 16, blocks, v, t]
+    p.data = bytes.permute({0, 2, 3, 1, 4}).contiguous().to(torch::kUInt8).view({-1});
+  } else {
+    scale = wb.abs().amax({2}) / 127.0;
+    q = (wb / scale.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
+    // [panels][k2/4][16][4]: quad j of a panel holds inputs 4j..4j+3 of its 16 outputs.
+    p.data = q.view({panels, kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
+  }
   p.scale = scale.view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
   p.corr = (q.to(torch::kInt32).sum(2).to(torch::kInt32) * 128).view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
   p.ptr = p.data.data_ptr();
@@ -158,7 +172,7 @@ Packed pack_q8(const torch::Tensor& weight) {
 Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   if (quant == Quant::kInt8) return pack_int8(weight);
-  if (quant == Quant::kQ8) return pack_q8(weight);
+  if (quant == Quant::kQ8 || quant == Quant::kQ4) return pack_q8(weight, quant == Quant::kQ4);
   Packed p;
   p.n = weight.size(0);
   p.k = weight.size(1);
@@ -320,22 +334,33 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
 // q8_0 weights by q8 activations: per block, two int32 chains of vpdpbusd (even and odd quads),
 // summed, corrected for the +128 offset, converted to float and scaled into the row's float
 // accumulator, block after block in input order (the same for every row count).
-template <int R>
+template <int R, bool Q4>
 void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, int64_t stride, float* y,
               int64_t ldy) {
   const int64_t blocks = w.k2 / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * w.k2 * kLanes;
+  constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : kBlock * kLanes;  // 256 or 512 bytes a block
+  const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * blocks * kBlockBytes;
   const float* sp = w.scale_ptr + panel * blocks * kLanes;
   const int32_t* cp = w.corr_ptr + panel * blocks * kLanes;
-  constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs = 512 bytes a block
+  constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs
+  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* wb = wp + b * kBlock * kLanes;
+    const int8_t* wb = wp + b * kBlockBytes;
     __m512i wq[kQuads];
-    for (int j = 0; j < kQuads; ++j) {
-      wq[j] = _mm512_loadu_si512(wb + j * 4 * kLanes);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (Q4) {
+      for (int v = 0; v < kQuads / 2; ++v) {
+        const __m512i packed = _mm512_loadu_si512(wb + v * 4 * kLanes);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + v * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+        wq[v] = _mm512_sub_epi8(_mm512_and_si512(packed, nibble), eight);
+        wq[v + kQuads / 2] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), eight);
+      }
+    } else {
+      for (int j = 0; j < kQuads; ++j) {
+        wq[j] = _mm512_loadu_si512(wb + j * 4 * kLanes);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+      }
     }
     const __m512 ws = _mm512_loadu_ps(sp + b * kLanes);
     const __m512i corr = _mm512_loadu_si512(cp + b * kLanes);
@@ -363,8 +388,12 @@ template <int R>
 void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   switch (w.kind) {
     case Kind::kQ8:
-      panel_q8<R>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * (x.stride / kBlock), x.stride,
-                  y + row * ldy, ldy);
+      panel_q8<R, false>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * (x.stride / kBlock), x.stride,
+                         y + row * ldy, ldy);
+      break;
+    case Kind::kQ4:
+      panel_q8<R, true>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * (x.stride / kBlock), x.stride,
+                        y + row * ldy, ldy);
       break;
     case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
@@ -416,18 +445,19 @@ struct Layer {
 class Decoder {
  public:
   // quant 1 (int8): every GEMM weight (head included) quantized to int8 per output row; needs bf16
-  // activations. quant 2 (q8_0): int8 per output and block of 32, and so are the GEMM inputs.
+  // activations. quant 2 (q8_0): int8 per output and block of 32, and so are the GEMM inputs; quant 3
+  // (q4_0): 4-bit per output and block of 32, int8 inputs as q8_0.
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed, torch::Tensor cos,
           torch::Tensor sin, torch::Tensor norm, torch::Tensor head, int64_t quant)
       : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
         embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
         sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()),
         quant_(static_cast<Quant>(quant)) {
-    TORCH_CHECK(quant >= 0 && quant <= 2, "quant must be 0 (none), 1 (int8) or 2 (q8_0)");
+    TORCH_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (none), 1 (int8), 2 (q8_0) or 3 (q4_0)");
     hidden_ = embed_.size(1);  // embed may have no rows (a draft head is fed rows, not ids)
     bf16_ = embed_.scalar_type() == torch::kBFloat16;
     TORCH_CHECK(quant_ != Quant::kInt8 || bf16_, "int8 weights need a bfloat16 model");
-    act_ = quant_ == Quant::kQ8 ? Act::kQ8 : bf16_ ? Act::kBF16 : Act::kF32;
+    act_ = quant_ == Quant::kQ8 || quant_ == Quant::kQ4 ? Act::kQ8 : bf16_ ? Act::kBF16 : Act::kF32;
     head_ = pack(head, quant_);
   }
 
