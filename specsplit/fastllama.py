@@ -52,6 +52,23 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return native.unavailable(weight.dtype, weight.device)
 
 
+def dense(weight: torch.Tensor, quant: int = 0):
+    """A float weight [outputs, inputs] packed for the kernels (quant: a QUANTIZE code)."""
+    return native.module().Weight.dense(weight.detach(), quant)
+
+
+def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate and up rows interleaved by 16 (panel 2j: gate rows 16j.., panel 2j+1: up rows), so one
+    GEMM yields both and the kernels pair SiLU(gate) with up panel by panel. Works on any tensor
+    whose first dimension is the output rows (weights, or a block format's blocks)."""
+    inter = gate.shape[0]
+    if inter % 16:
+        raise ValueError(f"intermediate size {inter} is not a multiple of 16")
+    rest = tuple(gate.shape[1:])
+    return torch.stack([gate.reshape(inter // 16, 16, *rest), up.reshape(inter // 16, 16, *rest)], 1) \
+        .reshape(2 * inter, *rest)
+
+
 class KVPool:
     """Accounts the bytes every sequence's cache holds against one budget. Thread-safe."""
 
@@ -96,20 +113,21 @@ class FastLlama:
         head = model.get_output_embeddings().weight.detach()
         with torch.no_grad():  # cos/sin for every position, as transformers computes them
             cos, sin = base.rotary_emb(embed[:1].float(), torch.arange(self.max_context)[None])
+        code = QUANTIZE[quantize]
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
-            cos[0], sin[0], base.norm.weight.detach(), head if head_ids is None else head[head_ids].contiguous(),
-            QUANTIZE[quantize])
+            cos[0], sin[0], base.norm.weight.detach(),
+            dense(head if head_ids is None else head[head_ids].contiguous(), code))
         self.quantize = quantize
         empty = torch.empty(0)
         for layer in base.layers:
             att, mlp = layer.self_attn, layer.mlp
             bias = empty if att.q_proj.bias is None else torch.cat([att.q_proj.bias, att.k_proj.bias,
                                                                      att.v_proj.bias]).detach()
-            self.decoder.add_layer(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
-                                   bias, att.o_proj.weight.detach(), mlp.gate_proj.weight.detach(),
-                                   mlp.up_proj.weight.detach(), mlp.down_proj.weight.detach(),
-                                   layer.input_layernorm.weight.detach(),
+            self.decoder.add_layer(dense(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), code),
+                                   bias, dense(att.o_proj.weight, code),
+                                   dense(interleave(mlp.gate_proj.weight, mlp.up_proj.weight), code),
+                                   dense(mlp.down_proj.weight, code), layer.input_layernorm.weight.detach(),
                                    layer.post_attention_layernorm.weight.detach())
         self.token_bytes = 2 * self.layers * self.kv_heads * self.head_dim * embed.element_size()
         self.pool = KVPool(1 << 62)  # unbounded until the service sets its budget (LoadedModel.set_kv_budget)

@@ -245,6 +245,7 @@ class NativeHead:
 
     def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32):
         from specsplit import native
+        from specsplit.fastllama import dense, interleave
 
         cfg = head.cfg
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * head.inv_freq.float()
@@ -254,13 +255,14 @@ class NativeHead:
         self.dtype = dtype
         self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
                                                torch.empty(0, cfg.hidden, dtype=dtype), emb.cos(), emb.sin(),
-                                               torch.empty(0), head.vocab_weight.to(dtype), False)
+                                               torch.empty(0), dense(head.vocab_weight.to(dtype)))
         matrices = (head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj)
         size = torch.empty(0, dtype=dtype).element_size()
         self.packed_bytes = size * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())
-        self.decoder.add_layer(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).to(dtype),
-                               torch.empty(0), head.o_proj.weight.to(dtype), head.gate_proj.weight.to(dtype),
-                               head.up_proj.weight.to(dtype), head.down_proj.weight.to(dtype),
+        self.decoder.add_layer(dense(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).to(dtype)),
+                               torch.empty(0), dense(head.o_proj.weight.to(dtype)),
+                               dense(interleave(head.gate_proj.weight, head.up_proj.weight).to(dtype)),
+                               dense(head.down_proj.weight.to(dtype)),
                                head.input_norm.weight.float(), head.post_norm.weight.float())
 
     def new_cache(self):

@@ -88,7 +88,7 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 // A packed weight matrix and how to multiply rows by it.
-enum class Kind { kBF16, kF32, kI8, kQ8, kQ4 };
+enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41 };
 // What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, q8_0 (int8 weights and
 // activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
 enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
@@ -98,9 +98,11 @@ struct Packed {
   torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
   torch::Tensor scale;  // int8: float32 per output (w = q * scale); q8_0: per panel, block and output
   torch::Tensor corr;  // q8_0: 128 * the sum of each block's weights, per panel, block and output (int32)
+  torch::Tensor mins;  // q4_1: m per panel, block and output
   const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
   const float* scale_ptr = nullptr;
   const int32_t* corr_ptr = nullptr;
+  const float* min_ptr = nullptr;
   int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
   Kind kind = Kind::kBF16;
   int64_t panels() const { return (n + kLanes - 1) / kLanes; }
@@ -130,49 +132,88 @@ Packed pack_int8(const torch::Tensor& weight) {
   return p;
 }
 
-// q8_0, symmetric per output and block of 32 inputs: q = round(w / s), s = max|w| / 127 over the
-// block (llama.cpp's Q8_0), packed as quads for vpdpbusd. vpdpbusd multiplies unsigned by signed
-// bytes, so activations travel as x + 128 and each block's sum is corrected by 128 * sum(q).
-// q4_0 (llama.cpp's Q4_0): s = m / -8 with m the block's value of largest magnitude, q in [-8, 7],
-// two quads a byte (inputs 4v..4v+3 in the low nibbles, 16+4v.. in the high), widened in registers.
-Packed pack_q8(const torch::Tensor& weight, bool four_bit = false) {
-  Packed p;
-  p.kind = four_bit ? Kind::kQ4 : Kind::kQ8;
-  p.n = weight.size(0);
-  p.k = weight.size(1);
-  p.k2 = (p.k + kBlock - 1) / kBlock * kBlock;
+// Block formats (llama.cpp's, one scale d per output and block of 32 inputs), packed as 16-output
+// panels for vpdpbusd, which multiplies unsigned by signed bytes: activations travel as x + 128
+// and each block's sum is corrected by 128 * sum(q).
+// - q8_0: q in [-127, 127], w = d q; quads [panels][k2/4][16][4] (quad j: inputs 4j..4j+3).
+// - q4_0: w = d (u - 8), u a nibble; q4_1: w = d u + m. Nibbles as GGUF keeps them (byte j of a
+//   block: input j in the low nibble, input j + 16 in the high), [panels][blocks][4][16][4]: so
+//   vector v of a block holds quad v (low nibbles) and quad v + 4 (high), widened in registers.
+void finish_blocks(Packed& p, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
   const int64_t blocks = p.k2 / kBlock, panels = p.panels();
-  auto w = torch::zeros({panels * kLanes, p.k2}, torch::kFloat32);
-  w.narrow(0, 0, p.n).narrow(1, 0, p.k).copy_(weight.to(torch::kFloat32));
-  auto wb = w.view({panels * kLanes, blocks, kBlock});
-  torch::Tensor scale, q;  // [outputs, blocks], [outputs, blocks, 32]
-  if (four_bit) {
-    auto at = wb.abs().argmax(2, true);
-    scale = wb.gather(2, at).squeeze(2) / -8.0;
-    auto inv = torch::where(scale == 0, torch::zeros_like(scale), 1.0 / scale);
-    q = (wb * inv.unsqueeze(2)).round().clamp(-8, 7).to(torch::kInt8);
-    // byte (panel, block, v, output, t): low nibble input 4v+t, high nibble input 16+4v+t, each + 8.
-    auto u = (q.to(torch::kInt16) + 8).view({panels, kLanes, blocks, 2, 4, 4});
-    auto bytes = u.select(3, 0) + u.select(3, 1) * 16;  // [panels, 16, blocks, v, t]
-    p.data = bytes.permute({0, 2, 3, 1, 4}).contiguous().to(torch::kUInt8).view({-1});
-  } else {
-    scale = wb.abs().amax({2}) / 127.0;
-    q = (wb / scale.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
-    // [panels][k2/4][16][4]: quad j of a panel holds inputs 4j..4j+3 of its 16 outputs.
-    p.data = q.view({panels, kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
-  }
-  p.scale = scale.view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
-  p.corr = (q.to(torch::kInt32).sum(2).to(torch::kInt32) * 128).view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
-  p.ptr = p.data.data_ptr();
+  auto by_panel = [&](const torch::Tensor& t) {  // [outputs, blocks] -> [panels][blocks][16], padded
+    auto padded = torch::zeros({panels * kLanes, blocks}, t.scalar_type());
+    padded.narrow(0, 0, p.n).copy_(t);
+    return padded.view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
+  };
+  p.scale = by_panel(d.to(torch::kFloat32));
+  p.corr = by_panel(q.to(torch::kInt32).sum(2).to(torch::kInt32) * 128);
   p.scale_ptr = p.scale.data_ptr<float>();
   p.corr_ptr = p.corr.data_ptr<int32_t>();
+  if (m.defined()) {
+    p.mins = by_panel(m.to(torch::kFloat32));
+    p.min_ptr = p.mins.data_ptr<float>();
+  }
+  p.ptr = p.data.data_ptr();
+}
+
+// q [n, blocks, 32] int8, d [n, blocks].
+Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, int64_t k) {
+  Packed p;
+  p.kind = Kind::kQ8;
+  p.n = q.size(0);
+  p.k = k;
+  p.k2 = q.size(1) * kBlock;
+  TORCH_CHECK(q.size(2) == kBlock && p.k2 >= k && p.k2 - k < kBlock, "q8_0 blocks must be [n, ceil(k / 32), 32]");
+  auto padded = torch::zeros({p.panels() * kLanes, p.k2}, torch::kInt8);
+  padded.narrow(0, 0, p.n).copy_(q.reshape({p.n, p.k2}));
+  p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
+  finish_blocks(p, q, d, torch::Tensor());
   return p;
+}
+
+// nibbles [n, blocks, 16] uint8 as GGUF stores them; d [n, blocks]; m [n, blocks] (q4_1) or undefined (q4_0).
+Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+  Packed p;
+  p.kind = m.defined() ? Kind::kQ41 : Kind::kQ4;
+  p.n = nibbles.size(0);
+  p.k = k;
+  const int64_t blocks = nibbles.size(1);
+  p.k2 = blocks * kBlock;
+  TORCH_CHECK(nibbles.size(2) == kBlock / 2 && p.k2 >= k && p.k2 - k < kBlock,
+              "q4 blocks must be [n, ceil(k / 32), 16]");
+  auto padded = torch::zeros({p.panels() * kLanes, blocks, kBlock / 2}, torch::kUInt8);
+  if (!m.defined()) padded.fill_(0x88);  // padding outputs: nibbles 8 are zeros in q4_0
+  padded.narrow(0, 0, p.n).copy_(nibbles);
+  p.data = padded.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({-1});
+  auto u = nibbles.to(torch::kInt32);
+  auto q = torch::cat({u.bitwise_and(15), u.bitwise_right_shift(4)}, 2);  // [n, blocks, 32]: inputs 0..15, 16..31
+  finish_blocks(p, m.defined() ? q : q - 8, d, m);
+  return p;
+}
+
+// Quantizes float weights [n, k] into one of the block formats.
+Packed pack_blocks(const torch::Tensor& weight, Quant quant) {
+  const int64_t n = weight.size(0), k = weight.size(1), k2 = (k + kBlock - 1) / kBlock * kBlock;
+  auto w = torch::zeros({n, k2}, torch::kFloat32);
+  w.narrow(1, 0, k).copy_(weight.to(torch::kFloat32));
+  auto wb = w.view({n, k2 / kBlock, kBlock});
+  if (quant == Quant::kQ8) {
+    auto d = wb.abs().amax({2}) / 127.0;
+    auto q = (wb / d.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
+    return blocks_q8(q, d, k);
+  }
+  auto d = wb.gather(2, wb.abs().argmax(2, true)).squeeze(2) / -8.0;  // llama.cpp's Q4_0 rounding
+  auto inv = torch::where(d == 0, torch::zeros_like(d), 1.0 / d);
+  auto u = ((wb * inv.unsqueeze(2)).round().clamp(-8, 7) + 8).to(torch::kInt32);
+  auto nibbles = (u.narrow(2, 0, kBlock / 2) + u.narrow(2, kBlock / 2, kBlock / 2) * 16).to(torch::kUInt8);
+  return blocks_q4(nibbles, d, torch::Tensor(), k);
 }
 
 Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   if (quant == Quant::kInt8) return pack_int8(weight);
-  if (quant == Quant::kQ8 || quant == Quant::kQ4) return pack_q8(weight, quant == Quant::kQ4);
+  if (quant == Quant::kQ8 || quant == Quant::kQ4) return pack_blocks(weight, quant);
   Packed p;
   p.n = weight.size(0);
   p.k = weight.size(1);
@@ -208,13 +249,14 @@ struct Rows {
   std::vector<float> f;
   std::vector<uint8_t> q;
   std::vector<float> qs;  // q8: per row and block, x = (q - 128) * qs
+  std::vector<float> qsum;  // q8: per row and block, qs * sum(q - 128): what q4_1's m multiplies
   int64_t stride = 0;
 };
 
 enum class Act { kF32, kBF16, kQ8 };
 
 // One row quantized per block of 32: s = max|x| / 127, q = round-to-nearest-even(x / s) + 128.
-void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, float* scales) {
+void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, float* scales, float* sums) {
   alignas(64) float tmp[kBlock];
   for (int64_t b = 0; b * kBlock < stride; ++b) {
     const int64_t n = std::min<int64_t>(kBlock, std::max<int64_t>(0, k - b * kBlock));
@@ -229,6 +271,8 @@ void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, 
     const __m512i qhi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)), off);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock), _mm512_cvtusepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock + kLanes), _mm512_cvtusepi32_epi8(qhi));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)) - 128 * kBlock;  // exact
+    sums[b] = s * static_cast<float>(total);
   }
 }
 
@@ -238,8 +282,10 @@ void to_rows(const float* x, int64_t rows, int64_t k, Act act, Rows& out) {
     const int64_t blocks = out.stride / kBlock;
     out.q.resize(rows * out.stride);
     out.qs.resize(rows * blocks);
+    out.qsum.resize(rows * blocks);
     for (int64_t r = 0; r < rows; ++r)
-      quantize_row_q8(x + r * k, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks);
+      quantize_row_q8(x + r * k, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks,
+                      out.qsum.data() + r * blocks);
     return;
   }
   const bool bf16 = act == Act::kBF16;
@@ -334,9 +380,11 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
 // q8_0 weights by q8 activations: per block, two int32 chains of vpdpbusd (even and odd quads),
 // summed, corrected for the +128 offset, converted to float and scaled into the row's float
 // accumulator, block after block in input order (the same for every row count).
-template <int R, bool Q4>
-void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, int64_t stride, float* y,
-              int64_t ldy) {
+// FMT: 0 q8_0, 1 q4_0, 2 q4_1 (q4_1 adds m * qs * sum(q) per block, after the block's product).
+template <int R, int FMT>
+void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, const float* xsum, int64_t stride,
+              float* y, int64_t ldy) {
+  constexpr bool Q4 = FMT > 0;
   const int64_t blocks = w.k2 / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -344,8 +392,9 @@ void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs,
   const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * blocks * kBlockBytes;
   const float* sp = w.scale_ptr + panel * blocks * kLanes;
   const int32_t* cp = w.corr_ptr + panel * blocks * kLanes;
+  const float* mp = FMT == 2 ? w.min_ptr + panel * blocks * kLanes : nullptr;
   constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs
-  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(FMT == 1 ? 8 : 0);
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* wb = wp + b * kBlockBytes;
     __m512i wq[kQuads];
@@ -377,6 +426,9 @@ void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs,
       const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
       const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * (stride / kBlock) + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+      if constexpr (FMT == 2)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kLanes), _mm512_set1_ps(xsum[r * (stride / kBlock) + b]),
+                                 acc[r]);
     }
   }
   const int64_t o = panel * kLanes;
@@ -384,17 +436,19 @@ void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs,
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
+template <int R, int FMT>
+void panel_q(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
+  const int64_t blocks = x.stride / kBlock;
+  panel_q8<R, FMT>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * blocks, x.qsum.data() + row * blocks,
+                   x.stride, y + row * ldy, ldy);
+}
+
 template <int R>
 void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   switch (w.kind) {
-    case Kind::kQ8:
-      panel_q8<R, false>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * (x.stride / kBlock), x.stride,
-                         y + row * ldy, ldy);
-      break;
-    case Kind::kQ4:
-      panel_q8<R, true>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * (x.stride / kBlock), x.stride,
-                        y + row * ldy, ldy);
-      break;
+    case Kind::kQ8: panel_q<R, 0>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ4: panel_q<R, 1>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ41: panel_q<R, 2>(w, panel, x, row, y, ldy); break;
     case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
@@ -442,38 +496,61 @@ struct Layer {
   torch::Tensor qkv_bias, norm_in, norm_post;  // fp32
 };
 
+// A packed GEMM weight, as Python builds it: from a float tensor (optionally quantized) or from a
+// block format's own blocks (a GGUF file's, served as shipped).
+struct Weight {
+  Packed p;
+  static Weight dense(const torch::Tensor& w, int64_t quant) {
+    TORCH_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (none), 1 (int8), 2 (q8_0) or 3 (q4_0)");
+    return Weight{pack(w, static_cast<Quant>(quant))};
+  }
+  static Weight q8_0(const torch::Tensor& q, const torch::Tensor& d, int64_t k) { return Weight{blocks_q8(q, d, k)}; }
+  static Weight q4_0(const torch::Tensor& nibbles, const torch::Tensor& d, int64_t k) {
+    return Weight{blocks_q4(nibbles, d, torch::Tensor(), k)};
+  }
+  static Weight q4_1(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+    return Weight{blocks_q4(nibbles, d, m, k)};
+  }
+  int64_t outputs() const { return p.n; }
+  int64_t inputs() const { return p.k; }
+};
+
+Act act_of(Kind kind) {
+  switch (kind) {
+    case Kind::kQ8: case Kind::kQ4: case Kind::kQ41: return Act::kQ8;
+    case Kind::kF32: return Act::kF32;
+    default: return Act::kBF16;
+  }
+}
+
 class Decoder {
  public:
-  // quant 1 (int8): every GEMM weight (head included) quantized to int8 per output row; needs bf16
-  // activations. quant 2 (q8_0): int8 per output and block of 32, and so are the GEMM inputs; quant 3
-  // (q4_0): 4-bit per output and block of 32, int8 inputs as q8_0.
+  // Every GEMM weight (head included) comes packed (Weight); its kind decides the GEMM inputs: the
+  // block formats read int8 rows (q8), int8 weight-only and bf16 read bf16 rows, fp32 reads fp32.
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed, torch::Tensor cos,
-          torch::Tensor sin, torch::Tensor norm, torch::Tensor head, int64_t quant)
+          torch::Tensor sin, torch::Tensor norm, const Weight& head)
       : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
         embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
-        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()),
-        quant_(static_cast<Quant>(quant)) {
-    TORCH_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (none), 1 (int8), 2 (q8_0) or 3 (q4_0)");
+        sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()) {
     hidden_ = embed_.size(1);  // embed may have no rows (a draft head is fed rows, not ids)
     bf16_ = embed_.scalar_type() == torch::kBFloat16;
-    TORCH_CHECK(quant_ != Quant::kInt8 || bf16_, "int8 weights need a bfloat16 model");
-    act_ = quant_ == Quant::kQ8 || quant_ == Quant::kQ4 ? Act::kQ8 : bf16_ ? Act::kBF16 : Act::kF32;
-    head_ = pack(head, quant_);
+    act_ = act_of(head.p.kind);
+    TORCH_CHECK(act_ != Act::kBF16 || bf16_ || head.p.kind != Kind::kI8, "int8 weights need a bfloat16 model");
+    head_ = head.p;
   }
 
-  void add_layer(torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o, torch::Tensor gate,
-                 torch::Tensor up, torch::Tensor down, torch::Tensor norm_in, torch::Tensor norm_post) {
+  // gate_up: gate and up interleaved by panel (panel 2j holds gate outputs 16j.., panel 2j+1 the up
+  // ones), so one GEMM yields both and SiLU(gate) * up pairs up panel by panel.
+  void add_layer(const Weight& qkv, torch::Tensor qkv_bias, const Weight& o, const Weight& gate_up, const Weight& down,
+                 torch::Tensor norm_in, torch::Tensor norm_post) {
+    for (const Weight* w : {&qkv, &o, &gate_up, &down})
+      TORCH_CHECK(act_of(w->p.kind) == act_, "every weight of a model must read the same kind of input rows");
+    TORCH_CHECK(gate_up.p.n % (2 * kLanes) == 0, "intermediate size must be a multiple of 16");
     Layer l;
-    l.qkv = pack(qkv, quant_);
-    l.o = pack(o, quant_);
-    // gate and up interleaved by panel: panel 2j holds gate outputs 16j.., panel 2j+1 the up ones,
-    // so one GEMM yields both and SiLU(gate) * up pairs up panel by panel.
-    const int64_t inter = gate.size(0);
-    TORCH_CHECK(inter % kLanes == 0, "intermediate size must be a multiple of 16");
-    auto g = gate.reshape({inter / kLanes, kLanes, gate.size(1)});
-    auto u = up.reshape({inter / kLanes, kLanes, up.size(1)});
-    l.gate_up = pack(torch::stack({g, u}, 1).reshape({2 * inter, gate.size(1)}), quant_);
-    l.down = pack(down, quant_);
+    l.qkv = qkv.p;
+    l.o = o.p;
+    l.gate_up = gate_up.p;
+    l.down = down.p;
     l.qkv_bias = qkv_bias.defined() && qkv_bias.numel() ? qkv_bias.to(torch::kFloat32).contiguous() : torch::Tensor();
     l.norm_in = norm_in.to(torch::kFloat32).contiguous();
     l.norm_post = norm_post.to(torch::kFloat32).contiguous();
@@ -812,7 +889,6 @@ class Decoder {
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
   float eps_;
   bool bf16_ = true;
-  Quant quant_ = Quant::kNone;
   Act act_ = Act::kBF16;
   torch::Tensor embed_, cos_, sin_, norm_;
   Packed head_;
@@ -822,9 +898,16 @@ class Decoder {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Weight>(m, "Weight")
+      .def_static("dense", &Weight::dense)
+      .def_static("q8_0", &Weight::q8_0)
+      .def_static("q4_0", &Weight::q4_0)
+      .def_static("q4_1", &Weight::q4_1)
+      .def_property_readonly("outputs", &Weight::outputs)
+      .def_property_readonly("inputs", &Weight::inputs);
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor, int64_t>())
+                          torch::Tensor, const Weight&>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>())
