@@ -95,7 +95,7 @@ def ensure(entry: Entry, pip_args: tuple[str, ...] = ()) -> Path:
     point it at a local index)."""
     target = model_dir(entry.name)
     if (target / "config.json").is_file():
-        return target
+        return _link_gguf(entry, target)
     require("gguf", "convert", f"converting {entry.title} once")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
@@ -111,6 +111,18 @@ def ensure(entry: Entry, pip_args: tuple[str, ...] = ()) -> Path:
             os.replace(work / "model", target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    return _link_gguf(entry, target)
+
+
+def _link_gguf(entry: Entry, target: Path) -> Path:
+    """An installed entry's GGUF file linked beside its conversion (`--quantize gguf` serves its
+    blocks as shipped). Chunked entries' files are not kept: their types are not served."""
+    link = target / "model.gguf"
+    if entry.wheel and not link.exists():
+        tmp = target / f".model.gguf.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(_installed_gguf(entry))
+        os.replace(tmp, link)
     return target
 
 

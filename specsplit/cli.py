@@ -104,10 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="local HF model dir, or 'default' (embedded SmolLM2-135M-Instruct)")
     v.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="bfloat16 | float32 | float16")
     v.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
-    v.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0"], default=ENV("SPECSPLIT_QUANTIZE", ""),
+    v.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0", "gguf"], default=ENV("SPECSPLIT_QUANTIZE", ""),
                    help="int8: weight-only int8 target GEMMs on the native kernels; q8_0: int8 weights per block of 32 "
-                        "by int8 activations (AVX-512 VNNI); q4_0: 4-bit weights, the same activations; spec on "
-                        "still equals off")
+                        "by int8 activations (AVX-512 VNNI); q4_0: 4-bit weights, the same activations; gguf: the "
+                        "blocks of the model dir's model.gguf as shipped; spec on still equals off")
     v.add_argument("--no-exact", dest="exact", action="store_false",
                    help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
     v.add_argument("--max-sessions", type=int, default=64)
@@ -396,9 +396,9 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
                         "else the first N ids and the special tokens; 0: all)")
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
-    p.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0"], default=ENV("SPECSPLIT_QUANTIZE", ""),
+    p.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0", "gguf"], default=ENV("SPECSPLIT_QUANTIZE", ""),
                    help="int8: the target's GEMM weights in int8; q8_0 / q4_0: 8- / 4-bit weights by int8 activations "
-                        "per block of 32 (native kernels, VNNI)")
+                        "per block of 32 (native kernels, VNNI); gguf: the blocks of the model's GGUF file as shipped")
     p.add_argument("--drafter", default="auto",
                    help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid: n-gram "
                         "+ the draft model if given, else the self head if there; else ngram)")

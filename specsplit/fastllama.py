@@ -24,8 +24,9 @@ from specsplit import native, rollback
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # "": the model's own dtype; "int8": int8 weights per output row, widened to bf16 (bf16 models);
 # "q8_0": int8 weights per output and block of 32 by int8 activations per row and block (VNNI);
-# "q4_0": 4-bit weights per block of 32 (llama.cpp's Q4_0 rounding), the same int8 activations.
-QUANTIZE = {"": 0, "int8": 1, "q8_0": 2, "q4_0": 3}
+# "q4_0": 4-bit weights per block of 32 (llama.cpp's Q4_0 rounding), the same int8 activations;
+# "gguf": the blocks of the model directory's model.gguf as shipped (specsplit.ggufweights).
+QUANTIZE = {"": 0, "int8": 1, "q8_0": 2, "q4_0": 3, "gguf": 2}
 
 
 class CacheFull(RuntimeError):
@@ -50,6 +51,31 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "intermediate size not a multiple of 16"
     weight = model.get_input_embeddings().weight
     return native.unavailable(weight.dtype, weight.device)
+
+
+def _packer(quantize: str, config, model_dir: str | None):
+    """pack(gguf names, the transformers weight, merge=None, rows=None) -> a packed weight: from the
+    float weight (quantized as asked), or for "gguf" from the file's blocks."""
+    code = QUANTIZE[quantize]
+
+    def from_weights(names, weight, merge=None, rows=None):
+        return dense(weight if rows is None else weight[rows].contiguous(), code)
+
+    if quantize != "gguf":
+        return from_weights
+    from specsplit.ggufweights import GGUFWeights, gguf_path
+
+    if model_dir is None:
+        raise ValueError("--quantize gguf needs the model directory (its model.gguf)")
+    weights = GGUFWeights(gguf_path(model_dir), config)
+
+    def from_file(names, weight, merge=None, rows=None):
+        if names[0] == "output.weight":  # a tied head is the file's token embedding
+            names = [names[0] if names[0] in weights.tensors else names[1]]
+        return weights.weight(names, weight.detach(), native.module(), merge, rows)
+
+    from_file.served = weights
+    return from_file
 
 
 def dense(weight: torch.Tensor, quant: int = 0):
@@ -92,16 +118,17 @@ class KVPool:
 class FastLlama:
     """The packed weights of one model (the native decoder) and the KV budget of its sequences."""
 
-    def __init__(self, model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None):
+    def __init__(self, model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None,
+                 model_dir: str | None = None):
         """quantize: one of QUANTIZE (every GEMM weight, the head included).
         head_ids: the output head keeps only these vocabulary rows (a drafter's draft vocabulary:
-        logits come in that order)."""
+        logits come in that order). model_dir: where quantize "gguf" finds model.gguf."""
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"no native forward for this model: {reason}")
         if quantize not in QUANTIZE:
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {sorted(QUANTIZE)}")
-        if quantize in ("q8_0", "q4_0") and native.lacks_vnni():
+        if quantize in ("q8_0", "q4_0", "gguf") and native.lacks_vnni():
             raise ValueError(f"--quantize {quantize} needs AVX-512 VNNI: {native.lacks_vnni()}")
         config, base = model.config, model.model
         embed = base.embed_tokens.weight.detach()
@@ -113,22 +140,33 @@ class FastLlama:
         head = model.get_output_embeddings().weight.detach()
         with torch.no_grad():  # cos/sin for every position, as transformers computes them
             cos, sin = base.rotary_emb(embed[:1].float(), torch.arange(self.max_context)[None])
-        code = QUANTIZE[quantize]
+        pack = _packer(quantize, config, model_dir)
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
             cos[0], sin[0], base.norm.weight.detach(),
-            dense(head if head_ids is None else head[head_ids].contiguous(), code))
+            pack(["output.weight", "token_embd.weight"], head, rows=head_ids))
         self.quantize = quantize
         empty = torch.empty(0)
-        for layer in base.layers:
+        for i, layer in enumerate(base.layers):
             att, mlp = layer.self_attn, layer.mlp
             bias = empty if att.q_proj.bias is None else torch.cat([att.q_proj.bias, att.k_proj.bias,
                                                                      att.v_proj.bias]).detach()
-            self.decoder.add_layer(dense(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]), code),
-                                   bias, dense(att.o_proj.weight, code),
-                                   dense(interleave(mlp.gate_proj.weight, mlp.up_proj.weight), code),
-                                   dense(mlp.down_proj.weight, code), layer.input_layernorm.weight.detach(),
-                                   layer.post_attention_layernorm.weight.detach())
+            blk = f"blk.{i}."
+            self.decoder.add_layer(
+                pack([blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"],
+                     torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),
+                bias, pack([blk + "attn_output.weight"], att.o_proj.weight),
+                pack([blk + "ffn_gate.weight", blk + "ffn_up.weight"],
+                     interleave(mlp.gate_proj.weight, mlp.up_proj.weight), merge=interleave),
+                pack([blk + "ffn_down.weight"], mlp.down_proj.weight), layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach())
+        file = getattr(pack, "served", None)
+        if file is not None:
+            import logging
+
+            logging.getLogger("specsplit").info(
+                "gguf weights as shipped: %s; re-quantized to q8_0 (type not served): %s",
+                ", ".join(f"{k} x{v}" for k, v in sorted(file.kinds().items())), ", ".join(file.requantized) or "none")
         self.token_bytes = 2 * self.layers * self.kv_heads * self.head_dim * embed.element_size()
         self.pool = KVPool(1 << 62)  # unbounded until the service sets its budget (LoadedModel.set_kv_budget)
 

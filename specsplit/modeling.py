@@ -252,7 +252,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         model.to(device).eval()
     model.requires_grad_(False)
     swap_linears(model, RowInvariantLinear if exact else FlatLinear)
-    native, kernels = _native(model, quantize, head_ids) if native else (None, "transformers (native off)")
+    native, kernels = _native(model, quantize, head_ids, path) if native else (None, "transformers (native off)")
     if quantize and native is None:
         raise ValueError(f"--quantize {quantize} needs the native kernels; {kernels}")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -290,7 +290,7 @@ def _return_free_memory() -> None:
         pass
 
 
-def _native(model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None):
+def _native(model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None = None, model_dir=None):
     """(FastLlama, "native") when the native kernels can run `model` here, else (None, why not)."""
     import logging
 
@@ -299,7 +299,9 @@ def _native(model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None 
     reason = fastllama.unsupported_reason(model)
     if reason is None:
         try:
-            native = fastllama.FastLlama(model, quantize=quantize, head_ids=head_ids)
+            native = fastllama.FastLlama(model, quantize=quantize, head_ids=head_ids, model_dir=model_dir)
+        except FileNotFoundError:  # --quantize gguf without a model.gguf: the user's to fix
+            raise
         except (RuntimeError, OSError) as e:  # no compiler, a failed build
             reason = f"the native kernels did not build: {e}"
         else:
