@@ -50,9 +50,9 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
     if settings.self_head is not None:
         drafters["self"] = SelfDrafter(resolve_head(settings.self_head), catalog.resolve(settings.target_model),
                                        settings.device, min_confidence=settings.self_min_confidence)
-    # Retrieval where it matches, a neural drafter elsewhere: the draft model when one is given
-    # (the user chose it), else the self head.
-    neural = drafters.get("model") or drafters.get("self")
+    # Retrieval where it matches, a neural drafter elsewhere: the self head when one is loaded
+    # (trained for this target), else the draft model.
+    neural = drafters.get("self") or drafters.get("model")
     if neural is not None:
         drafters["hybrid"] = HybridDrafter(ngram, neural, settings.hybrid_min_match)
     return drafters

@@ -240,7 +240,7 @@ class RoundLoop:
         t = request.prefill_mark = now()
         prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
             session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
-            sampling=plan.sampling, shm_segment=name), "verify", deadline)
+            sampling=plan.sampling, shm_segment=name), "verify", deadline.for_prefill(len(plan.prompt_ids)))
         started = None
         if request.drafting:
             start = dpb.StartSessionRequest(

@@ -32,8 +32,17 @@ def failure(e: grpc.aio.AioRpcError, service: str) -> Failure:
 class Deadline:
     """Per-call timeouts: the gateway's per-call limit, bounded by what is left of the client's."""
 
+    # A prefill's limit grows with its prompt: the per-call limit guards against a stalled backend,
+    # never against legal work (a 6,400-token prompt took more than the 60 s default once).
+    PREFILL_TOKENS_PER_LIMIT = 512
+
     def __init__(self, time_remaining, rpc_timeout_s: float):
         self._time_remaining, self._rpc_timeout_s = time_remaining, rpc_timeout_s
+
+    def for_prefill(self, prompt_tokens: int) -> Deadline:
+        """The same client deadline, with the per-call limit scaled by the prompt's length."""
+        return Deadline(self._time_remaining,
+                        self._rpc_timeout_s * max(1.0, prompt_tokens / self.PREFILL_TOKENS_PER_LIMIT))
 
     def __call__(self) -> float:
         remaining = self._time_remaining()

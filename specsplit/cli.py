@@ -135,8 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                         "else the first N ids and the special tokens; 0: all)")
     d.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     d.add_argument("--default-drafter", default="auto",
-                   help="ngram | model | self | hybrid | auto (hybrid: n-gram + the draft model or self head, "
-                        "when one is loaded; else ngram)")
+                   help="ngram | model | self | hybrid | auto (hybrid: n-gram + the self head if loaded, else the "
+                        "draft model if given; else ngram)")
     d.add_argument("--ngram-min", type=int, default=1)
     d.add_argument("--ngram-max", type=int, default=3)
     d.add_argument("--store-tokens", type=int, default=262144,
@@ -299,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--anchor", action="store_true",
                        help="also run transformers in-process (generate plain and with prompt lookup) on the same "
                             "prompts, interleaved, and print the ratios against it")
+    bench.add_argument("--anchor-llama-cpp", metavar="DIR",
+                       help="also run llama.cpp's llama-bench (a build in DIR) on the target's GGUF file (model.gguf "
+                            "in its directory) and print its decode rate next to ours")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--json-out", help="also write every record and the summary here")
@@ -401,7 +404,7 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
                         "per block of 32 (native kernels, VNNI); gguf: the blocks of the model's GGUF file as shipped")
     p.add_argument("--drafter", default="auto",
                    help="default drafter: ngram | self | hybrid | model (with --draft-model) | auto (hybrid: n-gram "
-                        "+ the draft model if given, else the self head if there; else ngram)")
+                        "+ the self head if there, else the draft model if given; else ngram)")
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)

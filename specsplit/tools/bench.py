@@ -340,16 +340,23 @@ def main(args, config: StackConfig) -> int:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
             return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant,
                                    args.requests)
-    anchor, anchored, profile = None, [], None
-    if args.anchor and args.temperature > 0:
-        print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
-    elif args.anchor:
+    anchor, anchored, profile, llama = None, [], None, None
+    if args.anchor_llama_cpp or args.anchor and args.temperature <= 0:
         from specsplit import catalog
         from specsplit.tools import anchor as anchoring
 
         model_dir = str(catalog.resolve(config.target_model))
-        print("measuring the target step, loading transformers' own model ...", file=sys.stderr, flush=True)
+        print("measuring the target step ...", file=sys.stderr, flush=True)
         profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
+    if args.anchor_llama_cpp:
+        from specsplit.tools import llamacpp
+
+        print("running llama.cpp's llama-bench on the same GGUF file ...", file=sys.stderr, flush=True)
+        llama = llamacpp.decode_tok_s(args.anchor_llama_cpp, Path(model_dir) / "model.gguf")
+    if args.anchor and args.temperature > 0:
+        print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
+    elif args.anchor:
+        print("loading transformers' own model ...", file=sys.stderr, flush=True)
         draft_dir = str(catalog.resolve(config.draft_model)) if config.draft_model else None
         anchor = anchoring.Anchor(model_dir, config.dtype, draft_dir)
         anchor.warmup(prompts[0].prompt)
@@ -389,6 +396,11 @@ def main(args, config: StackConfig) -> int:
         header += (f"\ntarget forward ({profile['kernels']}): 1-row step {profile['rows1_ms']:.2f} ms, "
                    f"5-row verify {profile['rows5_ms']:.2f} ms ({profile['rows5_ms'] / profile['rows1_ms']:.2f}x), "
                    "128-token context")
+    if llama:
+        ours = 1e3 / profile["rows1_ms"]
+        header += (f"\nllama.cpp (llama-bench -t 2 -p 0 -n 96, the same GGUF file, run before the stack): decode "
+                   f"{llama:.1f} tok/s; ours {ours:.1f} tok/s from the 1-row step ({ours / llama:.2f}x); "
+                   f"end-to-end rows below include prefill")
     print_table(rows, header, memory)
     if anchor is not None:
         anchoring.print_table(anchor, anchored, rows, records)
