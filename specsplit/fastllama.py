@@ -79,8 +79,20 @@ def _packer(quantize: str, config, model_dir: str | None):
 
 
 def dense(weight: torch.Tensor, quant: int = 0):
-    """A float weight [outputs, inputs] packed for the kernels (quant: a QUANTIZE code)."""
-    return native.module().Weight.dense(weight.detach(), quant)
+    """A float weight [outputs, inputs] packed for the kernels (quant: a QUANTIZE code); bf16 on
+    AMX tiles where native.amx()."""
+    return native.module().Weight.dense(weight.detach(), quant, native.amx())
+
+
+def kernel_name(quantize: str, dtype: torch.dtype) -> str:
+    """What multiplies the weights, for logs and the bench header."""
+    if quantize in ("q8_0", "q4_0", "gguf"):
+        return f"{quantize} x int8 rows, AVX-512 VNNI vpdpbusd"
+    if quantize == "int8":
+        return "int8 widened to bf16, AVX-512 vdpbf16ps"
+    if dtype == torch.bfloat16:
+        return "bf16, AMX tdpbf16ps" if native.amx() else "bf16, AVX-512 vdpbf16ps"
+    return "fp32, AVX-512 FMA"
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -146,6 +158,7 @@ class FastLlama:
             cos[0], sin[0], base.norm.weight.detach(),
             pack(["output.weight", "token_embd.weight"], head, rows=head_ids))
         self.quantize = quantize
+        self.kernel = kernel_name(quantize, self.dtype)
         empty = torch.empty(0)
         for i, layer in enumerate(base.layers):
             att, mlp = layer.self_attn, layer.mlp

@@ -10,6 +10,60 @@ from verify_service.engine import LengthMismatch, Target
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
 
 
+KERNEL_PATHS = [("bfloat16", "", "amx"), ("bfloat16", "", "avx512"), ("float32", "", "avx512"),
+                ("bfloat16", "q8_0", "vnni"), ("bfloat16", "q4_0", "vnni")]
+
+
+def _kernel_path(monkeypatch, dtype: str, quantize: str, path: str) -> None:
+    """Selects one native kernel path, or skips naming what this CPU lacks (pytest -rs lists them)."""
+    from specsplit import native
+
+    reason = native.unavailable(getattr(torch, dtype), torch.device("cpu"))
+    if not reason and path == "amx" and not native.amx():
+        reason = "no AMX (amx_bf16, amx_tile) here"
+    if not reason and path == "vnni":
+        reason = native.lacks_vnni()
+    if reason:
+        pytest.skip(f"kernel path {dtype} {quantize or ''} {path} not tested on this CPU: {reason}")
+    monkeypatch.setenv("SPECSPLIT_AMX", "1" if path == "amx" else "0")
+
+
+@pytest.mark.parametrize("dtype,quantize,path", KERNEL_PATHS)
+def test_prefill_in_chunks_gives_the_same_cache_and_logits(models, monkeypatch, dtype, quantize, path):
+    """One prefill call, or the same prompt in chunks of any size: bit-identical KV cache and logits
+    (chunked prefill may interleave with other sessions' rounds without changing a thing)."""
+    _kernel_path(monkeypatch, dtype, quantize, path)
+    lm = load_model(models["target"], dtype, quantize=quantize)
+    assert lm.native is not None and (path == "amx") == ("AMX" in lm.native.kernel)
+    prompt = [(7 * i + 3) % 250 for i in range(53)]
+    whole = KVSequence(lm.model)
+    expected = whole.forward(prompt)
+    for cuts in ([1, 52], [16, 16, 16, 5], [17, 30, 6]):
+        seq, got, at = KVSequence(lm.model), [], 0
+        for n in cuts:
+            got.append(seq.forward(prompt[at:at + n]))
+            at += n
+        assert torch.equal(torch.cat(got), expected), cuts
+        assert torch.equal(seq._buffer.kv[..., :len(prompt), :, :], whole._buffer.kv[..., :len(prompt), :, :]), cuts
+
+
+@pytest.mark.parametrize("dtype,quantize,path", KERNEL_PATHS)
+def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one_on_every_kernel_path(
+        models, monkeypatch, dtype, quantize, path):
+    _kernel_path(monkeypatch, dtype, quantize, path)
+    lm = load_model(models["target"], dtype, quantize=quantize)
+    one = KVSequence(lm.model)
+    one.forward(PROMPT)
+    tokens, singles = [11], []
+    for _ in range(20):
+        singles.append(one.forward(tokens[-1:])[0])  # [vocab]
+        tokens.append(int(singles[-1].argmax()))
+    many = KVSequence(lm.model)
+    many.forward(PROMPT)
+    chunked = torch.cat([many.forward(tokens[i:i + 17]) for i in range(0, 20, 17)])[:20]  # a 17-row verify
+    assert torch.equal(torch.stack(singles), chunked)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models, dtype):
     lm = load_model(models["target"], dtype)

@@ -46,6 +46,12 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
     return None
 
 
+def amx() -> bool:
+    """bf16 GEMMs on AMX tiles (tdpbf16ps): where the CPU has them, unless SPECSPLIT_AMX=0 (which
+    tests use to check the AVX-512 path on an AMX machine too)."""
+    return {"amx_bf16", "amx_tile"} <= cpu_flags() and os.environ.get("SPECSPLIT_AMX", "1") != "0"
+
+
 def lacks_vnni() -> str | None:
     """None if q8_0 GEMMs (vpdpbusd) can run here, else why not."""
     return None if "avx512_vnni" in cpu_flags() else "this CPU lacks avx512_vnni"

@@ -37,6 +37,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -103,6 +106,7 @@ struct Packed {
   const float* scale_ptr = nullptr;
   const int32_t* corr_ptr = nullptr;
   const float* min_ptr = nullptr;
+  bool amx = false;  // bf16 on AMX tiles (tdpbf16ps) for every row count
   int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
   Kind kind = Kind::kBF16;
   int64_t panels() const { return (n + kLanes - 1) / kLanes; }
@@ -242,6 +246,8 @@ Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
   return p;
 }
 
+constexpr int kTileRows = 16;  // AMX: rows of a tile
+
 // Activation rows as the GEMM reads them: bf16 pairs, fp32, or q8 blocks (x + 128 as bytes and a
 // scale per block), `stride` elements apart.
 struct Rows {
@@ -295,7 +301,8 @@ void to_rows(const float* x, int64_t rows, int64_t k, Act act, Rows& out) {
     return;
   }
   out.stride = (k + 1) / 2 * 2;
-  out.h.resize(rows * out.stride);
+  // Whole tiles of 16 rows for AMX (a tile row depends only on its own input row: padding is never read back).
+  out.h.resize((rows + kTileRows - 1) / kTileRows * kTileRows * out.stride);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = x + r * k;
     uint16_t* dst = out.h.data() + r * out.stride;
@@ -455,6 +462,52 @@ void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float
   }
 }
 
+// AMX, bf16 weights: tiles 0 (C, 16 rows x 16 fp32), 1 (A, 16 rows x 32 bf16), 2 (B, 16 input
+// pairs x 16 outputs: 16 consecutive pairs of a panel, the bf16 layout as packed). A row's output
+// is the tdpbf16ps sums over the input in chunk order, whatever the other rows of the tile: as
+// exact by construction as the vdpbf16ps path, with other bits, so a model uses one or the other
+// for every row count (Packed::amx, chosen at load).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands out the tile state on request, once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+void configure_tiles() {  // per thread and call: other code (oneDNN) may configure tiles on the same threads
+  TileConfig c;
+  for (int t = 0; t < 3; ++t) {
+    c.rows[t] = kTileRows;
+    c.colsb[t] = 64;
+  }
+  // GCC 12 does not see that ldtilecfg reads its operand and drops the stores above without this.
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+void panel_amx(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, int64_t rows, float* y,
+               int64_t ldy) {
+  alignas(64) float c[kTileRows * kLanes];
+  const char* wp = static_cast<const char*>(w.ptr) + panel * (w.k2 / 2) * 4 * kLanes;
+  _tile_zero(0);
+  for (int64_t kc = 0; kc < w.k2 / 32; ++kc) {
+    _tile_loadd(1, x + kc * 32, stride * 2);
+    _tile_loadd(2, wp + kc * 16 * 4 * kLanes, 4 * kLanes);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, c, 4 * kLanes);
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_load_ps(c + r * kLanes));
+}
+
 using PanelFn = void (*)(const Packed&, int64_t, const Rows&, int64_t, float*, int64_t);
 constexpr PanelFn kPanel[kMaxRows + 1] = {nullptr, panel_any<1>, panel_any<2>, panel_any<3>, panel_any<4>,
                                           panel_any<5>, panel_any<6>, panel_any<7>, panel_any<8>};
@@ -463,6 +516,14 @@ constexpr PanelFn kPanel[kMaxRows + 1] = {nullptr, panel_any<1>, panel_any<2>, p
 // out in contiguous chunks (each thread streams its part of the weights), barrier at the end.
 void gemm_team(const Packed& w, const Rows& x, int64_t rows, float* y) {
   const int64_t panels = w.panels();
+  if (w.amx) {
+    configure_tiles();
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t r = 0; r < rows; r += kTileRows)
+        panel_amx(w, p, x.h.data() + r * x.stride, x.stride, std::min<int64_t>(kTileRows, rows - r), y + r * w.n, w.n);
+    return;
+  }
 #pragma omp for schedule(static)
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t r = 0; r < rows; r += kMaxRows) {
@@ -500,10 +561,15 @@ struct Layer {
 // block format's own blocks (a GGUF file's, served as shipped).
 struct Weight {
   Packed p;
-  static Weight dense(const torch::Tensor& w, int64_t quant) {
+  // amx: bf16 weights whose inputs are whole chunks of 32 run on AMX tiles (others never do).
+  static Weight dense(const torch::Tensor& w, int64_t quant, bool amx) {
     TORCH_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (none), 1 (int8), 2 (q8_0) or 3 (q4_0)");
-    return Weight{pack(w, static_cast<Quant>(quant))};
+    Weight out{pack(w, static_cast<Quant>(quant))};
+    out.p.amx = amx && out.p.kind == Kind::kBF16 && out.p.k2 % 32 == 0;
+    TORCH_CHECK(!out.p.amx || amx_permitted(), "the kernel did not grant this process AMX tile state");
+    return out;
   }
+  bool on_amx() const { return p.amx; }
   static Weight q8_0(const torch::Tensor& q, const torch::Tensor& d, int64_t k) { return Weight{blocks_q8(q, d, k)}; }
   static Weight q4_0(const torch::Tensor& nibbles, const torch::Tensor& d, int64_t k) {
     return Weight{blocks_q4(nibbles, d, torch::Tensor(), k)};
@@ -898,12 +964,14 @@ class Decoder {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_permitted", &amx_permitted);
   pybind11::class_<Weight>(m, "Weight")
       .def_static("dense", &Weight::dense)
       .def_static("q8_0", &Weight::q8_0)
       .def_static("q4_0", &Weight::q4_0)
       .def_static("q4_1", &Weight::q4_1)
       .def_property_readonly("outputs", &Weight::outputs)
+      .def_property_readonly("amx", &Weight::on_amx)
       .def_property_readonly("inputs", &Weight::inputs);
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,

@@ -108,7 +108,8 @@ def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 
             if i >= 3:
                 times[rows].append(time.perf_counter() - start)
             seq.truncate(context)
-    return {"kernels": lm.kernels, **{f"rows{r}_ms": 1e3 * statistics.median(t) for r, t in times.items()}}
+    kernels = lm.kernels + (f": {lm.native.kernel}" if lm.native is not None else "")
+    return {"kernels": kernels, **{f"rows{r}_ms": 1e3 * statistics.median(t) for r, t in times.items()}}
 
 
 def print_table(anchor: Anchor, records: list[AnchorRecord], ours: list[dict], our_records: list,
