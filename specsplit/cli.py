@@ -123,16 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
     d = roles.add_parser("draft", help="the drafters")
     _server_flags(d, "127.0.0.1:50052")
-    d.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"),
-                   help="local HF causal LM dir for the 'model' drafter ('default': the embedded model)")
-    d.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
-    d.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0"],
-                   default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
-                   help="the draft model's GEMM weights: q8_0, q4_0, int8, '' (its dtype) or auto (q8_0 where the "
-                        "native kernels run and the CPU has VNNI, else int8 for a bf16 draft, else its dtype)")
-    d.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", "32768")),
-                   help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
-                        "else the first N ids and the special tokens; 0: all)")
+    _draft_model_flags(d)
     d.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     d.add_argument("--default-drafter", default="auto",
                    help="ngram | model | self | hybrid | auto (hybrid: n-gram + the self head if loaded, else the "
@@ -384,11 +375,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stack_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--transport", choices=["unix", "tcp"], default="unix")
-    p.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
-    p.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"))
-    p.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"))
+def _draft_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model drafter's flags, for `serve draft` and the stacks."""
+    p.add_argument("--draft-model", default=ENV("SPECSPLIT_DRAFT_MODEL"),
+                   help="a local HF causal LM dir or catalog name for the 'model' drafter ('default': the embedded "
+                        "model)")
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
     p.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0"],
                    default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
@@ -397,6 +388,13 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", "32768")),
                    help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
                         "else the first N ids and the special tokens; 0: all)")
+
+
+def _stack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transport", choices=["unix", "tcp"], default="unix")
+    p.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
+    p.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"))
+    _draft_model_flags(p)
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     p.add_argument("--no-exact", dest="exact", action="store_false")
     p.add_argument("--quantize", choices=["", "int8", "q8_0", "q4_0", "gguf"], default=ENV("SPECSPLIT_QUANTIZE", ""),
