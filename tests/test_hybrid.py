@@ -1,6 +1,8 @@
 """The hybrid's choice: before it has learnt anything, a long n-gram match, then the head, then a
 short match; then by the accepted drafts each source earned in the session."""
 
+import time
+
 from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.ngram import NgramDrafter
@@ -20,6 +22,18 @@ class Head:
 
     def propose(self, session, gamma, budget=0):
         return Proposal(self.answer[:gamma], "self" if self.answer else "")
+
+
+HEAD_S, VERIFY_S = 0.001, 0.004  # a head costing about a quarter of the rest of a round, as a real one may
+
+
+class SlowHead(Head):
+    """A head whose drafting takes time, so that its measured cost is a real share of a round
+    (an instant stand-in would make drafting look free, and any acceptance worth it)."""
+
+    def propose(self, session, gamma, budget=0):
+        time.sleep(HEAD_S)
+        return super().propose(session, gamma, budget)
 
 
 def test_long_match_beats_the_head():
@@ -84,7 +98,7 @@ def test_a_task_type_starts_from_what_its_earlier_sessions_learnt():
     """The head is always wrong on "rewrite": a later rewrite session starts without it (nothing
     matched, nothing drafted), a session of another type still starts with it, and every 8th
     rewrite session starts from the default priors again (re-measuring the head)."""
-    hybrid = HybridDrafter(NgramDrafter(), Head([42, 43]), min_match=2)
+    hybrid = HybridDrafter(NgramDrafter(), SlowHead([42, 43]), min_match=2)
 
     def session(task: str):
         s = hybrid.start([1, 2, 3])
@@ -95,6 +109,7 @@ def test_a_task_type_starts_from_what_its_earlier_sessions_learnt():
     sources = []
     for i in range(12):  # the head drafts, the target never agrees (and nothing repeats)
         sources.append(hybrid.propose(first, 2).source)
+        time.sleep(VERIFY_S)  # the rest of a round: the head's cost is measured against it
         first.sync(len(first.tokens), [100 + i])
     assert sources[0] == "self" and sources[-1] == ""  # it learnt within the session
     assert hybrid.propose(session("rewrite"), 2) == Proposal([], "")
