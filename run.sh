@@ -32,7 +32,8 @@ case "$cmd" in
   test)
     python -m specsplit.protogen --check
     ruff check --quiet .
-    exec python -m pytest -q "$@"
+    # -rs: every skip is listed with its reason (kernel paths this CPU lacks, for one)
+    exec python -m pytest -q -rs "$@"
     ;;
   bench)
     # --anchor: transformers in-process on the same prompts, interleaved (what users would otherwise run)
