@@ -30,8 +30,9 @@ def draft_quantization(model: ModelSettings) -> str:
     import torch
 
     from specsplit import native
+    from specsplit.modeling import parse_dtype
 
-    dtype = torch.bfloat16 if model.dtype in ("bfloat16", "bf16") else torch.float32
+    dtype = parse_dtype(model.dtype)
     if native.unavailable(dtype, torch.device(model.device)):
         return ""
     if not native.lacks_vnni():
