@@ -156,7 +156,7 @@ class FastLlama:
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
             cos[0], sin[0], base.norm.weight.detach(),
-            pack(["output.weight", "token_embd.weight"], head, rows=head_ids))
+            pack(["output.weight", "token_embd.weight"], head, rows=head_ids), native.amx())
         self.quantize = quantize
         self.kernel = kernel_name(quantize, self.dtype)
         empty = torch.empty(0)

@@ -255,7 +255,7 @@ class NativeHead:
         self.dtype = dtype
         self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
                                                torch.empty(0, cfg.hidden, dtype=dtype), emb.cos(), emb.sin(),
-                                               torch.empty(0), dense(head.vocab_weight.to(dtype)))
+                                               torch.empty(0), dense(head.vocab_weight.to(dtype)), native.amx())
         matrices = (head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj)
         size = torch.empty(0, dtype=dtype).element_size()
         self.packed_bytes = size * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())

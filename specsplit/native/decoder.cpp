@@ -36,6 +36,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -282,36 +283,46 @@ void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, 
   }
 }
 
-void to_rows(const float* x, int64_t rows, int64_t k, Act act, Rows& out) {
+// Sizes `out` for `rows` rows of k features (done once, before the rows are filled in parallel).
+void shape_rows(int64_t rows, int64_t k, Act act, Rows& out) {
   if (act == Act::kQ8) {
     out.stride = (k + kBlock - 1) / kBlock * kBlock;
-    const int64_t blocks = out.stride / kBlock;
     out.q.resize(rows * out.stride);
-    out.qs.resize(rows * blocks);
-    out.qsum.resize(rows * blocks);
-    for (int64_t r = 0; r < rows; ++r)
-      quantize_row_q8(x + r * k, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks,
-                      out.qsum.data() + r * blocks);
-    return;
-  }
-  const bool bf16 = act == Act::kBF16;
-  if (!bf16) {
+    out.qs.resize(rows * out.stride / kBlock);
+    out.qsum.resize(rows * out.stride / kBlock);
+  } else if (act == Act::kF32) {
     out.stride = k;
-    out.f.assign(x, x + rows * k);
+    out.f.resize(rows * k);
+  } else {
+    out.stride = (k + 1) / 2 * 2;
+    // Whole tiles of 16 rows for AMX (a tile row depends only on its own input row: padding is never read back).
+    out.h.resize((rows + kTileRows - 1) / kTileRows * kTileRows * out.stride);
+  }
+}
+
+// Row r of `out` (shaped for k features) from src.
+void row_to(const float* src, int64_t r, int64_t k, Act act, Rows& out) {
+  if (act == Act::kQ8) {
+    const int64_t blocks = out.stride / kBlock;
+    quantize_row_q8(src, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks,
+                    out.qsum.data() + r * blocks);
     return;
   }
-  out.stride = (k + 1) / 2 * 2;
-  // Whole tiles of 16 rows for AMX (a tile row depends only on its own input row: padding is never read back).
-  out.h.resize((rows + kTileRows - 1) / kTileRows * kTileRows * out.stride);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = x + r * k;
-    uint16_t* dst = out.h.data() + r * out.stride;
-    int64_t i = 0;
-    for (; i + kLanes <= k; i += kLanes)  // round to nearest even, like f32_to_bf16
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-    for (; i < k; ++i) dst[i] = f32_to_bf16(src[i]);
-    if (out.stride > k) dst[k] = 0;
+  if (act == Act::kF32) {
+    std::memcpy(out.f.data() + r * k, src, k * 4);
+    return;
   }
+  uint16_t* dst = out.h.data() + r * out.stride;
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes)  // round to nearest even, like f32_to_bf16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  for (; i < k; ++i) dst[i] = f32_to_bf16(src[i]);
+  if (out.stride > k) dst[k] = 0;
+}
+
+void to_rows(const float* x, int64_t rows, int64_t k, Act act, Rows& out) {
+  shape_rows(rows, k, act, out);
+  for (int64_t r = 0; r < rows; ++r) row_to(x + r * k, r, k, act, out);
 }
 
 // 16 int8 pairs (32 bytes) widened to 32 bf16 in the same order.
@@ -482,7 +493,7 @@ bool amx_permitted() {  // Linux hands out the tile state on request, once per p
 __attribute__((target("amx-tile,amx-bf16")))
 void configure_tiles() {  // per thread and call: other code (oneDNN) may configure tiles on the same threads
   TileConfig c;
-  for (int t = 0; t < 3; ++t) {
+  for (int t = 0; t < 8; ++t) {
     c.rows[t] = kTileRows;
     c.colsb[t] = 64;
   }
@@ -491,21 +502,105 @@ void configure_tiles() {  // per thread and call: other code (oneDNN) may config
   _tile_loadconfig(&c);
 }
 
-__attribute__((target("amx-tile,amx-bf16")))
-void panel_amx(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, int64_t rows, float* y,
-               int64_t ldy) {
-  alignas(64) float c[kTileRows * kLanes];
-  const char* wp = static_cast<const char*>(w.ptr) + panel * (w.k2 / 2) * 4 * kLanes;
-  _tile_zero(0);
-  for (int64_t kc = 0; kc < w.k2 / 32; ++kc) {
-    _tile_loadd(1, x + kc * 32, stride * 2);
-    _tile_loadd(2, wp + kc * 16 * 4 * kLanes, 4 * kLanes);
-    _tile_dpbf16ps(0, 1, 2);
+// r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit elements.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Two rows of 16 bf16 (as 16-bit lanes) interleaved into 16 pairs: lo in the low half of each dword.
+inline __m512i pair16(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+// NR row tiles by NP panels (tiles 0-3 accumulate, 4-5 rows, 6-7 weights): each operand tile
+// loaded once serves two products. `rows` valid rows from x (whole tiles are always there).
+template <int NR, int NP>
+__attribute__((target("amx-tile,amx-bf16")))
+void panels_amx(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, int64_t rows, float* y,
+                int64_t ldy) {
+  alignas(64) float c[kTileRows * kLanes];
+  const int64_t pbytes = (w.k2 / 2) * 4 * kLanes;  // one panel's weights
+  const char* wp = static_cast<const char*>(w.ptr) + panel * pbytes;
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  if constexpr (NR > 1) _tile_zero(2);
+  if constexpr (NR > 1 && NP > 1) _tile_zero(3);
+  for (int64_t kc = 0; kc < w.k2 / 32; ++kc) {
+    _tile_loadd(4, x + kc * 32, stride * 2);
+    _tile_loadd(6, wp + kc * 16 * 4 * kLanes, 4 * kLanes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP > 1) {
+      _tile_loadd(7, wp + pbytes + kc * 16 * 4 * kLanes, 4 * kLanes);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NR > 1) {
+      _tile_loadd(5, x + kTileRows * stride + kc * 32, stride * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  auto put = [&](int64_t p, int64_t r0) {  // c -> y for tile (row tile r0, panel p)
+    const int64_t o = p * kLanes;
+    const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+    for (int64_t r = r0; r < std::min<int64_t>(rows, r0 + kTileRows); ++r)
+      _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_load_ps(c + (r - r0) * kLanes));
+  };
   _tile_stored(0, c, 4 * kLanes);
-  const int64_t o = panel * kLanes;
-  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
-  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_load_ps(c + r * kLanes));
+  put(panel, 0);
+  if constexpr (NP > 1) {
+    _tile_stored(1, c, 4 * kLanes);
+    put(panel + 1, 0);
+  }
+  if constexpr (NR > 1) {
+    _tile_stored(2, c, 4 * kLanes);
+    put(panel, kTileRows);
+    if constexpr (NP > 1) {
+      _tile_stored(3, c, 4 * kLanes);
+      put(panel + 1, kTileRows);
+    }
+  }
+}
+
+// AMX GEMM for one thread's share of the panels: blocks of panels that stay in L2 while every
+// 32 rows of x pass by (rows are read once per block, the weights once).
+void gemm_amx(const Packed& w, const Rows& x, int64_t rows, float* y, int64_t p0, int64_t p1) {
+  constexpr int64_t kL2Bytes = 512 << 10;
+  const int64_t pbytes = (w.k2 / 2) * 4 * kLanes;
+  const int64_t block = std::max<int64_t>(2, kL2Bytes / pbytes / 2 * 2);
+  for (int64_t pb = p0; pb < p1; pb += block) {
+    const int64_t pe = std::min(p1, pb + block);
+    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
+      const int64_t rr = std::min<int64_t>(2 * kTileRows, rows - r);
+      const uint16_t* xr = x.h.data() + r * x.stride;
+      float* yr = y + r * w.n;
+      for (int64_t p = pb; p < pe; p += 2) {
+        const bool two = p + 1 < pe;
+        if (rr > kTileRows)
+          two ? panels_amx<2, 2>(w, p, xr, x.stride, rr, yr, w.n) : panels_amx<2, 1>(w, p, xr, x.stride, rr, yr, w.n);
+        else
+          two ? panels_amx<1, 2>(w, p, xr, x.stride, rr, yr, w.n) : panels_amx<1, 1>(w, p, xr, x.stride, rr, yr, w.n);
+      }
+    }
+  }
 }
 
 using PanelFn = void (*)(const Packed&, int64_t, const Rows&, int64_t, float*, int64_t);
@@ -516,12 +611,11 @@ constexpr PanelFn kPanel[kMaxRows + 1] = {nullptr, panel_any<1>, panel_any<2>, p
 // out in contiguous chunks (each thread streams its part of the weights), barrier at the end.
 void gemm_team(const Packed& w, const Rows& x, int64_t rows, float* y) {
   const int64_t panels = w.panels();
-  if (w.amx) {
+  if (w.amx) {  // contiguous shares of the panels, as schedule(static) would give
     configure_tiles();
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p)
-      for (int64_t r = 0; r < rows; r += kTileRows)
-        panel_amx(w, p, x.h.data() + r * x.stride, x.stride, std::min<int64_t>(kTileRows, rows - r), y + r * w.n, w.n);
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    gemm_amx(w, x, rows, y, panels * tid / team, panels * (tid + 1) / team);
+#pragma omp barrier
     return;
   }
 #pragma omp for schedule(static)
@@ -593,8 +687,9 @@ class Decoder {
  public:
   // Every GEMM weight (head included) comes packed (Weight); its kind decides the GEMM inputs: the
   // block formats read int8 rows (q8), int8 weight-only and bf16 read bf16 rows, fp32 reads fp32.
+  // amx: attention on AMX tiles (bf16 caches only; see attend_amx), for every row count.
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor embed, torch::Tensor cos,
-          torch::Tensor sin, torch::Tensor norm, const Weight& head)
+          torch::Tensor sin, torch::Tensor norm, const Weight& head, bool amx)
       : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(static_cast<float>(eps)),
         embed_(embed.contiguous()), cos_(cos.to(torch::kFloat32).contiguous()),
         sin_(sin.to(torch::kFloat32).contiguous()), norm_(norm.to(torch::kFloat32).contiguous()) {
@@ -603,6 +698,8 @@ class Decoder {
     act_ = act_of(head.p.kind);
     TORCH_CHECK(act_ != Act::kBF16 || bf16_ || head.p.kind != Kind::kI8, "int8 weights need a bfloat16 model");
     head_ = head.p;
+    attn_amx_ = amx && bf16_;
+    TORCH_CHECK(!attn_amx_ || amx_permitted(), "the kernel did not grant this process AMX tile state");
   }
 
   // gate_up: gate and up interleaved by panel (panel 2j holds gate outputs 16j.., panel 2j+1 the up
@@ -687,14 +784,18 @@ class Decoder {
   // Activations between the ops of a layer, shared by the team, and what each row is.
   struct Scratch {
     std::vector<float> a, qkv, att, y, gu, h;
-    Rows in;
+    Rows in, in_att, in_mlp;  // GEMM inputs of hidden, heads * head_dim and intermediate features
     std::vector<Segment> segs;
     std::vector<int64_t> seg_of;  // row -> its segment
     // Per row: the cache slots at and after its segment's base it attends, in depth order
     // (ancestors, then its own), so that it sits at position base + path.size() - 1.
     std::vector<std::vector<int64_t>> path;
     std::vector<int64_t> head_rows;  // the rows whose logits are returned, in order
+    // AMX attention: runs of consecutive rows of one segment, each the child of the one before (a
+    // chain, or a chain inside a tree): every row's key list is a prefix of the run's last row's.
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
     int64_t rows() const { return static_cast<int64_t>(seg_of.size()); }
+    int64_t keys(int64_t r) const { return segs[seg_of[r]].base + static_cast<int64_t>(path[r].size()); }
   };
 
   std::vector<float> embed(const torch::Tensor& ids) const {
@@ -777,6 +878,9 @@ class Decoder {
     s.y.resize(n * width);
     s.gu.resize(n * 2 * inter);
     s.h.resize(n * inter);
+    shape_rows(n, width, act_, s.in);
+    shape_rows(n, heads_ * d_, act_, s.in_att);
+    shape_rows(n, inter, act_, s.in_mlp);
     const int64_t rows = static_cast<int64_t>(s.head_rows.size());
     const bool head = rows > 0;
     torch::Tensor logits = head ? torch::empty({rows, head_.n}, torch::kFloat32) : torch::Tensor();
@@ -784,6 +888,7 @@ class Decoder {
     const bool norm = norm_.numel() > 0;
     const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
     std::vector<float> picked;
+    if (attn_amx_) plan_runs(s);
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], li, x.data(), s);
@@ -806,55 +911,58 @@ class Decoder {
     return {logits, hidden};
   }
 
-  // One layer, called by every thread of the team.
+  // One layer, called by every thread of the team: GEMMs and attention shared out as they say,
+  // the row-wise steps shared out by rows (each row's arithmetic is the same on any thread).
   void layer_team(const Layer& l, size_t li, float* x, Scratch& s) {
     const int64_t n = s.rows(), width = hidden_, qw = heads_ * d_, kw = kv_heads_ * d_, ld = l.qkv.n;
     const int64_t inter = l.gate_up.n / 2;
-#pragma omp single
-    {
-      rms_norm(x, l.norm_in.data_ptr<float>(), n, width, eps_, s.a.data());
-      to_rows(s.a.data(), n, width, act_, s.in);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      rms_norm(x + r * width, l.norm_in.data_ptr<float>(), 1, width, eps_, s.a.data() + r * width);
+      row_to(s.a.data() + r * width, r, width, act_, s.in);
     }
     gemm_team(l.qkv, s.in, n, s.qkv.data());
-#pragma omp single
-    {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = s.qkv.data() + r * ld;
       if (l.qkv_bias.defined()) {
         const float* b = l.qkv_bias.data_ptr<float>();
-        for (int64_t r = 0; r < n; ++r)
-          for (int64_t i = 0; i < ld; ++i) s.qkv[r * ld + i] += b[i];
+        for (int64_t i = 0; i < ld; ++i) row[i] += b[i];
       }
-      for (int64_t r = 0; r < n; ++r) {
-        const Segment& seg = s.segs[s.seg_of[r]];
-        rope(s.qkv.data() + r * ld, heads_ + kv_heads_, seg.base + static_cast<int64_t>(s.path[r].size()) - 1);
-        store_kv(seg.kv[li], seg.cap, s.qkv.data() + r * ld + qw, s.qkv.data() + r * ld + qw + kw, s.path[r].back());
-      }
+      const Segment& seg = s.segs[s.seg_of[r]];
+      rope(row, heads_ + kv_heads_, seg.base + static_cast<int64_t>(s.path[r].size()) - 1);
+      store_kv(seg.kv[li], seg.cap, row + qw, row + qw + kw, s.path[r].back());
     }
-    attend_team(li, s.qkv.data(), ld, s, s.att.data());
-#pragma omp single
-    to_rows(s.att.data(), n, qw, act_, s.in);
-    gemm_team(l.o, s.in, n, s.y.data());
-#pragma omp single
-    {
-      for (int64_t i = 0; i < n * width; ++i) x[i] += s.y[i];
-      rms_norm(x, l.norm_post.data_ptr<float>(), n, width, eps_, s.a.data());
-      to_rows(s.a.data(), n, width, act_, s.in);
+    if (attn_amx_)
+      attend_amx_team(li, s.qkv.data(), ld, s, s.att.data());
+    else
+      attend_team(li, s.qkv.data(), ld, s, s.att.data());
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) row_to(s.att.data() + r * qw, r, qw, act_, s.in_att);
+    gemm_team(l.o, s.in_att, n, s.y.data());
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      float* xr = x + r * width;
+      for (int64_t i = 0; i < width; ++i) xr[i] += s.y[r * width + i];
+      rms_norm(xr, l.norm_post.data_ptr<float>(), 1, width, eps_, s.a.data() + r * width);
+      row_to(s.a.data() + r * width, r, width, act_, s.in);
     }
     gemm_team(l.gate_up, s.in, n, s.gu.data());
-#pragma omp single
-    {
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < inter; j += kLanes) {  // SiLU(gate) * up, 16 features at a time
-          const float* pair = s.gu.data() + r * 2 * inter + 2 * j;
-          const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          _mm512_storeu_ps(s.h.data() + r * inter + j, _mm512_mul_ps(silu, u));
-        }
-      to_rows(s.h.data(), n, inter, act_, s.in);
+    const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < inter; j += kLanes) {  // SiLU(gate) * up, 16 features at a time
+        const float* pair = s.gu.data() + r * 2 * inter + 2 * j;
+        const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(s.h.data() + r * inter + j, _mm512_mul_ps(silu, u));
+      }
+      row_to(s.h.data() + r * inter, r, inter, act_, s.in_mlp);
     }
-    gemm_team(l.down, s.in, n, s.y.data());
-#pragma omp single
-    for (int64_t i = 0; i < n * width; ++i) x[i] += s.y[i];
+    gemm_team(l.down, s.in_mlp, n, s.y.data());
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t i = 0; i < width; ++i) x[r * width + i] += s.y[r * width + i];
   }
 
   // Rotary embedding of `count` heads of one row (rotate-half convention, transformers' tables).
@@ -945,6 +1053,159 @@ class Decoder {
     }
   }
 
+  // Query vectors per AMX attention task: all the heads of a KV group for as many rows as fit 16.
+  int64_t group_heads() const { return std::min<int64_t>(heads_ / kv_heads_, kTileRows); }
+
+  void plan_runs(Scratch& s) const {
+    const int64_t most = std::max<int64_t>(1, kTileRows / group_heads());
+    s.runs.clear();
+    for (int64_t r = 0; r < s.rows(); ++r) {
+      if (!s.runs.empty()) {
+        auto& [first, count] = s.runs.back();
+        const int64_t prev = first + count - 1;
+        const auto &a = s.path[prev], &b = s.path[r];
+        if (count < most && s.seg_of[prev] == s.seg_of[r] && b.size() == a.size() + 1 && b[a.size() - 1] == a.back()) {
+          ++count;
+          continue;
+        }
+      }
+      s.runs.emplace_back(r, 1);
+    }
+  }
+
+  // Attention on AMX tiles (bf16 cache). A task: one run of rows, one KV head, up to 16 query
+  // vectors (row, head of the group) in the lanes. Scores S^T = K Q^T (keys straight from the cache
+  // as A tiles, the queries rounded to bf16 and paired as the B tile), kept key-major [key][query];
+  // softmax down each lane (max, then exp and the sum in key order); out = P V with P in bf16 (A
+  // tile) and V's rows paired (B tile), four 16-dim accumulators, key blocks of 32 in order.
+  // Exact by construction: a query's lane reads its own keys only (the others are masked to zero
+  // weight, and adding zero products leaves a sum as it was), in key-list order, so its result is
+  // the same in a run of any length, in a task with any other queries, chunked or not, on any thread.
+  __attribute__((target("amx-tile,amx-bf16")))
+  void attend_amx_team(size_t li, const float* qkv, int64_t ld, const Scratch& s, float* out) const {
+    const int64_t group = heads_ / kv_heads_, qc = group_heads(), kw = kv_heads_ * d_;
+    const int64_t hchunks = (group + qc - 1) / qc, chunks = (d_ + 31) / 32;
+    const bool direct = d_ % 32 == 0;  // key blocks load straight from the cache (else padded copies)
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
+    int64_t longest = 0;
+    for (const auto& [first, count] : s.runs) longest = std::max(longest, s.keys(first + count - 1));
+    std::vector<float> sc((longest + 31) / 32 * 32 * kLanes);  // this thread's scores, [key][query]
+    alignas(64) uint32_t qt[8][16][16];  // queries: [32-dim chunk][dim pair][query]
+    alignas(64) uint16_t kb[16][256];    // a gathered key block, zero-padded to whole chunks
+    alignas(64) uint16_t vb[32][256];    // a gathered value block
+    alignas(64) uint32_t pa[16][16];     // P: [query][key pair]
+    alignas(64) uint32_t vp[16][16];     // V: [key pair][dim], 16 dims
+    alignas(64) float ob[16][16];
+    alignas(64) int32_t lens[16];
+    alignas(64) float total[16];
+    configure_tiles();
+    const int64_t tasks = static_cast<int64_t>(s.runs.size()) * kv_heads_ * hchunks;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const auto [row0, rows] = s.runs[task / (kv_heads_ * hchunks)];
+      const int64_t g = (task / hchunks) % kv_heads_, h0 = g * group + (task % hchunks) * qc;
+      const int64_t hc = std::min<int64_t>(qc, (g + 1) * group - h0), queries = rows * hc;
+      const int64_t last = row0 + rows - 1;
+      const Segment& seg = s.segs[s.seg_of[last]];
+      const std::vector<int64_t>& path = s.path[last];
+      const int64_t prefix = seg.base, len = s.keys(last);
+      auto slot = [&](int64_t j) { return j < prefix ? j : path[j - prefix]; };
+      const uint16_t* kv = static_cast<const uint16_t*>(static_cast<const void*>(seg.kv[li]));
+      const uint16_t* kplane = kv + g * d_;  // slot j's key: kplane + j * kw
+      const uint16_t* vplane = kv + seg.cap * kw + g * d_;
+      for (int64_t q = 0; q < kLanes; ++q) lens[q] = q < queries ? static_cast<int32_t>(s.keys(row0 + q / hc)) : 0;
+      const __m512i vlens = _mm512_load_si512(lens);
+      std::memset(qt, 0, sizeof(qt));
+      for (int64_t q = 0; q < queries; ++q) {
+        const float* qv = qkv + (row0 + q / hc) * ld + (h0 + q % hc) * d_;
+        for (int64_t i = 0; i < d_; i += 2)
+          qt[i / 32][(i % 32) / 2][q] = f32_to_bf16(qv[i]) | (static_cast<uint32_t>(f32_to_bf16(qv[i + 1])) << 16);
+      }
+      for (int64_t j0 = 0; j0 < len; j0 += kLanes) {  // scores, 16 keys at a time
+        const uint16_t* kp = kplane + slot(j0) * kw;
+        int64_t stride = kw * 2;
+        if (!direct || j0 + kLanes > len || slot(j0 + kLanes - 1) - slot(j0) != kLanes - 1) {
+          std::memset(kb, 0, sizeof(kb));
+          for (int64_t i = 0; i < kLanes && j0 + i < len; ++i) std::memcpy(kb[i], kplane + slot(j0 + i) * kw, d_ * 2);
+          kp = kb[0];
+          stride = sizeof(kb[0]);
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < chunks; ++c) {
+          _tile_loadd(1, kp + c * 32, stride);
+          _tile_loadd(2, qt[c], 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc.data() + j0 * kLanes, 64);
+      }
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < len; ++j) {
+        const __mmask16 valid = _mm512_cmpgt_epi32_mask(vlens, _mm512_set1_epi32(static_cast<int32_t>(j)));
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sc.data() + j * kLanes), _mm512_set1_ps(scale));
+        _mm512_storeu_ps(sc.data() + j * kLanes, v);
+        best = _mm512_mask_max_ps(best, valid, best, v);
+      }
+      const int64_t padded = (len + 31) / 32 * 32;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < padded; ++j) {
+        const __mmask16 valid = _mm512_cmpgt_epi32_mask(vlens, _mm512_set1_epi32(static_cast<int32_t>(j)));
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc.data() + j * kLanes), best)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(sc.data() + j * kLanes, e);
+      }
+      _mm512_store_ps(total, sum);
+      for (int64_t d0 = 0; d0 < d_; d0 += 64) {  // four 16-dim accumulators at a time
+        const int64_t nc = std::min<int64_t>(4, (d_ - d0) / kLanes);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t j0 = 0; j0 < padded; j0 += 32) {
+          __m512i w[16];
+          for (int t = 0; t < 16; ++t)
+            w[t] = pair16((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc.data() + (j0 + 2 * t) * kLanes)),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc.data() + (j0 + 2 * t + 1) * kLanes)));
+          transpose16(w);
+          for (int q = 0; q < 16; ++q) _mm512_store_si512(pa[q], w[q]);
+          _tile_loadd(1, pa, 64);
+          const uint16_t* vrow = vplane + slot(j0) * kw;
+          int64_t vstride = kw;
+          if (j0 + 32 > len || slot(j0 + 31) - slot(j0) != 31) {
+            std::memset(vb, 0, sizeof(vb));
+            for (int64_t i = 0; i < 32 && j0 + i < len; ++i) std::memcpy(vb[i], vplane + slot(j0 + i) * kw, d_ * 2);
+            vrow = vb[0];
+            vstride = 256;
+          }
+          for (int64_t c = 0; c < nc; ++c) {
+            const uint16_t* v = vrow + d0 + c * kLanes;
+            for (int t = 0; t < 16; ++t)
+              _mm512_store_si512(vp[t], pair16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 2 * t * vstride)),
+                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (2 * t + 1) * vstride))));
+            _tile_loadd(2, vp, 64);
+            switch (c) {
+              case 0: _tile_dpbf16ps(4, 1, 2); break;
+              case 1: _tile_dpbf16ps(5, 1, 2); break;
+              case 2: _tile_dpbf16ps(6, 1, 2); break;
+              default: _tile_dpbf16ps(7, 1, 2); break;
+            }
+          }
+        }
+        for (int64_t c = 0; c < nc; ++c) {
+          switch (c) {
+            case 0: _tile_stored(4, ob, 64); break;
+            case 1: _tile_stored(5, ob, 64); break;
+            case 2: _tile_stored(6, ob, 64); break;
+            default: _tile_stored(7, ob, 64); break;
+          }
+          for (int64_t q = 0; q < queries; ++q) {
+            float* o = out + (row0 + q / hc) * heads_ * d_ + (h0 + q % hc) * d_ + d0 + c * kLanes;
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_load_ps(ob[q]), _mm512_set1_ps(1.0f / total[q])));
+          }
+        }
+      }
+    }
+  }
+
   // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
   inline __m512 key(const void* base, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {
     const int64_t off = (plane + j) * kw + g * d_ + i;
@@ -954,7 +1215,7 @@ class Decoder {
 
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
   float eps_;
-  bool bf16_ = true;
+  bool bf16_ = true, attn_amx_ = false;
   Act act_ = Act::kBF16;
   torch::Tensor embed_, cos_, sin_, norm_;
   Packed head_;
@@ -975,7 +1236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("inputs", &Weight::inputs);
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, const Weight&>())
+                          torch::Tensor, const Weight&, bool>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>())
