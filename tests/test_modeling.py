@@ -30,12 +30,13 @@ def _kernel_path(monkeypatch, dtype: str, quantize: str, path: str) -> None:
     monkeypatch.setenv("SPECSPLIT_AMX", "1" if path == "amx" else "0")
 
 
+@pytest.mark.parametrize("model", ["target", "wide"])
 @pytest.mark.parametrize("dtype,quantize,path", KERNEL_PATHS)
-def test_prefill_in_chunks_gives_the_same_cache_and_logits(models, monkeypatch, dtype, quantize, path):
+def test_prefill_in_chunks_gives_the_same_cache_and_logits(models, monkeypatch, dtype, quantize, path, model):
     """One prefill call, or the same prompt in chunks of any size: bit-identical KV cache and logits
     (chunked prefill may interleave with other sessions' rounds without changing a thing)."""
     _kernel_path(monkeypatch, dtype, quantize, path)
-    lm = load_model(models["target"], dtype, quantize=quantize)
+    lm = load_model(models[model], dtype, quantize=quantize)
     assert lm.native is not None and (path == "amx") == ("AMX" in lm.native.kernel)
     prompt = [(7 * i + 3) % 250 for i in range(53)]
     whole = KVSequence(lm.model)
@@ -49,10 +50,12 @@ def test_prefill_in_chunks_gives_the_same_cache_and_logits(models, monkeypatch, 
         assert torch.equal(seq._buffer.kv[..., :len(prompt), :, :], whole._buffer.kv[..., :len(prompt), :, :]), cuts
 
 
+@pytest.mark.parametrize("model", ["target", "wide"])
 @pytest.mark.parametrize("dtype,quantize,path", KERNEL_PATHS)
-def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models, monkeypatch, dtype, quantize, path):
+def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models, monkeypatch, dtype, quantize, path,
+                                                                        model):
     _kernel_path(monkeypatch, dtype, quantize, path)
-    lm = load_model(models["target"], dtype, quantize=quantize)
+    lm = load_model(models[model], dtype, quantize=quantize)
     one = KVSequence(lm.model)
     one.forward(PROMPT)
     tokens, singles = [11], []
@@ -193,12 +196,13 @@ def test_fingerprint_tells_tokenizers_apart(models):
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
 @pytest.mark.parametrize("prompt_len", [8, 40])  # 40: past the rowwise limit, prefill takes the masked path
-def test_exact_numerics_compute_the_same_model(models, dtype, tol, prompt_len):
+@pytest.mark.parametrize("model", ["target", "wide"])
+def test_exact_numerics_compute_the_same_model(models, dtype, tol, prompt_len, model):
     """Exact mode changes kernels, not the function: logits stay close to transformers' SDPA path."""
     prompt = [(7 * i + 3) % 250 for i in range(prompt_len)]
     logits = {}
     for exact in (True, False):  # the default (native where it runs) vs transformers' SDPA path
-        seq = KVSequence(load_model(models["target"], dtype, exact=exact, native=exact).model)
+        seq = KVSequence(load_model(models[model], dtype, exact=exact, native=exact).model)
         logits[exact] = torch.cat([seq.forward(prompt), seq.forward([1, 2, 3])])  # [prompt_len + 3, vocab]
     assert torch.allclose(logits[True], logits[False], atol=tol, rtol=0)
 
