@@ -478,6 +478,20 @@ void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float
 // is the tdpbf16ps sums over the input in chunk order, whatever the other rows of the tile: as
 // exact by construction as the vdpbf16ps path, with other bits, so a model uses one or the other
 // for every row count (Packed::amx, chosen at load).
+// GCC's tile intrinsics are asm statements that do not tell the compiler they read or write memory:
+// without these barriers it may sink (or drop) our stores to a buffer past the tileloadd that reads it,
+// or read a buffer before the tilestored that fills it (seen: NaN attention once the code around moved).
+#define TILE_LOAD(t, base, stride)   \
+  do {                               \
+    asm volatile("" : : : "memory"); \
+    _tile_loadd(t, base, stride);    \
+  } while (0)
+#define TILE_STORE(t, base, stride)  \
+  do {                               \
+    _tile_stored(t, base, stride);   \
+    asm volatile("" : : : "memory"); \
+  } while (0)
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -545,15 +559,15 @@ void panels_amx(const Packed& w, int64_t panel, const uint16_t* x, int64_t strid
   if constexpr (NR > 1) _tile_zero(2);
   if constexpr (NR > 1 && NP > 1) _tile_zero(3);
   for (int64_t kc = 0; kc < w.k2 / 32; ++kc) {
-    _tile_loadd(4, x + kc * 32, stride * 2);
-    _tile_loadd(6, wp + kc * 16 * 4 * kLanes, 4 * kLanes);
+    TILE_LOAD(4, x + kc * 32, stride * 2);
+    TILE_LOAD(6, wp + kc * 16 * 4 * kLanes, 4 * kLanes);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NP > 1) {
-      _tile_loadd(7, wp + pbytes + kc * 16 * 4 * kLanes, 4 * kLanes);
+      TILE_LOAD(7, wp + pbytes + kc * 16 * 4 * kLanes, 4 * kLanes);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (NR > 1) {
-      _tile_loadd(5, x + kTileRows * stride + kc * 32, stride * 2);
+      TILE_LOAD(5, x + kTileRows * stride + kc * 32, stride * 2);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NP > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -564,17 +578,17 @@ void panels_amx(const Packed& w, int64_t panel, const uint16_t* x, int64_t strid
     for (int64_t r = r0; r < std::min<int64_t>(rows, r0 + kTileRows); ++r)
       _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_load_ps(c + (r - r0) * kLanes));
   };
-  _tile_stored(0, c, 4 * kLanes);
+  TILE_STORE(0, c, 4 * kLanes);
   put(panel, 0);
   if constexpr (NP > 1) {
-    _tile_stored(1, c, 4 * kLanes);
+    TILE_STORE(1, c, 4 * kLanes);
     put(panel + 1, 0);
   }
   if constexpr (NR > 1) {
-    _tile_stored(2, c, 4 * kLanes);
+    TILE_STORE(2, c, 4 * kLanes);
     put(panel, kTileRows);
     if constexpr (NP > 1) {
-      _tile_stored(3, c, 4 * kLanes);
+      TILE_STORE(3, c, 4 * kLanes);
       put(panel + 1, kTileRows);
     }
   }
@@ -1132,11 +1146,11 @@ class Decoder {
         }
         _tile_zero(0);
         for (int64_t c = 0; c < chunks; ++c) {
-          _tile_loadd(1, kp + c * 32, stride);
-          _tile_loadd(2, qt[c], 64);
+          TILE_LOAD(1, kp + c * 32, stride);
+          TILE_LOAD(2, qt[c], 64);
           _tile_dpbf16ps(0, 1, 2);
         }
-        _tile_stored(0, sc.data() + j0 * kLanes, 64);
+        TILE_STORE(0, sc.data() + j0 * kLanes, 64);
       }
       __m512 best = _mm512_set1_ps(-INFINITY);
       for (int64_t j = 0; j < len; ++j) {
@@ -1167,7 +1181,7 @@ class Decoder {
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc.data() + (j0 + 2 * t + 1) * kLanes)));
           transpose16(w);
           for (int q = 0; q < 16; ++q) _mm512_store_si512(pa[q], w[q]);
-          _tile_loadd(1, pa, 64);
+          TILE_LOAD(1, pa, 64);
           const uint16_t* vrow = vplane + slot(j0) * kw;
           int64_t vstride = kw;
           if (j0 + 32 > len || slot(j0 + 31) - slot(j0) != 31) {
@@ -1181,7 +1195,7 @@ class Decoder {
             for (int t = 0; t < 16; ++t)
               _mm512_store_si512(vp[t], pair16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 2 * t * vstride)),
                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (2 * t + 1) * vstride))));
-            _tile_loadd(2, vp, 64);
+            TILE_LOAD(2, vp, 64);
             switch (c) {
               case 0: _tile_dpbf16ps(4, 1, 2); break;
               case 1: _tile_dpbf16ps(5, 1, 2); break;
@@ -1192,10 +1206,10 @@ class Decoder {
         }
         for (int64_t c = 0; c < nc; ++c) {
           switch (c) {
-            case 0: _tile_stored(4, ob, 64); break;
-            case 1: _tile_stored(5, ob, 64); break;
-            case 2: _tile_stored(6, ob, 64); break;
-            default: _tile_stored(7, ob, 64); break;
+            case 0: TILE_STORE(4, ob, 64); break;
+            case 1: TILE_STORE(5, ob, 64); break;
+            case 2: TILE_STORE(6, ob, 64); break;
+            default: TILE_STORE(7, ob, 64); break;
           }
           for (int64_t q = 0; q < queries; ++q) {
             float* o = out + (row0 + q / hc) * heads_ * d_ + (h0 + q % hc) * d_ + d0 + c * kLanes;
