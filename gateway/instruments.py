@@ -260,7 +260,8 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         speculation_reason=request.fallback or plan.decision.reason,
         shared_memory=request.shm_verify and request.shm_draft and drafting, fast_path=request.fast_path,
         predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits,
-        tree_budget=plan.tree_budget if drafting else 0)
+        tree_budget=plan.tree_budget if drafting else 0, prefix_cached_tokens=request.prefix_cached,
+        prefill_chunks=request.prefill_chunks)
 
 
 def _digest(ids: list[int]) -> str:
@@ -275,6 +276,7 @@ def _describe(span, stats: pb.GenerationStats, common: dict) -> None:
             **common, "specsplit.speculation": "on" if stats.speculation_used else "off",
             "specsplit.drafter": stats.drafter, "specsplit.gamma": stats.gamma,
             "specsplit.generated_tokens": stats.generated_tokens, "specsplit.prompt_tokens": stats.prompt_tokens,
+            "specsplit.prefix_cached_tokens": stats.prefix_cached_tokens,
             "specsplit.rounds": stats.rounds, "specsplit.drafted": stats.drafted_tokens,
             "specsplit.accepted": stats.accepted_tokens, "specsplit.verify_method": stats.verify_method,
             "specsplit.mean_acceptance_length": stats.mean_acceptance_length,

@@ -7,6 +7,7 @@ gRPC status as `code`. docs/protocol.md#openai-compatible-http."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -153,6 +154,8 @@ def error_response(failure: Failure) -> web.Response:
 class OpenAIFront:
     """The HTTP routes around `servicer.stream` (gateway.server.GatewayServicer)."""
 
+    keepalive_s = 2.0  # a stream waiting this long for its first token sends a comment line
+
     def __init__(self, servicer, model_id: str, auth_token: str = "", max_new_tokens_default: int = 16):
         self._servicer, self._model = servicer, model_id
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
@@ -223,16 +226,29 @@ class OpenAIFront:
     async def _sse(self, http: web.Request, stream, chat: bool, ident: str, created: int,
                    include_usage: bool) -> web.StreamResponse:
         """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. A failure before the
-        first token is an ordinary error response; after it, an error event ends the stream."""
+        first token is an ordinary error response; after it, an error event ends the stream. While a
+        long prompt is prefilled, a comment line every keepalive_s keeps the connection alive (a
+        failure after one is an error event too)."""
         chunks = contextlib.aclosing(stream)
         iterator = await chunks.__aenter__()
-        try:
-            first = await anext(iterator, None)  # a refusal or an early failure raises here
-        except BaseException:
-            await chunks.__aexit__(None, None, None)
-            raise
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(http)
+        pending = asyncio.ensure_future(anext(iterator, None))
+        response = early = None
+        try:  # a long prompt's prefill: comment lines keep the connection alive until the first token
+            while not (await asyncio.wait({pending}, timeout=self.keepalive_s))[0]:
+                if response is None:
+                    response = await _open_stream(http)
+                await response.write(b": prefilling\n\n")
+            first = pending.result()  # a refusal or an early failure raises here
+        except BaseException as e:
+            pending.cancel()
+            if response is None or not isinstance(e, Failure):
+                await chunks.__aexit__(None, None, None)
+                if isinstance(e, ConnectionResetError):
+                    return response
+                raise
+            first, early = None, e  # headers are out: it becomes an error event
+        if response is None:
+            response = await _open_stream(http)
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(payload: dict) -> None:
@@ -253,6 +269,8 @@ class OpenAIFront:
 
         last = first
         try:
+            if early is not None:
+                raise early
             if first is not None:
                 await send(event(first, role=True))
                 async for chunk in iterator:
@@ -273,9 +291,16 @@ class OpenAIFront:
         return response
 
 
+async def _open_stream(http: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(http)
+    return response
+
+
 def _usage(stats: pb.GenerationStats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.prefix_cached_tokens}}
 
 
 def _stats(stats: pb.GenerationStats) -> dict:

@@ -240,7 +240,8 @@ class RoundLoop:
         t = request.prefill_mark = now()
         prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
             session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
-            sampling=plan.sampling, shm_segment=name), "verify", deadline.for_prefill(len(plan.prompt_ids)))
+            sampling=plan.sampling, shm_segment=name, skip_prefix_cache=plan.skip_prefix_cache), "verify",
+            deadline.for_prefill(len(plan.prompt_ids)))
         started = None
         if request.drafting:
             start = dpb.StartSessionRequest(
@@ -274,6 +275,7 @@ class RoundLoop:
                 self._lose(request, str(e))
         request.fast_path = bool(request.shm_verify and verified.fast_path)
         request.prefill_ns, request.prefill_verify_ns = now() - t, verified.forward_ns
+        request.prefix_cached, request.prefill_chunks = verified.cached_tokens, verified.chunks
         request.committed, request.unsent = [verified.next_token_id], [verified.next_token_id]
         request.base = len(plan.prompt_ids)
         request.length, request.generated = verified.length, 1

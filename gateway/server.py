@@ -314,7 +314,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
                     decision=decision, tree_budget=tree,
                     score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
-                    predraft=speculate and not tree and self._predraft(request, drafter))
+                    predraft=speculate and not tree and self._predraft(request, drafter),
+                    skip_prefix_cache=request.skip_prefix_cache)
 
     def _predraft(self, request: pb.GenerateRequest, drafter: str) -> bool:
         """The request's choice, else the gateway's setting; `auto`: the controller's measurement."""

@@ -31,6 +31,7 @@ class Plan:
     predraft: bool = False  # asynchronous drafting: draft the next block while Verify is in flight
     tree_budget: int = 0  # most draft tokens per round in a token tree; 0: chains of gamma
     score_scale: float = 1.0  # the controller's calibration of the drafter's tree scores
+    skip_prefix_cache: bool = False  # a cold prefill (GenerateRequest.skip_prefix_cache)
 
 
 class Round(NamedTuple):
@@ -77,6 +78,8 @@ class Request:
     rounds: list[Round] = field(default_factory=list)
     prefill_ns: int = 0  # wall time of Prefill + StartSession
     prefill_verify_ns: int = 0  # the verifier's prefill compute
+    prefix_cached: int = 0  # prompt tokens the verifier's prefix cache held
+    prefill_chunks: int = 0
     # perf_counter_ns marks: the request's start, its prefill's and its decoding's (the rounds follow
     # on from decode_mark, each round_ns long).
     started: int = 0

@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="KV cache of all sessions together; 0: max sessions at the full context, "
                         "at most a quarter of memory")
     v.add_argument("--idle-timeout", type=float, default=600.0, help="evict sessions idle this long (s)")
+    v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep prompts' keys and values for later prompts that start the same way, in KV budget "
+                        "the sessions leave free")
     v.add_argument("--batch-rows", type=int, default=256,
                    help="most rows of concurrent sessions' calls batched into one forward (1: no batching)")
     v.add_argument("--batch-wait-ms", type=float, default=5.0,
@@ -450,7 +453,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                                                                      a.quantize),
                                   max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
                                   kv_cache_mib=a.kv_cache_mib, batch_rows=a.batch_rows,
-                                  batch_wait_ms=a.batch_wait_ms)
+                                  batch_wait_ms=a.batch_wait_ms, prefix_cache=a.prefix_cache)
     elif a.role == "draft":
         from draft_service.main import run
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,15 +109,21 @@ def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class KVPool:
-    """Accounts the bytes every sequence's cache holds against one budget. Thread-safe."""
+    """Accounts the bytes every sequence's cache holds against one budget. Thread-safe. `reclaim`
+    (set by a prefix cache) is asked to give back bytes before a take would fail, so kept prefixes
+    only ever use room that sessions do not need."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
-        self._lock = threading.Lock()
+        self.reclaim: Callable[[int], None] | None = None  # reclaim(bytes wanted): give() back what it can
+        self._lock = threading.RLock()
 
     def take(self, nbytes: int, what: str) -> None:
         with self._lock:
+            over = self.used_bytes + nbytes - self.budget_bytes
+            if over > 0 and self.reclaim is not None:
+                self.reclaim(over)
             if self.used_bytes + nbytes > self.budget_bytes:
                 raise CacheFull(f"{what} needs {nbytes / 2**20:.1f} MiB more KV cache; "
                                 f"{self.used_bytes / 2**20:.1f} of {self.budget_bytes / 2**20:.1f} MiB are in use")
@@ -306,6 +313,23 @@ class FastSequence:
     def reserve(self, rows: int) -> None:
         """Room for `rows` more positions (CacheFull when the budget cannot give it)."""
         self._buffer.reserve(self._buffer.length + rows)
+
+    @property
+    def pool(self) -> KVPool:
+        return self._lm.pool
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """A copy of the keys and values of positions [start, end): [layers, 2, n, kv_heads, head_dim]."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"positions [{start}, {end}) are not inside the {self.length} cached")
+        return self._buffer.kv[:, :, start:end].clone()
+
+    def append(self, kv: torch.Tensor) -> None:
+        """Writes keys and values read from a sequence of the same model at positions [length, length + n)."""
+        buffer, n = self._buffer, kv.shape[2]
+        buffer.reserve(buffer.length + n)
+        buffer.kv[:, :, buffer.length:buffer.length + n] = kv
+        buffer.length += n
 
     def _run(self, token_ids: list[int], head: int, parents: list[int] | None = None):
         buffer = self._buffer

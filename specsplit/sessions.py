@@ -77,6 +77,11 @@ class SessionTable(Generic[T]):
             self._items.move_to_end(session_id)
             return state
 
+    def ended(self, session_id: str) -> bool:
+        """Whether the session was ended before it started (its start, still under way, may stop)."""
+        with self._lock:
+            return session_id in self._ended
+
     def pop(self, session_id: str) -> T | None:
         """Ends a session: its state, or None when it is not here; then its id is remembered (the
         last ENDED_MEMORY of them), so a start that arrives after its end is refused (SessionEnded)."""

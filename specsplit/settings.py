@@ -53,6 +53,9 @@ class VerifySettings:
     # batch may wait for the others (a batch also runs once every live session has sent its call).
     batch_rows: int = 256
     batch_wait_ms: float = 5.0
+    # Keep prompts' keys and values for later prompts that start the same way (native forward),
+    # in KV budget that sessions leave free.
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ to their runner in one call (the verify service runs them in one forward). A bat
 holds a call from every live session (`expected()`, the service's session count: in steady state
 each session sends one round per forward, so they all come back), holds `max_rows` rows, or its
 first item has waited `wait_s`; a plain job runs only after the batch before it, so arrival order
-holds across both kinds. Waiting for every session keeps them in step: one that misses a forward
+holds across both kinds. A runner may leave an item unfinished (`Again`: a long prefill runs in
+chunks): the item joins the next batch, beside whatever arrived meanwhile, and plain jobs (a
+Release) run between its turns. Waiting for every session keeps them in step: one that misses a forward
 would otherwise run its own, beside (and on a shared CPU, against) the others' drafting."""
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("specsplit")
@@ -31,6 +34,14 @@ log = logging.getLogger("specsplit")
 # runner(items) -> one outcome per item: its result, or the exception it raised
 Runner = Callable[[list], list]
 Reply = Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class Again:
+    """A runner's outcome for an item it has not finished (a prefill in chunks): the item joins the
+    next batch with `rows` rows, and its reply waits."""
+
+    rows: int
 
 
 class ModelWorker:
@@ -44,7 +55,7 @@ class ModelWorker:
         self._jobs: collections.deque = collections.deque()
         self._stopping = False
         self.wait_s, self.max_rows = wait_s, max_rows
-        self._batch: list[tuple[Runner, Any, int, Reply]] = []
+        self._batch: list[tuple[Runner, Any, int, Reply, bool]] = []  # ..., True: an item's next turn
         self._batch_since = 0.0  # when the batch's first item arrived (perf_counter)
         self.expected = expected  # how many calls a batch can expect (set by the service)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -63,11 +74,11 @@ class ModelWorker:
         whatever else is gathered; awaiting it raises the item's exception."""
         return asyncio.wrap_future(self._enqueue(runner, item, rows))
 
-    def gather(self, runner: Runner, item: Any, rows: int, reply: Reply) -> None:
+    def gather(self, runner: Runner, item: Any, rows: int, reply: Reply, again: bool = False) -> None:
         """From the worker thread (a callback): adds `item` to the batch; reply(outcome) later."""
         if not self._batch:
             self._batch_since = time.perf_counter()
-        self._batch.append((runner, item, rows, reply))
+        self._batch.append((runner, item, rows, reply, again))
 
     def _enqueue(self, runner: Runner | None, fn_or_item: Any, args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -123,7 +134,7 @@ class ModelWorker:
         one item); what does not fit waits for the next."""
         runner, rows, taken, rest = self._batch[0][0], 0, [], []
         for entry in self._batch:
-            if entry[0] is runner and (not taken or rows + entry[2] <= self.max_rows) and not rest:
+            if entry[0] == runner and (not taken or rows + entry[2] <= self.max_rows) and not rest:
                 taken.append(entry)
                 rows += entry[2]
             else:
@@ -136,6 +147,9 @@ class ModelWorker:
             log.exception("batch runner failed")
             outcomes = [e] * len(taken)
         for entry, outcome in zip(taken, outcomes):
+            if isinstance(outcome, Again):
+                self.gather(entry[0], entry[1], outcome.rows, entry[3], again=True)
+                continue
             try:
                 entry[3](outcome)
             except Exception:
@@ -153,8 +167,8 @@ class ModelWorker:
             if runner is not None:
                 self.gather(runner, fn, args, lambda outcome, f=future: _settle(f, outcome))
                 continue
-            while self._batch:  # what arrived before this job runs before it
-                self._flush()
+            while any(not entry[4] for entry in self._batch):  # what arrived before this job runs
+                self._flush()  # before it (an unfinished item's next turn may come after it)
             try:
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 -- handed to the caller

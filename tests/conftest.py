@@ -41,7 +41,7 @@ def make_tokenizer(vocab_size: int, extra_text: str = ""):
 
 
 def make_model_dir(path: Path, tokenizer, seed: int, layers: int = 2, noise_from: Path | None = None,
-                   noise: float = 0.0, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Path:
+                   noise: float = 0.0, hidden: int = 64, heads: int = 4, kv_heads: int = 2, context: int = 256) -> Path:
     """A tiny Llama saved as a HF directory. With noise_from, a perturbed copy of that model (a
     'draft' that mostly agrees with it)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -55,7 +55,7 @@ def make_model_dir(path: Path, tokenizer, seed: int, layers: int = 2, noise_from
     else:
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=128,
                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+                             max_position_embeddings=context, eos_token_id=tokenizer.eos_token_id,
                              bos_token_id=None, pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
         model = LlamaForCausalLM(config)
         with torch.no_grad():  # sharper logits than the default init, so greedy text has structure
@@ -77,6 +77,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
         # head_dim 32 and 3 query heads per KV head: whole 32-dim key chunks straight from the cache
         # and runs of 5 rows in one AMX attention task (the target's head_dim 16 takes padded copies)
         "wide": make_model_dir(root / "wide", tok, seed=4, hidden=192, heads=6, kv_heads=2),
+        # long prompts: a context of 8192, with a prefill of thousands of tokens in chunks
+        "long": make_model_dir(root / "long", tok, seed=5, context=8192),
     }
 
 

@@ -75,7 +75,7 @@ def test_target_runs_calls_of_several_sessions_in_one_forward(models):
         drafts = [first.next_token] * 3
         result = target.verify(session, len(session.tokens), drafts)
         alone.append((first.next_token, result.num_accepted, result.next_token, list(session.tokens)))
-    steps = [target.plan_prefill(p) for p in prompts]
+    steps = [target.plan_prefill(target.start_prefill(p)) for p in prompts]
     firsts = target.run(steps)
     assert [r.batch_calls for r in firsts] == [3, 3, 3]
     assert firsts[0].batch_rows == sum(len(p) for p in prompts)

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from specsplit import tokentree
 from specsplit.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.sampling import SamplingParams, warp
 from verify_service.acceptance import coupled_accept, greedy_accept, rejection_accept
+
+if TYPE_CHECKING:
+    from specsplit.prefixcache import PrefixCache
 
 METHODS = ("coupled", "rejection")
 
@@ -50,6 +54,23 @@ class VerifyResult:
     path: tuple[int, ...] = ()
     batch_rows: int = 0  # rows of the forward that served this call (all calls in its batch)
     batch_calls: int = 0  # calls (sessions) in that forward
+    cached: int = 0  # a prefill: prompt tokens whose keys and values came from the prefix cache
+
+
+@dataclass
+class Prefilling:
+    """A session's prompt being fed in chunks: its cache holds prompt[:done]; features of those
+    rows so far (the prefix cache's, then each chunk's)."""
+
+    session: TargetSession
+    prompt: list[int]
+    done: int = 0
+    cached: int = 0  # of which loaded from the prefix cache
+    features: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.prompt) and len(self.session.tokens) > len(self.prompt)
 
 
 def check_tree(parents: list[int], size: int) -> None:
@@ -84,13 +105,17 @@ class Step:
     finish: Callable[[torch.Tensor, torch.Tensor | None], VerifyResult]
     parents: list[int] | None = None  # a token tree's rows (row -> earlier row, -1: the prefix)
     last_only: bool = False
+    logits: bool = True  # False: no logits (a prefill's chunk before the last)
+    features: bool = False  # the rows' features (final-norm hidden states) too
 
 
 class Target:
     """Runs the target model. Blocking: call from one worker thread at a time."""
 
-    def __init__(self, lm: LoadedModel, new_sequence=None):
+    def __init__(self, lm: LoadedModel, new_sequence=None, prefix_cache: PrefixCache | None = None):
+        """prefix_cache: prompts' keys and values kept for later sessions (native kernels only)."""
         self.lm = lm
+        self.prefix_cache = prefix_cache
         self._new_sequence = new_sequence or (lambda: KVSequence(lm.model))  # a session's cache
         # Token trees need a forward that takes a tree mask and a cache that keeps one path (the
         # native kernels); transformers' forward here verifies chains.
@@ -100,11 +125,15 @@ class Target:
         self.batches = lm.native is not None and self.verifies_trees
 
     def prefill(self, prompt: list[int], with_features: bool = False, sampling: SamplingParams = SamplingParams(),
-                method: str = "coupled") -> tuple[TargetSession, VerifyResult]:
+                method: str = "coupled", chunk: int | None = None) -> tuple[TargetSession, VerifyResult]:
         """Returns the new session and its first generated token (as a result with no drafts;
-        features, if asked, cover the prompt)."""
-        step = self.plan_prefill(prompt, with_features, sampling, method)
-        return step.session, self.run_one(step)
+        features, if asked, cover the prompt); the prompt fed in chunks of `chunk` tokens (None:
+        one call)."""
+        prefilling = self.start_prefill(prompt, with_features, sampling, method)
+        while True:
+            result = self.run_one(self.plan_prefill(prefilling, chunk))
+            if prefilling.finished:
+                return prefilling.session, result
 
     def verify(self, session: TargetSession, length: int, draft: list[int],
                proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -117,23 +146,53 @@ class Target:
             raise outcome
         return outcome
 
-    def plan_prefill(self, prompt: list[int], with_features: bool = False,
-                     sampling: SamplingParams = SamplingParams(), method: str = "coupled") -> Step:
-        """A new session's prompt as a step; its result is the first generated token."""
+    def start_prefill(self, prompt: list[int], with_features: bool = False,
+                      sampling: SamplingParams = SamplingParams(), method: str = "coupled",
+                      use_cache: bool = True) -> Prefilling:
+        """A new session whose prompt is still to be fed (by plan_prefill's steps); a prefix of it
+        already in the prefix cache is loaded into its cache at once (unless not use_cache)."""
         sampling.check()
         if method not in METHODS:
             raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
         self._check_room(len(prompt) + 1)
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, method=method)
-        self._reserve(session, len(prompt))
+        prefilling = Prefilling(session, list(prompt))
+        if self.prefix_cache is not None and use_cache:
+            self._reserve(session, len(prompt))
+            features = self.prefix_cache.load(prompt, session.kv)
+            if features is not None:
+                prefilling.done = prefilling.cached = len(features)
+                prefilling.features.append(features)
+        return prefilling
 
-        def finish(logits: torch.Tensor, features) -> VerifyResult:  # logits [1, vocab]
+    def plan_prefill(self, prefilling: Prefilling, chunk: int | None = None) -> Step:
+        """The next `chunk` tokens of the prompt (None: all that are left) as a step; the last
+        chunk's result is the first generated token (with the prompt's features, if asked), an
+        earlier one's says only how far the prompt is (next_token -1). Any chunking gives the same
+        cache and logits (the kernels are exact by construction)."""
+        session, prompt, start = prefilling.session, prefilling.prompt, prefilling.done
+        end = len(prompt) if chunk is None else min(len(prompt), start + max(1, chunk))
+        last = end == len(prompt)
+        self._reserve(session, end - start)
+
+        def finish(logits: torch.Tensor | None, features) -> VerifyResult:  # logits [1, vocab] of the last row
+            prefilling.done = end
+            if features is not None:
+                prefilling.features.append(features)
+            if not last:
+                return VerifyResult(0, -1, end, 0)
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(prompt, session.kv, torch.cat(prefilling.features))
             _, first = self._decide(session, logits, [], [], len(prompt), None)
             session.tokens.append(first)
-            return VerifyResult(0, first, len(session.tokens), 0, features)
+            features = torch.cat(prefilling.features) if session.with_features else None
+            return VerifyResult(0, first, len(session.tokens), 0, features, cached=prefilling.cached)
 
-        return Step(session, list(prompt), finish, last_only=True)
+        # The prefix cache keeps every prompt row's features, so a later session that asks for them
+        # can load them with the keys and values.
+        return Step(session, prompt[start:end], finish, last_only=True, logits=last,
+                    features=session.with_features or self.prefix_cache is not None)
 
     def plan_verify(self, session: TargetSession, length: int, draft: list[int],
                     proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -180,7 +239,7 @@ class Target:
                 features = features[[0, *(i + 1 for i in path)]]
             return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path))
 
-        return Step(session, [session.tokens[-1], *draft], finish, rows)
+        return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.with_features)
 
     def run(self, steps: list[Step]) -> list[VerifyResult | BaseException]:
         """The steps' rows in one forward where the kernels batch (each row's logits are those of
@@ -191,10 +250,10 @@ class Target:
         if self.batches and len(steps) > 1:
             from specsplit.fastllama import Feed
 
-            outs = self.lm.native.run([Feed(s.session.kv, s.ids, s.last_only, s.parents) for s in steps])
-            outs = [(logits, hidden if s.session.with_features else None) for s, (logits, hidden) in zip(steps, outs)]
+            outs = self.lm.native.run([Feed(s.session.kv, s.ids, s.last_only, s.parents, s.logits) for s in steps])
+            outs = [(logits, hidden if s.features else None) for s, (logits, hidden) in zip(steps, outs)]
         else:
-            outs = [self._forward(s.session, s.ids, s.parents, s.last_only) for s in steps]
+            outs = [self._forward(s) for s in steps]
         forward_ns = time.perf_counter_ns() - start
         rows = sum(len(s.ids) for s in steps)
         results: list[VerifyResult | BaseException] = []
@@ -241,11 +300,14 @@ class Target:
                 raise ValueError(f"draft token {token} has probability 0 in its proposal")
 
     @staticmethod
-    def _forward(session: TargetSession, ids: list[int], parents: list[int] | None = None, last_only: bool = False):
-        tree = {} if parents is None else {"parents": parents}
-        if session.with_features:
-            return session.kv.forward_with_features(ids, last_only=last_only, **tree)
-        return session.kv.forward(ids, last_only=last_only, **tree), None
+    def _forward(step: Step):
+        tree = {} if step.parents is None else {"parents": step.parents}
+        kv = step.session.kv
+        if not step.logits:
+            return None, kv.hidden(step.ids)
+        if step.features:
+            return kv.forward_with_features(step.ids, last_only=step.last_only, **tree)
+        return kv.forward(step.ids, last_only=step.last_only, **tree), None
 
     def _check_room(self, needed: int) -> None:
         if needed > self.lm.max_context:

@@ -10,10 +10,12 @@ import time
 from opentelemetry.metrics import Observation
 
 from specsplit import runtime, telemetry
+from specsplit.prefixcache import PrefixCache
 from specsplit.serving import serve
 from specsplit.sessions import SessionTable
 from specsplit.settings import VerifySettings
 from specsplit.worker import ModelWorker
+from verify_service.engine import Target
 from verify_service.server import SERVICE_NAME, VerifierServicer, register
 
 log = logging.getLogger("specsplit")
@@ -29,7 +31,7 @@ def kv_budget(settings: VerifySettings, lm) -> int:
     return min(settings.max_sessions * lm.max_context * per_token, physical // 4)
 
 
-def _gauges(lm, sessions: SessionTable) -> None:
+def _gauges(lm, sessions: SessionTable, cache: PrefixCache | None) -> None:
     m = telemetry.meter()
     m.create_observable_gauge("specsplit.verify.sessions", unit="{session}", description="sessions held",
                               callbacks=[lambda _: [Observation(len(sessions))]])
@@ -38,10 +40,14 @@ def _gauges(lm, sessions: SessionTable) -> None:
     if lm.native is not None:  # transformers' own cache is not accounted
         pool = lm.native.pool
         m.create_observable_gauge("specsplit.verify.kv_cache.usage", unit="By",
-                                  description="bytes the sessions' KV caches hold",
+                                  description="bytes the sessions' KV caches and the prefix cache hold",
                                   callbacks=[lambda _: [Observation(pool.used_bytes)]])
         m.create_observable_gauge("specsplit.verify.kv_cache.limit", unit="By", description="the KV cache budget",
                                   callbacks=[lambda _: [Observation(pool.budget_bytes)]])
+    if cache is not None:
+        m.create_observable_gauge("specsplit.verify.prefix_cache.usage", unit="By",
+                                  description="bytes the prefix cache holds (given back whenever sessions need them)",
+                                  callbacks=[lambda _: [Observation(cache.used_bytes)]])
 
 
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
@@ -56,9 +62,10 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
         log.info("freed transformers' copy of the packed weights: %.0f MiB", freed / 2**20)
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
-    worker.expected = lambda: len(sessions)  # every live session sends a round per forward
-    servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory)
-    _gauges(lm, sessions)
+    cache = PrefixCache(lm.native.pool) if settings.prefix_cache and lm.native is not None else None
+    servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory, Target(lm, prefix_cache=cache))
+    worker.expected = servicer.expected  # every live session sends a round per forward, every prefill a chunk
+    _gauges(lm, sessions, cache)
     fast = servicer.rounds.open_fast_path("verify", settings.server.shared_memory)
     await serve(settings.server, SERVICE_NAME, lambda server: register(server, servicer), servicer.warmup,
                 sessions=sessions, worker=worker, stop_event=stop_event, handle_signals=handle_signals,

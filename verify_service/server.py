@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from specsplit import shm, wire
 from specsplit.common.v1 import common_pb2 as cpb
@@ -20,14 +22,18 @@ from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, Ses
 from specsplit.telemetry import meter, record_compute
 from specsplit.verify.v1 import verify_pb2 as pb
 from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
-from specsplit.worker import ModelWorker
-from verify_service.engine import ContextFull, LengthMismatch, Target, TargetSession
+from specsplit.worker import Again, ModelWorker
+from verify_service.engine import ContextFull, LengthMismatch, Prefilling, Target, TargetSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MAX_DRAFT = 64
 WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
 WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds), linear in between
 MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
+# A prompt is fed in chunks: PREFILL_CHUNK tokens while no other session is live (so a Release can
+# stop it between chunks); beside other sessions, chunks sized so that a forward takes about
+# PREFILL_SLICE times a 1-row step, so their decoding stalls for a few steps' time, not the prefill's.
+PREFILL_CHUNK, PREFILL_SLICE, CHUNK_ROUND = 512, 3.0, 16
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -41,12 +47,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._target = target or Target(lm)
         self._sessions = sessions
         self._worker = worker
+        self.prefilling = 0  # prefills in progress (begun, not finished): they join every batch too
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
             "specsplit.verify.forward", unit="s", description="the target's forward (and acceptance) per call, "
             "by call (prefill, verify) and rows (a verify: 1 + draft tokens)",
             explicit_bucket_boundaries_advisory=[0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5])
+        self._prefix_tokens = meter().create_counter(
+            "specsplit.verify.prefix_cache.tokens", unit="{token}", description="prompt tokens of prefills by "
+            "outcome: hit (keys and values loaded from the prefix cache) or miss (computed)")
 
     async def Info(self, request, context):
         if self._warming is not None:  # the costs by width are known once warmup has measured them
@@ -58,7 +68,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             exact=lm.exact, eos_token_ids=lm.eos_token_ids, active_sessions=len(self._sessions),
             max_sessions=self._sessions.max_sessions, param_bytes=lm.param_bytes,
             model_fingerprint=lm.model_fingerprint, hidden_size=lm.hidden_size,
-            tree_verify=self._target.verifies_trees, forward_ms_by_rows=self.forward_ms_by_rows)
+            tree_verify=self._target.verifies_trees, forward_ms_by_rows=self.forward_ms_by_rows,
+            active_prefills=self.prefilling)
 
     async def Prefill(self, request, context):
         if not request.session_id:
@@ -79,10 +90,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             sampling.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        call = _Prefill(request.session_id, prompt, request.return_features, sampling, method,
+                        trace.get_current_span(), request.skip_prefix_cache)
         try:
-            session, result = await self._worker.run_gathered(
-                self.run_calls, _Prefill(request.session_id, prompt, request.return_features, sampling, method),
-                len(prompt))
+            session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK))
         except SessionEnded:
             await context.abort(grpc.StatusCode.ABORTED, f"session {request.session_id} was released before its "
                                                          "prefill ran (its caller gave up on it)")
@@ -90,6 +101,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except (TableFull, CacheFull) as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ContextFull as e:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
+        self._prefix_tokens.add(result.cached, {"outcome": "hit"})
+        self._prefix_tokens.add(len(prompt) - result.cached, {"outcome": "miss"})
         # Mapped once the session is held, so the Release (or eviction) that drops it unmaps it.
         session.segment = segment = shm.try_attach(request.shm_segment, self._shared_memory)
         record_compute(result.forward_ns)
@@ -98,7 +113,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                   forward_ns=result.forward_ns, features=_features(result, 0, segment),
                                   shm_nonce=segment.nonce if segment else b"",
                                   fast_path=self.rounds.fast_path if segment else "",
-                                  batch_rows=result.batch_rows, batch_calls=result.batch_calls)
+                                  batch_rows=result.batch_rows, batch_calls=result.batch_calls,
+                                  cached_tokens=result.cached, chunks=call.chunks)
+
+    def expected(self) -> int:
+        """Calls a batch can expect: a round from every live session and a chunk from every prefill."""
+        return len(self._sessions) + self.prefilling
 
     async def Verify(self, request, context):
         return await self.rounds.unary(request, context)
@@ -118,7 +138,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     raise Failure(grpc.StatusCode.FAILED_PRECONDITION, f"session {call.session_id} already has a "
                                   "call in this forward; send a session's rounds one at a time")
                 seen.add(call.session_id)
-                steps.append(self._plan_prefill(call) if isinstance(call, _Prefill) else self._plan_verify(call))
+                steps.append(self._plan_prefill(call, calls) if isinstance(call, _Prefill) else self._plan_verify(call))
                 planned.append(i)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
                 outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
@@ -128,16 +148,59 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if isinstance(result, BaseException):
                     raise result
                 if isinstance(call, _Prefill):
-                    self._sessions.put(call.session_id, step.session)
-                    outcomes[i] = step.session, result
+                    outcomes[i] = self._prefilled(call, step, result)
                 else:
                     outcomes[i] = self._verified(call, result)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
                 outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+        for i, call in enumerate(calls):
+            if isinstance(call, _Prefill) and call.state is not None and not isinstance(outcomes[i], Again):
+                call.state = None  # finished or failed: its cache now lives in the session, or is freed
+                self.prefilling -= 1
         return outcomes
 
-    def _plan_prefill(self, call: _Prefill):
-        return self._target.plan_prefill(call.prompt, call.with_features, call.sampling, call.method)
+    def _plan_prefill(self, call: _Prefill, calls: list):
+        """The prefill's next chunk, sized for the batch it runs in; its first also loads what the
+        prefix cache holds of the prompt. SessionEnded once its caller released it (gave up)."""
+        if call.state is None:
+            call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling, call.method,
+                                                    use_cache=not call.skip_cache)
+            self.prefilling += 1
+        elif self._sessions.ended(call.session_id):
+            raise SessionEnded(call.session_id)
+        return self._target.plan_prefill(call.state, self._chunk(call, len(calls) > 1))
+
+    def _chunk(self, call: _Prefill, shared: bool) -> int | None:
+        """Tokens in the prefill's next chunk: all of them where the kernels do not batch; PREFILL_CHUNK
+        alone; beside other sessions, as many as fit a forward of PREFILL_SLICE 1-row steps (from
+        the previous chunk's forward, or the cost curve for the first)."""
+        if not self._target.batches:
+            return None
+        if not (shared or len(self._sessions) or self.prefilling > 1):
+            return PREFILL_CHUNK
+        curve = self.forward_ms_by_rows or [10.0]
+        budget_ms = PREFILL_SLICE * curve[0]
+        if call.last is None:
+            rows = max([w for w, ms in enumerate(curve, 1) if ms <= budget_ms], default=CHUNK_ROUND)
+        else:
+            rows, ms = call.last
+            rows = int(rows * budget_ms / max(ms, 1e-3))
+        return max(CHUNK_ROUND, min(PREFILL_CHUNK, rows // CHUNK_ROUND * CHUNK_ROUND))
+
+    def _prefilled(self, call: _Prefill, step, result):
+        """A chunk done: Again (the next chunk's rows) until the prompt is in; then the session."""
+        state = call.state
+        call.chunks += 1
+        call.forward_ns += result.forward_ns
+        call.last = (len(step.ids), result.forward_ns / 1e6)
+        if call.span.is_recording():
+            call.span.add_event("prefill-chunk", {"specsplit.prefill.done": state.done,
+                                                  "specsplit.prefill.tokens": len(call.prompt),
+                                                  "specsplit.rows": len(step.ids), "rpc.batch_rows": result.batch_rows})
+        if not state.finished:  # the next chunk's rows, about (the worker packs batches by them)
+            return Again(min(len(call.prompt) - state.done, len(step.ids)))
+        self._sessions.put(call.session_id, state.session)
+        return state.session, dataclasses.replace(result, forward_ns=call.forward_ns)
 
     def _plan_verify(self, request: pb.VerifyRequest):
         """Raises Failure with the status for the caller."""
@@ -236,15 +299,21 @@ def _features(result, start: int, segment: shm.Segment | None):
 
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Prefill:
-    """A Prefill as the worker batches it (validated by the servicer)."""
+    """A Prefill as the worker batches it (validated by the servicer), and its progress."""
 
     session_id: str
     prompt: list[int]
     with_features: bool
     sampling: object
     method: str
+    span: object  # the Prefill's server span: an event per chunk shows the progress
+    skip_cache: bool = False  # compute it all (PrefillRequest.skip_prefix_cache)
+    state: Prefilling | None = None  # begun: the session and how far its prompt is in
+    chunks: int = 0
+    forward_ns: int = 0  # over its chunks
+    last: tuple[int, float] | None = None  # the previous chunk's (rows, forward ms)
 
 
 def _failure(e: BaseException) -> BaseException:

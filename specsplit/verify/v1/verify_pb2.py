@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.common.v1 import common_pb2 as specsplit_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specsplit/verify/v1/verify.proto\x12\x13specsplit.verify.v1\x1a specsplit/common/v1/common.proto\"\r\n\x0bInfoRequest\"\xd2\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x65xact\x18\x07 \x01(\x08\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\r\x12\x14\n\x0cmax_sessions\x18\n \x01(\r\x12\x13\n\x0bparam_bytes\x18\x0b \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x0c \x01(\t\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x13\n\x0btree_verify\x18\x0e \x01(\x08\x12\x1a\n\x12\x66orward_ms_by_rows\x18\x0f \x03(\x01\"\x9d\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.specsplit.common.v1.Sampling\x12\x13\n\x0bshm_segment\x18\x05 \x01(\t\"\xcc\x01\n\x0fPrefillResponse\x12\x15\n\rnext_token_id\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12/\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x1d.specsplit.common.v1.Features\x12\x11\n\tshm_nonce\x18\x05 \x01(\x0c\x12\x11\n\tfast_path\x18\x06 \x01(\t\x12\x12\n\nbatch_rows\x18\x07 \x01(\r\x12\x13\n\x0b\x62\x61tch_calls\x18\x08 \x01(\r\"\xd0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x35\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32 .specsplit.common.v1.SparseProbs\x12\x34\n\x0f\x64raft_probs_shm\x18\x05 \x01(\x0b\x32\x1b.specsplit.common.v1.ShmRef\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\"\xd5\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x12\n\nforward_ns\x18\x04 \x01(\x04\x12/\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x1d.specsplit.common.v1.Features\x12\x18\n\x10\x61\x63\x63\x65pted_indices\x18\x06 \x03(\r\x12\x12\n\nbatch_rows\x18\x07 \x01(\r\x12\x13\n\x0b\x62\x61tch_calls\x18\x08 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xb3\x03\n\x08Verifier\x12K\n\x04Info\x12 .specsplit.verify.v1.InfoRequest\x1a!.specsplit.verify.v1.InfoResponse\x12T\n\x07Prefill\x12#.specsplit.verify.v1.PrefillRequest\x1a$.specsplit.verify.v1.PrefillResponse\x12Q\n\x06Verify\x12\".specsplit.verify.v1.VerifyRequest\x1a#.specsplit.verify.v1.VerifyResponse\x12[\n\x0cVerifyStream\x12\".specsplit.verify.v1.VerifyRequest\x1a#.specsplit.verify.v1.VerifyResponse(\x01\x30\x01\x12T\n\x07Release\x12#.specsplit.verify.v1.ReleaseRequest\x1a$.specsplit.verify.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specsplit/verify/v1/verify.proto\x12\x13specsplit.verify.v1\x1a specsplit/common/v1/common.proto\"\r\n\x0bInfoRequest\"\xeb\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x65xact\x18\x07 \x01(\x08\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\r\x12\x14\n\x0cmax_sessions\x18\n \x01(\r\x12\x13\n\x0bparam_bytes\x18\x0b \x01(\x04\x12\x19\n\x11model_fingerprint\x18\x0c \x01(\t\x12\x13\n\x0bhidden_size\x18\r \x01(\r\x12\x13\n\x0btree_verify\x18\x0e \x01(\x08\x12\x1a\n\x12\x66orward_ms_by_rows\x18\x0f \x03(\x01\x12\x17\n\x0f\x61\x63tive_prefills\x18\x10 \x01(\r\"\xb8\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.specsplit.common.v1.Sampling\x12\x13\n\x0bshm_segment\x18\x05 \x01(\t\x12\x19\n\x11skip_prefix_cache\x18\x06 \x01(\x08\"\xf3\x01\n\x0fPrefillResponse\x12\x15\n\rnext_token_id\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12/\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x1d.specsplit.common.v1.Features\x12\x11\n\tshm_nonce\x18\x05 \x01(\x0c\x12\x11\n\tfast_path\x18\x06 \x01(\t\x12\x12\n\nbatch_rows\x18\x07 \x01(\r\x12\x13\n\x0b\x62\x61tch_calls\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x0e\n\x06\x63hunks\x18\n \x01(\r\"\xd0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\r\x12\x35\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32 .specsplit.common.v1.SparseProbs\x12\x34\n\x0f\x64raft_probs_shm\x18\x05 \x01(\x0b\x32\x1b.specsplit.common.v1.ShmRef\x12\x15\n\rdraft_parents\x18\x06 \x03(\x05\"\xd5\x01\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x15\n\rnext_token_id\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\x12\x12\n\nforward_ns\x18\x04 \x01(\x04\x12/\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0b\x32\x1d.specsplit.common.v1.Features\x12\x18\n\x10\x61\x63\x63\x65pted_indices\x18\x06 \x03(\r\x12\x12\n\nbatch_rows\x18\x07 \x01(\r\x12\x13\n\x0b\x62\x61tch_calls\x18\x08 \x01(\r\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xb3\x03\n\x08Verifier\x12K\n\x04Info\x12 .specsplit.verify.v1.InfoRequest\x1a!.specsplit.verify.v1.InfoResponse\x12T\n\x07Prefill\x12#.specsplit.verify.v1.PrefillRequest\x1a$.specsplit.verify.v1.PrefillResponse\x12Q\n\x06Verify\x12\".specsplit.verify.v1.VerifyRequest\x1a#.specsplit.verify.v1.VerifyResponse\x12[\n\x0cVerifyStream\x12\".specsplit.verify.v1.VerifyRequest\x1a#.specsplit.verify.v1.VerifyResponse(\x01\x30\x01\x12T\n\x07Release\x12#.specsplit.verify.v1.ReleaseRequest\x1a$.specsplit.verify.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=91
   _globals['_INFOREQUEST']._serialized_end=104
   _globals['_INFORESPONSE']._serialized_start=107
-  _globals['_INFORESPONSE']._serialized_end=445
-  _globals['_PREFILLREQUEST']._serialized_start=448
-  _globals['_PREFILLREQUEST']._serialized_end=605
-  _globals['_PREFILLRESPONSE']._serialized_start=608
-  _globals['_PREFILLRESPONSE']._serialized_end=812
-  _globals['_VERIFYREQUEST']._serialized_start=815
-  _globals['_VERIFYREQUEST']._serialized_end=1023
-  _globals['_VERIFYRESPONSE']._serialized_start=1026
-  _globals['_VERIFYRESPONSE']._serialized_end=1239
-  _globals['_RELEASEREQUEST']._serialized_start=1241
-  _globals['_RELEASEREQUEST']._serialized_end=1277
-  _globals['_RELEASERESPONSE']._serialized_start=1279
-  _globals['_RELEASERESPONSE']._serialized_end=1314
-  _globals['_VERIFIER']._serialized_start=1317
-  _globals['_VERIFIER']._serialized_end=1752
+  _globals['_INFORESPONSE']._serialized_end=470
+  _globals['_PREFILLREQUEST']._serialized_start=473
+  _globals['_PREFILLREQUEST']._serialized_end=657
+  _globals['_PREFILLRESPONSE']._serialized_start=660
+  _globals['_PREFILLRESPONSE']._serialized_end=903
+  _globals['_VERIFYREQUEST']._serialized_start=906
+  _globals['_VERIFYREQUEST']._serialized_end=1114
+  _globals['_VERIFYRESPONSE']._serialized_start=1117
+  _globals['_VERIFYRESPONSE']._serialized_end=1330
+  _globals['_RELEASEREQUEST']._serialized_start=1332
+  _globals['_RELEASEREQUEST']._serialized_end=1368
+  _globals['_RELEASERESPONSE']._serialized_start=1370
+  _globals['_RELEASERESPONSE']._serialized_end=1405
+  _globals['_VERIFIER']._serialized_start=1408
+  _globals['_VERIFIER']._serialized_end=1843
 # @@protoc_insertion_point(module_scope)

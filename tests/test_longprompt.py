@@ -1,0 +1,201 @@
+"""Long prompts: prefill in chunks (exact, interleaved with other sessions' rounds, stopped by a
+Release), the prefix cache across sessions (hits exact, eviction under the KV budget), and a
+client deadline shorter than a prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+import torch
+
+from specsplit.fastllama import CacheFull
+from specsplit.modeling import load_model
+from specsplit.prefixcache import BLOCK, PrefixCache
+from specsplit.sampling import SamplingParams
+from verify_service.engine import Target
+
+
+def _native(models, dtype="bfloat16"):
+    lm = load_model(models["target"], dtype)
+    if lm.native is None:
+        pytest.skip(lm.kernels)
+    return lm
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _cache(seq) -> torch.Tensor:
+    return seq.read(0, seq.length)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_prefix_cache_hit_gives_the_cache_features_and_token_of_a_cold_prefill(models, dtype):
+    lm = _native(models, dtype)
+    cache = PrefixCache(lm.native.pool)
+    target, cold = Target(lm, prefix_cache=cache), Target(lm)
+    shared = _prompt(3 * BLOCK + 5, lm.vocab_size, 1)
+    first = shared + _prompt(20, lm.vocab_size, 2)
+    second = shared + _prompt(11, lm.vocab_size, 3)
+    sampling = SamplingParams(temperature=0.9, seed=4)
+    target.prefill(first, with_features=True)
+    assert cache.stats()["blocks"] == len(first) // BLOCK and cache.hits == 0
+    warm, got = target.prefill(second, with_features=True, sampling=sampling, chunk=7)
+    assert got.cached == 3 * BLOCK and cache.hits == 1 and cache.hit_tokens == 3 * BLOCK
+    ref, want = cold.prefill(second, with_features=True, sampling=sampling)
+    assert want.cached == 0
+    assert torch.equal(_cache(warm.kv), _cache(ref.kv))
+    assert torch.equal(got.features, want.features) and got.features.shape[0] == len(second)
+    assert (got.next_token, warm.tokens) == (want.next_token, ref.tokens)
+    # Decoding on from the loaded prefix stays exact too.
+    drafts = [want.next_token] * 4
+    a, b = target.verify(warm, len(warm.tokens), drafts), cold.verify(ref, len(ref.tokens), drafts)
+    assert (a.num_accepted, a.next_token, warm.tokens) == (b.num_accepted, b.next_token, ref.tokens)
+    assert torch.equal(a.features, b.features)
+    # A prompt that is all cached blocks still computes its last token; another start misses.
+    again, whole = target.prefill(first[:2 * BLOCK])
+    assert whole.cached == BLOCK and again.tokens[-1] == cold.prefill(first[:2 * BLOCK])[1].next_token
+    assert target.prefill(_prompt(2 * BLOCK, lm.vocab_size, 9))[1].cached == 0
+    # skip: computed in full, though cached.
+    prefilling = target.start_prefill(second, use_cache=False)
+    assert prefilling.done == 0
+
+
+def test_prefix_cache_only_uses_room_the_sessions_leave_and_evicts_least_recently_used(models):
+    lm = _native(models)
+    pool, positions = lm.native.pool, lm.max_context  # a buffer grows to at least 256 positions
+    held = pool.used_bytes
+    try:
+        cache = PrefixCache(pool)
+        target = Target(lm, prefix_cache=cache)
+        prompts = [_prompt(2 * BLOCK + 1, lm.vocab_size, s) for s in range(3)]
+        for p in prompts:
+            target.prefill(p)
+        target.prefill(prompts[2])  # used last
+        assert len(cache) == 6 and [cache.cached_tokens(p) for p in prompts] == [2 * BLOCK] * 3
+        assert pool.used_bytes == held + cache.used_bytes  # the sessions' buffers went back
+        pool.budget_bytes = held + 4 * positions * lm.native.token_bytes + cache.used_bytes // 2  # 3 blocks
+        # Sessions that need the whole budget take it back from the cache, least recently used first.
+        alive = [lm.native.sequence() for _ in range(4)]
+        for seq in alive:
+            seq.reserve(positions)
+        assert pool.used_bytes <= pool.budget_bytes and len(cache) == 3
+        assert [cache.cached_tokens(p) for p in prompts] == [0, BLOCK, 2 * BLOCK]
+        with pytest.raises(CacheFull):  # sessions never lose room to the cache
+            lm.native.sequence().reserve(positions)
+        assert [cache.cached_tokens(p) for p in prompts] == [0, 0, 0]
+        del alive, seq
+        assert pool.used_bytes == held  # nothing leaked
+    finally:
+        pool.budget_bytes = 1 << 62
+
+
+async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_plain_jobs_between():
+    from specsplit.worker import Again, ModelWorker
+
+    worker = ModelWorker("test", wait_s=0.0)
+    batches: list[list] = []
+    turns = {"long": 3}
+
+    def runner(items):
+        batches.append(list(items))
+        out = []
+        for item in items:
+            turns[item] = turns.get(item, 1) - 1
+            out.append(Again(1) if turns[item] > 0 else item.upper())
+        return out
+
+    try:
+        busy = worker.run(time.sleep, 0.1)  # so that the first turn and the rest queue together
+        long = worker.run_gathered(runner, "long")
+        seen = []
+        job = worker.run(lambda: seen.append([list(b) for b in batches]))
+        short = worker.run_gathered(runner, "short")
+        await busy
+        assert await asyncio.gather(long, short, job) == ["LONG", "SHORT", None]
+        # the job ran after the first turn (queued before it) but did not wait for the item to finish
+        assert seen == [[["long"]]]
+        assert batches == [["long"], ["long", "short"], ["long"]]
+    finally:
+        worker.shutdown()
+
+
+def _long_text(sentences: int) -> str:
+    return " ".join(["The quick brown fox jumps over the lazy dog."] * sentences)
+
+
+async def test_a_long_prefill_runs_in_chunks_beside_a_decoding_session_and_changes_nothing(models, tmp_path):
+    from conftest import running_stack
+
+    from specsplit.verify.v1 import verify_pb2 as vpb
+    from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+    long = _prompt(3000, 290, 7)
+    lm = load_model(models["long"], "bfloat16")
+    if lm.native is None:
+        pytest.skip(lm.kernels)
+    one_call = Target(lm).prefill(long)[1].next_token
+    async with running_stack(tmp_path, "tcp", models["long"], None, shared_memory=False) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            v = vpb_grpc.VerifierStub(ch)
+            a = await v.Prefill(vpb.PrefillRequest(session_id="a", prompt_token_ids=[5, 6, 7]))
+            rounds, done = [], asyncio.Event()
+
+            async def decode():
+                length = a.length
+                while not done.is_set():
+                    r = await v.Verify(vpb.VerifyRequest(session_id="a", length=length))
+                    rounds.append(r)
+                    length = r.length
+
+            decoding = asyncio.create_task(decode())
+            await asyncio.sleep(0.05)
+            b = await v.Prefill(vpb.PrefillRequest(session_id="b", prompt_token_ids=long))
+            done.set()
+            await decoding
+            assert b.chunks > 1 and b.next_token_id == one_call
+            shared = [r for r in rounds if r.batch_calls == 2]
+            assert shared and all(r.batch_rows > 1 for r in shared)  # a's rounds ran beside b's chunks
+            assert (await v.Info(vpb.InfoRequest())).active_prefills == 0
+            # The prefix cache: a cold prefill (skipping it) and a warm one answer as b did.
+            cold = await v.Prefill(vpb.PrefillRequest(session_id="c", prompt_token_ids=long, skip_prefix_cache=True))
+            warm = await v.Prefill(vpb.PrefillRequest(session_id="d", prompt_token_ids=long))
+            assert (cold.cached_tokens, warm.cached_tokens) == (0, len(long) // BLOCK * BLOCK)
+            assert cold.next_token_id == warm.next_token_id == one_call
+            assert warm.chunks == 1
+
+
+async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_nothing(models, tmp_path):
+    from conftest import running_stack
+
+    from specsplit.gateway.v1 import gateway_pb2 as pb
+    from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.verify.v1 import verify_pb2 as vpb
+    from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+    request = pb.GenerateRequest(text=_long_text(500), speculation=pb.SPECULATION_OFF, max_new_tokens=4,
+                                 stop=pb.StopConditions(ignore_eos=True))
+    async with running_stack(tmp_path, "unix", models["long"], None) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as gch, grpc.aio.insecure_channel(stack.verify) as vch:
+            gw, v = pb_grpc.GatewayStub(gch), vpb_grpc.VerifierStub(vch)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await gw.Generate(request, timeout=0.1)
+            assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(200):  # the gateway's Release stops the prefill at its next chunk
+                info = await v.Info(vpb.InfoRequest())
+                if info.active_prefills == info.active_sessions == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (info.active_prefills, info.active_sessions) == (0, 0)
+            # It stopped before its end: it kept none of its blocks; the same prompt is computed in full.
+            first = await gw.Generate(request)
+            assert first.stats.prefix_cached_tokens == 0 and first.stats.prefill_chunks > 1
+            second = await gw.Generate(request)
+            assert second.stats.prefix_cached_tokens > 0.9 * second.stats.prompt_tokens
+            assert list(second.token_ids) == list(first.token_ids)
