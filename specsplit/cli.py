@@ -325,6 +325,10 @@ def _parser() -> argparse.ArgumentParser:
                             "at each level; aggregate tok/s, P50/P95 latency and TTFT, the batches formed")
     bench.add_argument("--requests", type=int, default=16,
                        help="with --concurrency: requests per level and mode (spread over the clients)")
+    bench.add_argument("--long-context", action="store_true",
+                       help="instead: documents of 2k-6k tokens with questions (time to first token cold and "
+                            "with the prefix cache, against transformers' forward), a long prefill beside a "
+                            "decoding stream, and a multi-turn chat")
     bench.add_argument("--round-overhead", action="store_true",
                        help="per-round overhead (median, P95) through the real services around a drafter and a "
                             "verifier that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)")

@@ -130,3 +130,32 @@ async def test_auth_and_malformed_bodies(door):
     assert status == 400 and "not JSON" in body["error"]["message"]
     status, body = await asyncio.to_thread(post, json.dumps({"model": model, "messages": []}).encode())
     assert status == 400 and body["error"]["param"] == "messages"
+
+
+async def test_a_stream_waiting_for_its_first_token_keeps_the_connection_alive_and_reports_cached_tokens(
+        door, monkeypatch):
+    from gateway.openai import OpenAIFront
+
+    client, model, _, port = door
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several prefix-cache blocks
+    kw = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    whole = await client.completions.create(**kw)
+    again = await client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32  # the same prompt: found in the prefix cache
+    assert again.choices[0].text == whole.choices[0].text
+    monkeypatch.setattr(OpenAIFront, "keepalive_s", 1e-4)  # every prefill is "long"
+
+    def stream() -> list[bytes]:
+        body = json.dumps({**kw, "stream": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={
+            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return [line for line in r.read().split(b"\n") if line]
+
+    lines = await asyncio.to_thread(stream)
+    first_data = next(i for i, line in enumerate(lines) if line.startswith(b"data:"))
+    assert first_data > 0 and all(line == b": prefilling" for line in lines[:first_data])
+    events = [json.loads(line[5:]) for line in lines[first_data:] if line != b"data: [DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole.choices[0].text
+    streamed = await client.completions.create(**kw, stream=True)  # the official client skips the comments
+    assert "".join([c.choices[0].text async for c in streamed if c.choices]) == whole.choices[0].text

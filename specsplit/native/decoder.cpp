@@ -904,7 +904,7 @@ class Decoder {
     const bool norm = norm_.numel() > 0;
     const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
     std::vector<float> picked;
-    if (attn_amx_) plan_runs(s);
+    plan_runs(s);
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], li, x.data(), s);
@@ -1015,57 +1015,179 @@ class Decoder {
   // One task per (row, head): the row attends keys [0, base) of its own sequence's cache and then
   // the slots of its path, exactly (a chain's row r: keys [0, start + r]). Called by every thread of
   // the team; barrier at the end.
+  // Attention on AVX-512 (any cache dtype), for every row count. A task: one KV head and one run
+  // of chained rows (plan_runs), its query vectors (rows x heads of the group, up to 16) against
+  // the run's key list. Scores 16 keys at a time: the block's keys transposed to [dim][key] in
+  // fp32, and each query's lane sums its products in dim order (one FMA chain per query). Softmax
+  // down each query's own keys: exp in 16-key lanes, summed lane-wise in key order, then across
+  // lanes. Out = P V: each (query, dim) accumulates its keys' weighted values in key order, four
+  // queries at a time sharing the value loads, each over its own keys only. Exact by construction:
+  // a query's result depends on its own vector and keys alone, in one fixed order, whatever run,
+  // chunk or thread computes it.
+  // Scores of V queries against a transposed key block [dim][key]: one FMA chain per query, in dim order.
+  template <int V>
+  inline void qk_lanes(const float* const* q, const float* kt, __m512* acc) const {
+    for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d_; ++i) {
+      const __m512 k = _mm512_load_ps(kt + i * kLanes);
+      for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(q[v][i]), k, acc[v]);
+    }
+  }
+
+  inline void qk(int64_t m, const float* const* q, const float* kt, __m512* acc) const {
+    switch (m) {
+      case 1: qk_lanes<1>(q, kt, acc); break;
+      case 2: qk_lanes<2>(q, kt, acc); break;
+      case 3: qk_lanes<3>(q, kt, acc); break;
+      case 4: qk_lanes<4>(q, kt, acc); break;
+      case 5: qk_lanes<5>(q, kt, acc); break;
+      case 6: qk_lanes<6>(q, kt, acc); break;
+      case 7: qk_lanes<7>(q, kt, acc); break;
+      default: qk_lanes<8>(q, kt, acc); break;
+    }
+  }
+
+  // Keys j0..j0+15 of KV head g as fp32 [dim][key] (keys past len: zero).
+  inline void key_block(const void* base, int64_t prefix, const int64_t* path, int64_t j0, int64_t len, int64_t g,
+                        int64_t kw, float* kt) const {
+    for (int64_t c = 0; c < d_; c += kLanes) {
+      __m512i r[16];
+      for (int64_t t = 0; t < kLanes; ++t) {
+        const int64_t j = j0 + t;
+        r[t] = j < len ? _mm512_castps_si512(key(base, j < prefix ? j : path[j - prefix], g, c, kw, 0))
+                       : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int64_t t = 0; t < kLanes; ++t) _mm512_store_si512(kt + (c + t) * kLanes, r[t]);
+    }
+  }
+
+  template <int U, int C>
+  inline void pv_lanes(const float* const* p, const void* base, int64_t vplane, int64_t prefix, const int64_t* path,
+                       int64_t j0, int64_t j1, int64_t g, int64_t kw, int64_t c0, __m512 (*acc)[4]) const {
+    __m512 a[U][C];
+    for (int u = 0; u < U; ++u)
+      for (int c = 0; c < C; ++c) a[u][c] = acc[u][c];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t at = j < prefix ? j : path[j - prefix];
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = key(base, at, g, (c0 + c) * kLanes, kw, vplane);
+      for (int u = 0; u < U; ++u) {
+        const __m512 w = _mm512_set1_ps(p[u][j]);
+        for (int c = 0; c < C; ++c) a[u][c] = _mm512_fmadd_ps(w, vv[c], a[u][c]);
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int c = 0; c < C; ++c) acc[u][c] = a[u][c];
+  }
+
+  template <int C>
+  inline void pv_chunks(int64_t u, const float* const* p, const void* base, int64_t vplane, int64_t prefix,
+                        const int64_t* path, int64_t j0, int64_t j1, int64_t g, int64_t kw, int64_t c0,
+                        __m512 (*acc)[4]) const {
+    switch (u) {
+      case 1: pv_lanes<1, C>(p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+      case 2: pv_lanes<2, C>(p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+      case 3: pv_lanes<3, C>(p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+      default: pv_lanes<4, C>(p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+    }
+  }
+
+  // Out += P V over keys j0..j1 for u queries (1-4) and nc 16-dim chunks (1-4) from chunk c0.
+  inline void pv(int64_t u, int64_t nc, const float* const* p, const void* base, int64_t vplane, int64_t prefix,
+                 const int64_t* path, int64_t j0, int64_t j1, int64_t g, int64_t kw, int64_t c0, __m512 (*acc)[4]) const {
+    switch (nc) {
+      case 1: pv_chunks<1>(u, p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+      case 2: pv_chunks<2>(u, p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+      case 3: pv_chunks<3>(u, p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+      default: pv_chunks<4>(u, p, base, vplane, prefix, path, j0, j1, g, kw, c0, acc); break;
+    }
+  }
+
   void attend_team(size_t li, const float* qkv, int64_t ld, const Scratch& s, float* out) const {
-    const int64_t n = s.rows(), group = heads_ / kv_heads_, kw = kv_heads_ * d_;
+    const int64_t group = heads_ / kv_heads_, qc = group_heads(), kw = kv_heads_ * d_;
+    const int64_t hchunks = (group + qc - 1) / qc, chunks = d_ / kLanes;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
     int64_t longest = 0;
-    for (int64_t r = 0; r < n; ++r)
-      longest = std::max(longest, s.segs[s.seg_of[r]].base + static_cast<int64_t>(s.path[r].size()));
-    std::vector<float> scores(longest);  // this thread's
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n * heads_; ++t) {
-      const int64_t r = t / heads_, h = t % heads_, g = h / group;
-      const Segment& seg = s.segs[s.seg_of[r]];
+    for (const auto& [first, count] : s.runs) longest = std::max(longest, s.keys(first + count - 1));
+    const int64_t room = (longest + kLanes - 1) / kLanes * kLanes;
+    std::vector<float> scores(kTileRows * room);  // this thread's: [query][key]
+    std::vector<float> kt(d_ * kLanes + kLanes);   // a key block as [dim][key]
+
+    float* ktp = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(kt.data()) + 63) & ~uintptr_t(63));
+    const int64_t tasks = static_cast<int64_t>(s.runs.size()) * kv_heads_ * hchunks;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const auto [row0, rows] = s.runs[task / (kv_heads_ * hchunks)];
+      const int64_t g = (task / hchunks) % kv_heads_, h0 = g * group + (task % hchunks) * qc;
+      const int64_t hc = std::min<int64_t>(qc, (g + 1) * group - h0), nq = rows * hc;
+      const int64_t last = row0 + rows - 1;
+      const Segment& seg = s.segs[s.seg_of[last]];
+      const std::vector<int64_t>& path = s.path[last];
+      const int64_t prefix = seg.base, len = s.keys(last);
       const void* base = seg.kv[li];
-      const int64_t prefix = seg.base, cap = seg.cap;
-      const std::vector<int64_t>& path = s.path[r];
-      const int64_t len = prefix + static_cast<int64_t>(path.size());
-      auto slot = [&](int64_t j) { return j < prefix ? j : path[j - prefix]; };
-      const float* q = qkv + r * ld + h * d_;
-      float best = -INFINITY;
-      for (int64_t j = 0; j < len; ++j) {
-        __m512 acc = _mm512_setzero_ps();
-        const int64_t at = slot(j);
-        for (int64_t i = 0; i < d_; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key(base, at, g, i, kw, 0), acc);
-        const float s = _mm512_reduce_add_ps(acc) * scale;
-        scores[j] = s;
-        best = std::max(best, s);
+      const float* q[kTileRows];
+      int64_t lens[kTileRows];
+      float* p[kTileRows];
+      for (int64_t v = 0; v < nq; ++v) {
+        q[v] = qkv + (row0 + v / hc) * ld + (h0 + v % hc) * d_;
+        lens[v] = s.keys(row0 + v / hc);
+        p[v] = scores.data() + v * room;
       }
-      __m512 total = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + kLanes <= len; j += kLanes) {
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j), _mm512_set1_ps(best)));
-        _mm512_storeu_ps(scores.data() + j, e);
-        total = _mm512_add_ps(total, e);
+      // Scores, and each query's max over its own keys.
+      __m512 best[kTileRows];
+      for (int64_t v = 0; v < nq; ++v) best[v] = _mm512_set1_ps(-INFINITY);
+      for (int64_t j0 = 0; j0 < len; j0 += kLanes) {
+        key_block(base, prefix, path.data(), j0, len, g, kw, ktp);
+        for (int64_t v0 = 0; v0 < nq; v0 += 8) {
+          __m512 acc[8];
+          const int64_t m = std::min<int64_t>(8, nq - v0);
+          qk(m, q + v0, ktp, acc);
+          for (int64_t u = 0; u < m; ++u) {
+            const int64_t v = v0 + u;
+            const __m512 sc = _mm512_mul_ps(acc[u], _mm512_set1_ps(scale));
+            _mm512_storeu_ps(p[v] + j0, sc);
+            const int64_t valid = std::min<int64_t>(kLanes, lens[v] - j0);
+            if (valid > 0)
+              best[v] = _mm512_mask_max_ps(best[v], static_cast<__mmask16>((1u << valid) - 1), best[v], sc);
+          }
+        }
       }
-      if (j < len) {
-        const __mmask16 m = static_cast<__mmask16>((1u << (len - j)) - 1);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + j), _mm512_set1_ps(best)));
-        e = _mm512_maskz_mov_ps(m, e);
-        _mm512_mask_storeu_ps(scores.data() + j, m, e);
-        total = _mm512_add_ps(total, e);
+      // Weights: exp of each query's own keys, summed lane-wise in key order, then across lanes.
+      float inv[kTileRows];
+      for (int64_t v = 0; v < nq; ++v) {
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best[v]));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < lens[v]; j0 += kLanes) {
+          const int64_t valid = std::min<int64_t>(kLanes, lens[v] - j0);
+          const __mmask16 m = valid == kLanes ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p[v] + j0), top)));
+          _mm512_storeu_ps(p[v] + j0, e);
+          total = _mm512_add_ps(total, e);
+        }
+        inv[v] = 1.0f / _mm512_reduce_add_ps(total);
       }
-      const float inv = 1.0f / _mm512_reduce_add_ps(total);
-      __m512 acc[16];
-      const int64_t chunks = d_ / kLanes;
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-      for (int64_t jj = 0; jj < len; ++jj) {
-        const __m512 p = _mm512_set1_ps(scores[jj]);
-        const int64_t at = slot(jj);
-        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, key(base, at, g, c * kLanes, kw, cap), acc[c]);
+      // Out = P V, four queries and up to 64 dims at a time; keys every query has together, then
+      // each query's own rest.
+      for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+        const int64_t nc = std::min<int64_t>(4, chunks - c0);
+        for (int64_t v0 = 0; v0 < nq; v0 += 4) {
+          const int64_t m = std::min<int64_t>(4, nq - v0);
+          int64_t common = len;
+          for (int64_t u = 0; u < m; ++u) common = std::min(common, lens[v0 + u]);
+          __m512 acc[4][4];
+          for (int64_t u = 0; u < 4; ++u)
+            for (int64_t c = 0; c < 4; ++c) acc[u][c] = _mm512_setzero_ps();
+          pv(m, nc, p + v0, base, seg.cap, prefix, path.data(), 0, common, g, kw, c0, acc);
+          for (int64_t u = 0; u < m; ++u) {
+            pv(1, nc, p + v0 + u, base, seg.cap, prefix, path.data(), common, lens[v0 + u], g, kw, c0, acc + u);
+            const int64_t v = v0 + u;
+            float* o = out + (row0 + v / hc) * heads_ * d_ + (h0 + v % hc) * d_;
+            for (int64_t c = 0; c < nc; ++c)
+              _mm512_storeu_ps(o + (c0 + c) * kLanes, _mm512_mul_ps(acc[u][c], _mm512_set1_ps(inv[v])));
+          }
+        }
       }
-      float* o = out + r * heads_ * d_ + h * d_;
-      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
     }
   }
 

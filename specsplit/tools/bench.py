@@ -332,6 +332,15 @@ def main(args, config: StackConfig) -> int:
     if args.controlled:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+    if args.long_context:
+        from specsplit import catalog
+        from specsplit.fastllama import kernel_name
+        from specsplit.modeling import parse_dtype
+        from specsplit.tools import longcontext
+
+        with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
+            return longcontext.run(stub, str(catalog.resolve(config.target_model)), config.dtype, args.max_new_tokens,
+                                   kernel_name(config.quantize, parse_dtype(config.dtype)))
     if args.concurrency:
         from specsplit.tools import concurrency
 
