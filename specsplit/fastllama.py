@@ -272,7 +272,9 @@ class KVBuffer:
             extra = (capacity - self.capacity) * layers * 2 * kv_heads * head_dim * self.kv.element_size()
             self._pool.take(extra, f"a sequence of {end} tokens")
             self._held[0] += extra
-        kv = torch.zeros(layers, 2, capacity, kv_heads, head_dim, dtype=self.kv.dtype)
+        # Uninitialised: slots past `length` are never read (and their pages are faulted in as the
+        # prefill writes them, not all at once here).
+        kv = torch.empty(layers, 2, capacity, kv_heads, head_dim, dtype=self.kv.dtype)
         kv[:, :, :self.length] = self.kv[:, :, :self.length]
         self.kv = kv
 

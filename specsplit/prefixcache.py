@@ -63,9 +63,11 @@ class PrefixCache:
         sequence.append(torch.cat([b.kv for b in blocks], dim=2))
         return torch.cat([b.features for b in blocks])
 
-    def store(self, prompt: list[int], sequence: FastSequence, features: torch.Tensor) -> None:
-        """Keeps the prompt's full blocks (the sequence holds the prompt's keys and values, and
-        `features` one row per prompt token) that are not kept yet, as far as free room allows."""
+    def store(self, prompt: list[int], sequence: FastSequence, features: torch.Tensor, first: int = 0) -> None:
+        """Keeps the prompt's full blocks that are not kept yet, as far as free room allows: the
+        sequence holds the prompt's keys and values, `features` one row per token of prompt[first:]
+        (a prefill in chunks stores each chunk's blocks as they are done; the blocks before
+        `first` were stored before)."""
         parent, keys = None, []
         try:
             for start in range(0, len(prompt) - self.block + 1, self.block):
@@ -73,8 +75,10 @@ class PrefixCache:
                 key = hash((parent, tokens))
                 block = self._blocks.get(key)
                 if block is None:
+                    if start < first:
+                        break  # evicted since: its features are gone with it
                     kv = sequence.read(start, start + self.block)
-                    feats = features[start:start + self.block].clone()
+                    feats = features[start - first:start - first + self.block].clone()
                     nbytes = kv.numel() * kv.element_size() + feats.numel() * feats.element_size()
                     self._pool.take(nbytes, "the prefix cache")
                     self._blocks[key] = _Block(parent, tokens, kv, feats, nbytes)

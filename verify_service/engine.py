@@ -67,6 +67,8 @@ class Prefilling:
     done: int = 0
     cached: int = 0  # of which loaded from the prefix cache
     features: list[torch.Tensor] = field(default_factory=list)
+    stored: int = 0  # prompt[:stored] is in the prefix cache (whole blocks)
+    pending: list[torch.Tensor] = field(default_factory=list)  # features of prompt[stored:done]
 
     @property
     def finished(self) -> bool:
@@ -162,7 +164,7 @@ class Target:
             self._reserve(session, len(prompt))
             features = self.prefix_cache.load(prompt, session.kv)
             if features is not None:
-                prefilling.done = prefilling.cached = len(features)
+                prefilling.done = prefilling.cached = prefilling.stored = len(features)
                 prefilling.features.append(features)
         return prefilling
 
@@ -180,10 +182,10 @@ class Target:
             prefilling.done = end
             if features is not None:
                 prefilling.features.append(features)
+            if self.prefix_cache is not None:
+                self._keep_blocks(prefilling, features)
             if not last:
                 return VerifyResult(0, -1, end, 0)
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(prompt, session.kv, torch.cat(prefilling.features))
             _, first = self._decide(session, logits, [], [], len(prompt), None)
             session.tokens.append(first)
             features = torch.cat(prefilling.features) if session.with_features else None
@@ -266,6 +268,18 @@ class Target:
             except BaseException as e:  # noqa: BLE001 -- this step's outcome, not the batch's
                 results.append(e)
         return results
+
+    def _keep_blocks(self, prefilling: Prefilling, features: torch.Tensor) -> None:
+        """The prefix cache takes the whole blocks the prompt has now (each chunk's as it is done,
+        so no one forward pays for copying a whole long prompt)."""
+        prefilling.pending.append(features)
+        upto = prefilling.done - prefilling.done % self.prefix_cache.block
+        if upto <= prefilling.stored:
+            return
+        pending = torch.cat(prefilling.pending) if len(prefilling.pending) > 1 else prefilling.pending[0]
+        self.prefix_cache.store(prefilling.prompt[:upto], prefilling.session.kv, pending, first=prefilling.stored)
+        prefilling.pending = [pending[upto - prefilling.stored:]]
+        prefilling.stored = upto
 
     @staticmethod
     def _reserve(session: TargetSession, rows: int) -> None:

@@ -32,8 +32,9 @@ WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds),
 MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
 # A prompt is fed in chunks: PREFILL_CHUNK tokens while no other session is live (so a Release can
 # stop it between chunks); beside other sessions, chunks sized so that a forward takes about
-# PREFILL_SLICE times a 1-row step, so their decoding stalls for a few steps' time, not the prefill's.
-PREFILL_CHUNK, PREFILL_SLICE, CHUNK_ROUND = 512, 3.0, 16
+# PREFILL_SLICE times a 1-row step, so their decoding stalls for a few steps' time, not the prefill's
+# (in multiples of CHUNK_ROUND rows: late in a long prompt a few rows' attention costs a step).
+PREFILL_CHUNK, PREFILL_SLICE, CHUNK_ROUND = 512, 2.5, 8
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
