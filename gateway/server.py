@@ -81,6 +81,16 @@ def _drafters_signature(drafters) -> list[tuple]:
                   for d in drafters)
 
 
+
+LONG_PROMPT_CHARS = 8192
+
+
+def _long(request: pb.GenerateRequest) -> bool:
+    """A prompt worth tokenizing on a thread."""
+    if request.WhichOneof("prompt") == "text":
+        return len(request.text) > LONG_PROMPT_CHARS
+    return sum(len(m.content) for m in request.chat.messages) > LONG_PROMPT_CHARS
+
 class Backends:
     """Channels to the draft and verify services' replicas and what the gateway learnt from them at
     start."""
@@ -231,7 +241,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         time per output token)."""
         started, first, tokens, last, status = time.perf_counter(), None, 0, None, "CANCELLED"
         try:
-            plan = self.plan(request)
+            # A long prompt is tokenized off the event loop (6,000 tokens with the chat template: ~20 ms
+            # during which every other stream through this gateway would wait).
+            ids = await asyncio.to_thread(self._prompt_ids, request) if _long(request) else None
+            plan = self.plan(request, ids)
             # The session's state lives on one replica of each service: all its calls go there.
             verify = self._backends.verify.pick()
             draft = self._backends.draft.pick() if plan.speculate else None
@@ -258,13 +271,14 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                                 last.finish_reason if last else 0, status, first, tokens,
                                 time.perf_counter() - started)
 
-    def plan(self, request: pb.GenerateRequest) -> Plan:
+    def plan(self, request: pb.GenerateRequest, prompt_ids: list[int] | None = None) -> Plan:
+        """The request validated and decided (prompt_ids: its tokens, when already tokenized)."""
         b = self._backends
         if b.target is None:  # health says NOT_SERVING until connect() finished; be just as clear here
             raise Failure(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
                           "verify services")
         settings = b.settings
-        prompt_ids = self._prompt_ids(request)
+        prompt_ids = self._prompt_ids(request) if prompt_ids is None else prompt_ids
         max_context = b.target.max_context
         if len(prompt_ids) + 1 > max_context:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
@@ -325,6 +339,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return self.controller.predraft(request.task_type, drafter) if setting == "auto" else setting == "on"
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """Tokenizes the prompt (from any thread: it reads only the request and the tokenizer)."""
         tokenizer = self._backends.tokenizer
         kind = request.WhichOneof("prompt")
         if kind == "text":
