@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from draft_service.drafters.base import Drafter, DraftSession, Proposal, Steps, drive_all, steps_of
+from draft_service.drafters.base import Drafter, DraftSession, Steps, drive_all, steps_of
 from specsplit import shm, wire
 from specsplit.common.v1 import common_pb2 as cpb
 from specsplit.draft.v1 import draft_pb2 as pb
@@ -18,6 +18,7 @@ from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
 from specsplit.serving import Rounds
 from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.spec.drafting import Proposal
 from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")

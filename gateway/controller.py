@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from specsplit.ewma import Ewma
 from specsplit.settings import ControllerSettings
-from specsplit.tokentree import verify_ms
+from specsplit.spec.tokentree import verify_ms
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
 LOAD_PROBE_FACTOR = 4  # under load, one decision in probe_every x this runs the other mode

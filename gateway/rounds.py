@@ -18,10 +18,11 @@ from gateway.replicas import Replica
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
-from specsplit import shm, tokentree
+from specsplit import shm
 from specsplit.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.spec import tokentree
 from specsplit.verify.v1 import verify_pb2 as vpb
 
 log = logging.getLogger("specsplit.gateway")

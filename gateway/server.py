@@ -28,9 +28,9 @@ from specsplit.errors import Failure
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
-from specsplit.sampling import SamplingParams
 from specsplit.serving import unix_path
 from specsplit.settings import GatewaySettings
+from specsplit.spec.sampling import SamplingParams
 from specsplit.verify.v1 import verify_pb2 as vpb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specsplit import native, rollback
+from specsplit import native
+from specsplit.spec import rollback
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # "": the model's own dtype; "int8": int8 weights per output row, widened to bf16 (bf16 models);
@@ -256,7 +257,7 @@ class KVBuffer:
         return self.kv.shape[2]
 
     def truncate(self, length: int) -> None:
-        """specsplit.rollback's contract."""
+        """specsplit.spec.rollback's contract."""
         rollback.check(self.length, length)
         self.length = length
 

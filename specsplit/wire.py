@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specsplit.common.v1 import common_pb2 as pb
-from specsplit.sampling import SamplingParams
+from specsplit.spec.sampling import SamplingParams
 
 _WIRE = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.int16),
          "float32": (torch.float32, torch.int32)}

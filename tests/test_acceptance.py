@@ -1,6 +1,6 @@
 import torch
 
-from verify_service.acceptance import greedy_accept
+from specsplit.spec.acceptance import greedy_accept
 
 
 def logits_with_argmax(choices: list[int], vocab: int = 10) -> torch.Tensor:

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import write_prompts
 
-from draft_service.drafters.base import Proposal
 from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
 from specsplit.modeling import load_model, weights_fingerprint
+from specsplit.spec.drafting import Proposal
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
 from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, split, train

@@ -3,9 +3,10 @@ short match; then by the accepted drafts each source earned in the session."""
 
 import time
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal
+from draft_service.drafters.base import DrafterDescription, DraftSession
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.ngram import NgramDrafter
+from specsplit.spec.drafting import Proposal
 
 
 class Head:

@@ -15,7 +15,7 @@ import torch
 from specsplit.fastllama import CacheFull
 from specsplit.modeling import load_model
 from specsplit.prefixcache import BLOCK, PrefixCache
-from specsplit.sampling import SamplingParams
+from specsplit.spec.sampling import SamplingParams
 from verify_service.engine import Target
 
 

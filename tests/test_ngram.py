@@ -1,5 +1,6 @@
-from draft_service.drafters.base import DraftSession, Proposal
+from draft_service.drafters.base import DraftSession
 from draft_service.drafters.ngram import NgramDrafter, OutputStore, lookup
+from specsplit.spec.drafting import Proposal
 
 
 def test_longest_suffix_wins():

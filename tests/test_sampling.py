@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.sampling import SamplingParams, coupled_choice, sample, warp
-from verify_service import acceptance
-from verify_service.acceptance import coupled_accept, rejection_accept
+from specsplit.spec import acceptance
+from specsplit.spec.acceptance import coupled_accept, rejection_accept
+from specsplit.spec.sampling import SamplingParams, coupled_choice, sample, warp
 
 
 def dense(*probs: float) -> torch.Tensor:
@@ -150,7 +150,8 @@ def test_greedy_is_the_zero_temperature_case_of_coupled():
 def test_drafter_choice_per_method():
     """choose(): greedy takes argmax q; coupled takes the Gumbel-max choice with the verifier's
     noise; rejection samples from q cut to its top-k and returns exactly that distribution."""
-    from draft_service.drafters.base import DraftSession, choose
+    from draft_service.drafters.base import DraftSession
+    from specsplit.spec.drafting import choose
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
     session = DraftSession([7, 8, 9])

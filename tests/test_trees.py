@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import running_stack
 
-from draft_service.drafters.base import Choice, chain_tree
 from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
 from gateway.load import InFlight, Load
 from specsplit import native
 from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import KVSequence, load_model
-from specsplit.tokentree import Tree, depths, prune, worth_verifying
+from specsplit.spec.drafting import Choice, chain_tree
+from specsplit.spec.tokentree import Tree, depths, prune, worth_verifying
 from verify_service.engine import Target
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specsplit import tokentree
 from specsplit.modeling import KVSequence, LoadedModel, Sequence
-from specsplit.sampling import SamplingParams, warp
-from verify_service.acceptance import coupled_accept, greedy_accept, rejection_accept
+from specsplit.spec import tokentree
+from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
+from specsplit.spec.rollback import TreeRollback
+from specsplit.spec.sampling import SamplingParams, warp
 
 if TYPE_CHECKING:
     from specsplit.prefixcache import PrefixCache
@@ -121,7 +122,7 @@ class Target:
         self._new_sequence = new_sequence or (lambda: KVSequence(lm.model))  # a session's cache
         # Token trees need a forward that takes a tree mask and a cache that keeps one path (the
         # native kernels); transformers' forward here verifies chains.
-        self.verifies_trees = hasattr(self._new_sequence(), "keep")
+        self.verifies_trees = isinstance(self._new_sequence(), TreeRollback)
         # Several sessions' rows in one forward: the native kernels (rows are independent there).
         # transformers' forward runs a batch's calls one after the other.
         self.batches = lm.native is not None and self.verifies_trees
@@ -215,7 +216,7 @@ class Target:
         proposals = proposals or []
         if self._rejects(session):
             self._check_proposals(draft, proposals)
-        if parents is not None and not hasattr(session.kv, "keep"):
+        if parents is not None and not isinstance(session.kv, TreeRollback):
             raise ValueError("this target runs on transformers' forward, which verifies chains only "
                              "(Info.tree_verify is false): send no draft_parents")
         depth = max(tokentree.depths(parents), default=0) if parents is not None else len(draft)
@@ -284,9 +285,8 @@ class Target:
     @staticmethod
     def _reserve(session: TargetSession, rows: int) -> None:
         """Room in the session's cache before a batch runs (CacheFull fails this call alone)."""
-        reserve = getattr(session.kv, "reserve", None)
-        if reserve is not None:
-            reserve(rows)
+        if isinstance(session.kv, TreeRollback):
+            session.kv.reserve(rows)
 
     @staticmethod
     def _rejects(session: TargetSession) -> bool:

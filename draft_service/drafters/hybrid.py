@@ -15,10 +15,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, Steps, drive, steps_of
+from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive, steps_of
 from draft_service.drafters.ngram import NgramDrafter
 from specsplit.ewma import Ewma
-from specsplit.tokentree import chain, follow
+from specsplit.spec.drafting import Proposal
+from specsplit.spec.tokentree import chain, follow
 
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
 PRIOR_WEIGHT = 2.0  # the priors count as this many rounds

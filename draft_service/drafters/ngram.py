@@ -7,8 +7,9 @@ import threading
 from array import array
 from collections import deque
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Proposal, tree_proposal
-from specsplit.tokentree import Tree
+from draft_service.drafters.base import DrafterDescription, DraftSession
+from specsplit.spec.drafting import Proposal, tree_proposal
+from specsplit.spec.tokentree import Tree
 
 _WIDTH = 4  # bytes per token id in the search buffers
 OCCURRENCES = 8  # earlier occurrences of the matched suffix a token tree is built from

@@ -9,20 +9,11 @@ from pathlib import Path
 
 import torch
 
-from draft_service.drafters.base import (
-    DrafterDescription,
-    DraftSession,
-    Proposal,
-    Steps,
-    candidates,
-    chain_tree,
-    choose,
-    drive,
-    sampled_from,
-)
+from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
 from specsplit.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, NativeHead, TorchHead
 from specsplit.modeling import weights_fingerprint
-from specsplit.tokentree import Tree
+from specsplit.spec.drafting import Proposal, candidates, chain_tree, choose, sampled_from
+from specsplit.spec.tokentree import Tree
 
 HEAD_FORMAT = "specsplit-feature-head/1"
 WIDTH = 3  # token trees: nodes expanded per depth, and children per node

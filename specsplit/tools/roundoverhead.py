@@ -54,7 +54,7 @@ class _StubDrafter:
         return DraftSession(prompt)
 
     def propose(self, session, gamma: int):
-        from draft_service.drafters.base import Proposal
+        from specsplit.spec.drafting import Proposal
 
         return Proposal([TOKEN] * gamma, "stub")
 

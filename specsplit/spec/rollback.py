@@ -9,14 +9,30 @@ tests/test_rollback.py holds every implementation to it."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
+@runtime_checkable
 class Rollback(Protocol):
     @property
     def length(self) -> int: ...
 
     def truncate(self, length: int) -> None: ...
+
+
+@runtime_checkable
+class TreeRollback(Rollback, Protocol):
+    """A cache that also verifies token trees (the native kernels' KV cache):
+
+    reserve(rows): room for `rows` more positions before a (batched) forward writes them, or the
+    caller's error (CacheFull) with nothing written.
+    keep(start, rows): after a tree call wrote slots [start, length), keep the slots `rows` (one
+    path, ascending) at positions start, start + 1, ... and drop the rest: the cache again holds
+    one sequence by position, and truncate works as before."""
+
+    def reserve(self, rows: int) -> None: ...
+
+    def keep(self, start: int, rows: list[int]) -> None: ...
 
 
 def check(held: int, length: int) -> None:
