@@ -18,13 +18,12 @@ from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
 from specsplit.serving import Rounds
 from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.settings import MAX_DRAFT, MAX_GAMMA
 from specsplit.spec.drafting import Proposal
 from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
-MAX_GAMMA = 64
-MAX_TREE = 64  # draft tokens in a token tree
 
 
 @dataclass
@@ -147,9 +146,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """Validates a round and tells its session what was committed: (entry, ns it took)."""
         if not 1 <= request.gamma <= MAX_GAMMA:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
-        if request.tree_budget > MAX_TREE:
+        if request.tree_budget > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"tree_budget {request.tree_budget} is not in 0..{MAX_TREE}")
+                          f"tree_budget {request.tree_budget} is not in 0..{MAX_DRAFT}")
         start = time.perf_counter_ns()
         try:
             entry = self._sessions.get(request.session_id)

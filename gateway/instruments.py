@@ -16,6 +16,7 @@ from gateway.controller import Controller, Outcome, RoundFacts
 from gateway.state import Request
 from specsplit import roundtime, wire
 from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.settings import MAX_DRAFT
 from specsplit.telemetry import meter, tracer
 
 POSITION_BUCKETS = (32, 128, 512)  # output position of a round's first token: 0-31, 32-127, 128-511, 512+
@@ -32,7 +33,6 @@ def position_bucket(position: int) -> str:
 
 SECONDS = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1]
 REQUEST_SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128]
-MAX_DRAFT_POSITION = 64  # per-position counters stop here (the verifier's MAX_DRAFT)
 
 
 class GatewayMetrics:
@@ -104,7 +104,7 @@ class GatewayMetrics:
             self.drafts.add(1, attrs)
             self.draft_tokens.add(record.drafted, attrs)
             self.accepted_tokens.add(record.accepted, attrs)
-            for d in range(1, min(record.depth or record.drafted, MAX_DRAFT_POSITION) + 1):
+            for d in range(1, min(record.depth or record.drafted, MAX_DRAFT) + 1):
                 at = {**attrs, "draft_position": d}
                 self.drafted_at.add(1, at)
                 if d <= record.accepted:

@@ -29,7 +29,7 @@ from specsplit.gateway.v1 import gateway_pb2 as pb
 from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
 from specsplit.serving import unix_path
-from specsplit.settings import GatewaySettings
+from specsplit.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings
 from specsplit.spec.sampling import SamplingParams
 from specsplit.verify.v1 import verify_pb2 as vpb
 
@@ -37,8 +37,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 VERIFY_SERVICE = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
 DRAFT_SERVICE = dpb.DESCRIPTOR.services_by_name["Drafter"].full_name
 HEALTH_EVERY_S = 0.5  # how often the gateway checks its backends' health
-MAX_GAMMA = 32
-MAX_TREE = 64  # draft tokens per round in a token tree (the verifier's MAX_DRAFT)
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 ROLES = {"system", "user", "assistant"}
@@ -297,9 +295,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"at most {MAX_STOP_STRINGS} stop strings of 1..{MAX_STOP_LEN} characters each")
         if request.gamma > MAX_GAMMA:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"gamma {request.gamma} is not in 1..{MAX_GAMMA}")
-        if request.tree_budget > MAX_TREE:
+        if request.tree_budget > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"tree_budget {request.tree_budget} is not in 1..{MAX_TREE} (0: the gateway's default)")
+                          f"tree_budget {request.tree_budget} is not in 1..{MAX_DRAFT} (0: the gateway's default)")
         drafter = request.drafter or b.default_drafter
         if drafter not in b.drafters:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,

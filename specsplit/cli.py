@@ -110,17 +110,18 @@ def _parser() -> argparse.ArgumentParser:
                         "blocks of the model dir's model.gguf as shipped; spec on still equals off")
     v.add_argument("--no-exact", dest="exact", action="store_false",
                    help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
-    v.add_argument("--max-sessions", type=int, default=64)
-    v.add_argument("--kv-cache-mib", type=int, default=0,
+    v.add_argument("--max-sessions", type=int, default=VerifySettings.max_sessions)
+    v.add_argument("--kv-cache-mib", type=int, default=VerifySettings.kv_cache_mib,
                    help="KV cache of all sessions together; 0: max sessions at the full context, "
                         "at most a quarter of memory")
-    v.add_argument("--idle-timeout", type=float, default=600.0, help="evict sessions idle this long (s)")
-    v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+    v.add_argument("--idle-timeout", type=float, default=VerifySettings.idle_timeout_s,
+                   help="evict sessions idle this long (s)")
+    v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=VerifySettings.prefix_cache,
                    help="keep prompts' keys and values for later prompts that start the same way, in KV budget "
                         "the sessions leave free")
-    v.add_argument("--batch-rows", type=int, default=256,
+    v.add_argument("--batch-rows", type=int, default=VerifySettings.batch_rows,
                    help="most rows of concurrent sessions' calls batched into one forward (1: no batching)")
-    v.add_argument("--batch-wait-ms", type=float, default=5.0,
+    v.add_argument("--batch-wait-ms", type=float, default=VerifySettings.batch_wait_ms,
                    help="how long a call may wait for other sessions' calls to join its forward (a batch runs "
                         "at once when every live session has sent its call)")
 
@@ -148,9 +149,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--proposal-top-k", type=int, default=int(ENV("SPECSPLIT_PROPOSAL_TOP_K", "16")),
                    help="rejection sampling: a model drafter samples from its most likely K tokens "
                         "(renormalised) and sends that distribution with each draft token")
-    d.add_argument("--max-sessions", type=int, default=64)
-    d.add_argument("--idle-timeout", type=float, default=600.0)
-    d.add_argument("--batch-wait-ms", type=float, default=2.0,
+    d.add_argument("--max-sessions", type=int, default=DraftSettings.max_sessions)
+    d.add_argument("--idle-timeout", type=float, default=DraftSettings.idle_timeout_s)
+    d.add_argument("--batch-wait-ms", type=float, default=DraftSettings.batch_wait_ms,
                    help="how long a Propose may wait for other sessions' to draft with it (at once when "
                         "every session has sent one)")
 
@@ -413,7 +414,7 @@ def _stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
     p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--batch-wait-ms", type=float, default=5.0,
+    p.add_argument("--batch-wait-ms", type=float, default=VerifySettings.batch_wait_ms,
                    help="the verify service's wait for other sessions' calls to join a forward")
     p.add_argument("--tree-budget", type=int, default=8,
                    help="the gateway's token-tree size per round for requests that do not say (0: chains)")

@@ -1,8 +1,14 @@
-"""One frozen settings object per service, built at the entry point from flags and environment."""
+"""One frozen settings object per service, built at the entry point from flags and environment;
+the CLI's defaults and the tools' are read from here, and so are the limits every side checks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Draft tokens one verify call takes (a token tree's budget too: the gateway, the draft service
+# and the metrics' per-position counters use the same bound), and the longest chain a round drafts.
+MAX_DRAFT = 64
+MAX_GAMMA = 32
 
 
 @dataclass(frozen=True)

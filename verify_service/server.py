@@ -19,6 +19,7 @@ from specsplit.fastllama import CacheFull
 from specsplit.modeling import LoadedModel
 from specsplit.serving import Rounds
 from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.settings import MAX_DRAFT
 from specsplit.telemetry import meter, record_compute
 from specsplit.verify.v1 import verify_pb2 as pb
 from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
@@ -26,7 +27,6 @@ from specsplit.worker import Again, ModelWorker
 from verify_service.engine import ContextFull, LengthMismatch, Prefilling, Target, TargetSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-MAX_DRAFT = 64
 WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
 WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds), linear in between
 MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %

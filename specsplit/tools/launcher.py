@@ -16,6 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specsplit.settings import VerifySettings
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -53,7 +55,7 @@ class StackConfig:
     device: str = "cpu"
     exact: bool = True
     quantize: str = ""  # the target's weights: "" (its dtype) or "int8"
-    batch_wait_ms: float = 5.0  # the verify service's --batch-wait-ms
+    batch_wait_ms: float = VerifySettings.batch_wait_ms  # the verify service's --batch-wait-ms
     drafter: str = "auto"  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
     store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
