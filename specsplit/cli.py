@@ -615,9 +615,10 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_trace_report(a: argparse.Namespace) -> int:
+    from specsplit.tools.traceplot import plot
     from specsplit.tools.tracereport import main as report_main
 
-    return report_main(a)
+    return report_main(a, plot)
 
 
 def cmd_distill(a: argparse.Namespace) -> int:

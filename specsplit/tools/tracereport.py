@@ -277,7 +277,9 @@ def print_report(spans: list[Span], out=sys.stdout, per_request: bool = True) ->
             "per_request": [asdict(p) for p in request_rows], "notes": notes}
 
 
-def main(args) -> int:
+def main(args, plot=None) -> int:
+    """The trace-report command; `plot(spans, summary, path, trace_id)` draws --plot (traceplot.plot,
+    passed in by the CLI: the plot module reads this one, not the other way round)."""
     spans: list[Span] = []
     for path in args.file or []:
         spans += load_file(path)
@@ -292,8 +294,6 @@ def main(args) -> int:
         require("matplotlib", "plot", "trace-report --plot")
     result = print_report(spans, per_request=not args.no_per_request)
     if args.plot:
-        from specsplit.tools.traceplot import plot
-
         drawn = plot(spans, report(spans)[1], args.plot, args.plot_trace)
         print(f"plot: {args.plot} (trace {drawn.trace_id[:12]} and the shares per task type)")
     if args.json_out:
