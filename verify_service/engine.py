@@ -290,15 +290,16 @@ class Target:
 
     @staticmethod
     def _rejects(session: TargetSession) -> bool:
-        return session.sampling.temperature > 0 and session.method == "rejection"
+        return session.sampling.verified_by(session.method) == "rejection"
 
     def _decide(self, session: TargetSession, logits: torch.Tensor, draft: list[int],
                 proposals: list, start: int, parents: list[int] | None) -> tuple[list[int], int]:
         """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token)."""
         params = session.sampling
-        if params.temperature == 0:
+        how = params.verified_by(session.method)
+        if how == "greedy":
             return greedy_accept(logits, draft, parents)
-        if session.method == "coupled":
+        if how == "coupled":
             return coupled_accept(_Warped(logits, params), draft, params.seed, start, parents)
         path, token, _ = rejection_accept(_Warped(logits, params), draft, proposals, params.seed, start, parents)
         return path, token

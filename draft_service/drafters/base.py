@@ -66,7 +66,7 @@ class DraftSession:
     @property
     def rejects(self) -> bool:
         """Rejection sampling: drafts are drawn from q, and token trees keep a layout fixed before the draws."""
-        return self.sampling.temperature > 0 and self.method == "rejection"
+        return self.sampling.verified_by(self.method) == "rejection"
 
     @property
     def output(self) -> list[int]:

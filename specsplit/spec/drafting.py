@@ -94,7 +94,7 @@ def choose(session: Drafting, logits: torch.Tensor, ids: torch.Tensor | None, vo
     if len(two.indices) > 1 and float(probs[two.indices[1]]) > 0:
         second = int(two.indices[1])
         runner_up = (second if ids is None else int(ids[second]), float(probs[second]))
-    if params.temperature > 0 and session.method == "rejection":
+    if params.verified_by(session.method) == "rejection":
         cut = probs.topk(min(session.proposal_top_k, probs.shape[-1]))
         keep = cut.values > 0
         local, values = cut.indices[keep], cut.values[keep]
@@ -151,7 +151,7 @@ def _ranking(session: Drafting, logits: torch.Tensor, ids: torch.Tensor | None,
     log q + the verifier's Gumbel noise for the position being drafted."""
     params = session.sampling
     probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
-    if params.temperature > 0 and session.method == "coupled":
+    if params.verified_by(session.method) == "coupled":
         noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
         return probs, probs.log() + (noise if ids is None else noise[ids.cpu()]).to(probs.device)
     return probs, probs

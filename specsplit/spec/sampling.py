@@ -35,6 +35,11 @@ class SamplingParams:
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p {self.top_p} is not in (0, 1]")
 
+    def verified_by(self, method: str) -> str:
+        """How drafts are verified under these params and a session's method: "greedy" at
+        temperature 0, else the method ("coupled" or "rejection")."""
+        return "greedy" if self.temperature == 0 else method
+
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities [n, V] from logits [n, V]: temperature, then top-k, then top-p (the smallest
