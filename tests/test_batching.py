@@ -62,7 +62,7 @@ def test_a_batched_forward_gives_each_session_its_own_logits(models, dtype):
     assert torch.equal(mixed[2][0], ref2.forward([4, 5], parents=[-1, -1]))
 
 
-def test_target_runs_calls_of_several_sessions_in_one_forward(models):
+def test_target_runs_calls_of_several_sessions_in_one_forward(models, monkeypatch):
     lm = load_model(models["target"], "bfloat16")
     target = Target(lm)
     if not target.batches:
@@ -85,13 +85,22 @@ def test_target_runs_calls_of_several_sessions_in_one_forward(models):
     for i, (first, result) in enumerate(zip(firsts, results)):
         assert (first.next_token, result.num_accepted, result.next_token, sessions[i].tokens) == alone[i]
         assert result.batch_calls == 3 and result.batch_rows == 12
-    # A call that fails in a batch fails alone, and leaves its session as it was.
+    # A call that fails in a batch fails alone, and leaves its session as it was: its committed
+    # tokens, and its cache rolled back from the rows the shared forward wrote.
     before = list(sessions[1].tokens)
     bad = target.plan_verify(sessions[1], len(sessions[1].tokens), [5])
     good = target.plan_verify(sessions[0], len(sessions[0].tokens), [])
-    bad.finish = lambda *_: (_ for _ in ()).throw(ValueError("refused"))
+    decide = target._decide
+
+    def refuse_one(session, *args):
+        if session is sessions[1]:
+            raise ValueError("refused")
+        return decide(session, *args)
+
+    monkeypatch.setattr(target, "_decide", refuse_one)
     outcomes = target.run([bad, good])
     assert isinstance(outcomes[0], ValueError) and sessions[1].tokens == before
+    assert sessions[1].kv.length == len(before) - 1  # the cache holds the committed tokens but the last
     assert outcomes[1].length == len(sessions[0].tokens)
 
 
@@ -238,15 +247,21 @@ async def test_two_rounds_of_one_session_at_once_commit_one_and_refuse_the_other
     from specsplit.verify.v1 import verify_pb2 as vpb
     from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
-    async with running_stack(tmp_path, "tcp", models["target"], models["draft"], shared_memory=False) as stack:
+    # Two live sessions and a long batch wait: the first call waits for a second before its forward
+    # runs, so both calls of "s" are gathered into one (alone, the first would run at once and the
+    # second fail on its length instead of the guard).
+    async with running_stack(tmp_path, "tcp", models["target"], None, shared_memory=False,
+                             verify_kw={"batch_wait_ms": 2000.0}) as stack:
         async with grpc.aio.insecure_channel(stack.verify) as ch:
             v = vpb_grpc.VerifierStub(ch)
             first = await v.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=[5, 6, 7, 8]))
+            await v.Prefill(vpb.PrefillRequest(session_id="idle", prompt_token_ids=[5, 6]))
             same = vpb.VerifyRequest(session_id="s", length=first.length, draft_token_ids=[first.next_token_id])
             outcomes = await asyncio.gather(v.Verify(same), v.Verify(same), return_exceptions=True)
             ok = [o for o in outcomes if not isinstance(o, BaseException)]
             refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
             assert len(ok) == 1 and len(refused) == 1, outcomes
             assert refused[0].code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "already has a call in this forward" in refused[0].details()  # the guard's refusal
             after = await v.Verify(vpb.VerifyRequest(session_id="s", length=ok[0].length))
             assert after.length == ok[0].length + 1  # the session went on from the committed round

@@ -87,6 +87,10 @@ async def test_sampling_with_a_seed_repeats(door):
     kw = {"model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 7}
     first, second = [await client.completions.create(**kw) for _ in range(2)]
     assert first.choices[0].text == second.choices[0].text
+    # ... and the seed is the one given: other seeds give other texts (a dropped seed would not).
+    others = [await client.completions.create(**{**kw, "seed": seed}) for seed in (8, 9, 10)]
+    assert any(o.choices[0].text != first.choices[0].text for o in others)
+    assert {o.model_extra["specsplit"]["seed"] for o in others} == {"8", "9", "10"}
     assert first.model_extra["specsplit"]["verify_method"] == "coupled"
 
 

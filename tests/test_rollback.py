@@ -56,6 +56,9 @@ def test_truncate_rolls_back_by_position(models, kind):
     feed(fresh, 0, 6)
     expected = feed(fresh, 9, 12)
     assert cache.length == fresh.length == 9
-    torch.testing.assert_close(again.float(), expected.float(), rtol=1e-5, atol=1e-5)
+    if "native" in kind:  # the native kernels are exact by construction: bit for bit
+        assert torch.equal(again, expected)
+    else:
+        torch.testing.assert_close(again.float(), expected.float(), rtol=1e-5, atol=1e-5)
     cache.truncate(0)
     assert cache.length == 0
