@@ -50,6 +50,26 @@ def test_prefill_in_chunks_gives_the_same_cache_and_logits(models, monkeypatch, 
         assert torch.equal(seq._buffer.kv[..., :len(prompt), :, :], whole._buffer.kv[..., :len(prompt), :, :]), cuts
 
 
+@pytest.mark.parametrize("dtype,quantize,path", KERNEL_PATHS)
+def test_results_do_not_depend_on_the_thread_count(models, monkeypatch, dtype, quantize, path):
+    """decoder.cpp shares GEMM panels and attention tasks out over the OpenMP team: 1, 2 or 3
+    threads give the same bits (prefill and a 5-row verify)."""
+    _kernel_path(monkeypatch, dtype, quantize, path)
+    lm = load_model(models["wide"], dtype, quantize=quantize)
+    prompt = [(5 * i + 2) % 250 for i in range(70)]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            seq = KVSequence(lm.model)
+            outs.append((seq.forward(prompt), seq.forward([4, 9, 16, 25, 36])))
+    finally:
+        torch.set_num_threads(threads)
+    for n, (prefill, verify) in zip((2, 3), outs[1:]):
+        assert torch.equal(prefill, outs[0][0]) and torch.equal(verify, outs[0][1]), n
+
+
 @pytest.mark.parametrize("model", ["target", "wide"])
 @pytest.mark.parametrize("dtype,quantize,path", KERNEL_PATHS)
 def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models, monkeypatch, dtype, quantize, path,
