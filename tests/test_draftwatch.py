@@ -59,7 +59,7 @@ async def test_a_call_is_given_up_only_when_the_whole_service_stalls(monkeypatch
         raise AssertionError("a stalled call was not given up")
     except TimeoutError as e:
         assert "ngram drafter's budget" in str(e)
-    assert loop.time() - t < 1.0  # one budget (0.05 s) plus scheduling, far below the 60 s hang
+    assert loop.time() - t < 30  # given up after its budget (0.05 s), not after the 60 s hang
     await asyncio.sleep(0)
     assert cancelled.is_set()
 
