@@ -198,11 +198,18 @@ class FastLink(asyncio.Protocol):
             self._fail_all(f"bad frame: {e}")
             return
         for kind, body in frames:
+            if not self._waiting:  # the stream is out of step: nothing after this can be trusted
+                self._transport.abort()
+                self._fail_all("an answer nobody asked for")
+                return
             waiter = self._waiting.popleft()
             if waiter.done():  # its caller gave up (deadline, cancellation): drop the late answer
                 continue
             if kind == OK:
                 waiter.set_result(body)
+            elif not body:
+                waiter.set_exception(Failure(grpc.StatusCode.UNKNOWN, f"{self.service} service: an error with no "
+                                                                      "status or message"))
             else:
                 code = _CODES.get(body[0], grpc.StatusCode.UNKNOWN)
                 waiter.set_exception(Failure(code, f"{self.service} service: {body[1:].decode(errors='replace')}"))

@@ -4,10 +4,12 @@ stay matched to their calls when a caller gives up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
 import stat
+import struct
 import tempfile
 import threading
 import time
@@ -132,3 +134,56 @@ def test_no_fast_path_where_a_socket_cannot_be_made(monkeypatch, tmp_path):
         assert fastpath.offer(worker, _serve, "verify", enabled=False) is None
     finally:
         worker.shutdown()
+
+
+async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
+    """A service that answers out of step: an empty error frame fails its call with a clear status
+    and the link goes on; an oversize frame fails the call as a bad frame and closes the link; an
+    answer nobody asked for closes it too, and later calls fail UNAVAILABLE."""
+    path = tmp_path / "bad.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    script: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, contextlib.suppress(OSError):
+            for answer in script:
+                conn.recv(1 << 16)  # one request, then its scripted answer
+                conn.sendall(answer)
+
+    async def link_for(answers: list[bytes]) -> tuple[fastpath.FastLink, threading.Thread]:
+        script[:] = answers
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        return await fastpath.FastLink.open(path, "verify"), thread
+
+    request = vpb.VerifyRequest(session_id="s")
+    # An error frame with no status byte: UNKNOWN, said so; the next answer still reaches its call.
+    link, thread = await link_for([fastpath.frame(fastpath.ERROR, b""), fastpath.frame(fastpath.OK, b"")])
+    with pytest.raises(Failure) as empty:
+        await link.call(request, vpb.VerifyResponse, 5.0)
+    assert empty.value.code == grpc.StatusCode.UNKNOWN and "no status or message" in empty.value.message
+    assert not link.closed and await link.call(request, vpb.VerifyResponse, 5.0) == vpb.VerifyResponse()
+    link.close()
+    thread.join(5)
+    # A frame longer than any message: the call fails as a bad frame, the link is closed.
+    link, thread = await link_for([struct.pack("<IB", fastpath.MAX_FRAME + 1, fastpath.OK)])
+    with pytest.raises(Failure) as oversize:
+        await link.call(request, vpb.VerifyResponse, 5.0)
+    assert oversize.value.code == grpc.StatusCode.UNAVAILABLE and "bad frame" in oversize.value.message
+    assert link.closed
+    thread.join(5)
+    # Two answers to one call: the second was asked by nobody, and the stream cannot be trusted.
+    link, thread = await link_for([fastpath.frame(fastpath.OK, b"") * 2])
+    await link.call(request, vpb.VerifyResponse, 5.0)
+    for _ in range(100):
+        if link.closed:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(Failure) as after:
+        await link.call(request, vpb.VerifyResponse, 5.0)
+    assert after.value.code == grpc.StatusCode.UNAVAILABLE and link.closed
+    thread.join(5)
+    listener.close()
