@@ -88,7 +88,7 @@ async def test_connecting_waits_for_dns_to_list_a_replica_then_says_what_is_miss
 
 
 async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: tuple[str, ...],
-                 draft_kw: dict[str, dict] | None = None):
+                 draft_kw: dict[str, dict] | None = None, verify_models: dict[str, str] | None = None):
     """Verify and draft services (one process each, by name; draft_kw: DraftSettings by name) and a
     gateway told about all of them; yields (gateway address, stop events by name, tasks by name,
     sessions started per replica of each service)."""
@@ -126,8 +126,10 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
         return addr
 
     stops = {name: asyncio.Event() for name in (*verify, *draft, "gateway")}
-    model = ModelSettings(str(models["target"]), "float32")
-    tasks = {name: asyncio.create_task(run_verify(VerifySettings(server(name), model), stops[name],
+    def model(name: str) -> ModelSettings:  # verify_models: another model for some replicas
+        return ModelSettings(str(models[(verify_models or {}).get(name, "target")]), "float32")
+
+    tasks = {name: asyncio.create_task(run_verify(VerifySettings(server(name), model(name)), stops[name],
                                                   handle_signals=False)) for name in verify}
     tasks |= {name: asyncio.create_task(run_draft(DraftSettings(server(name), None, default_drafter="ngram",
                                                                 **(draft_kw or {}).get(name, {})),
@@ -258,3 +260,17 @@ async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_anothe
                 await d1.EndSession(dpb.EndSessionRequest(session_id=f"fill{i}"))
             again = await stub.Generate(request, timeout=60)  # room is back on d1, and it was never "down"
             assert again.stats.speculation_used and sorted(started["draft"].values()) == [3, 4]
+
+
+async def test_a_verify_replica_serving_other_weights_gets_no_sessions(models, tmp_path, monkeypatch):
+    """v2 serves the draft model's weights (same tokenizer, other fingerprint): the gateway keeps it out
+    of rotation, every session goes to v1, and the answers are v1's."""
+    async for gateway, _, _, started in _stack(models, tmp_path, monkeypatch, ("v1", "v2"), ("d1",),
+                                               verify_models={"v2": "draft"}):
+        request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=12, speculation=pb.SPECULATION_OFF,
+                                     stop=pb.StopConditions(ignore_eos=True))
+        async with grpc.aio.insecure_channel(gateway) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            answers = [await stub.Generate(request) for _ in range(6)]
+        assert len({tuple(a.token_ids) for a in answers}) == 1
+        assert sorted(started["verify"].values()) == [6]  # one replica's session table took them all
