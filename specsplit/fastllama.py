@@ -317,10 +317,6 @@ class FastSequence:
         """Room for `rows` more positions (CacheFull when the budget cannot give it)."""
         self._buffer.reserve(self._buffer.length + rows)
 
-    @property
-    def pool(self) -> KVPool:
-        return self._lm.pool
-
     def read(self, start: int, end: int) -> torch.Tensor:
         """A copy of the keys and values of positions [start, end): [layers, 2, n, kv_heads, head_dim]."""
         if not 0 <= start <= end <= self.length:

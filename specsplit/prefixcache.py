@@ -68,26 +68,23 @@ class PrefixCache:
         sequence holds the prompt's keys and values, `features` one row per token of prompt[first:]
         (a prefill in chunks stores each chunk's blocks as they are done; the blocks before
         `first` were stored before)."""
-        parent, keys = None, []
+        keys = self._chain(prompt, len(prompt))  # kept already
+        self._pinned.update(keys)
+        parent = keys[-1] if keys else None
         try:
-            for start in range(0, len(prompt) - self.block + 1, self.block):
+            for start in range(len(keys) * self.block, len(prompt) - self.block + 1, self.block):
                 tokens = tuple(prompt[start:start + self.block])
                 key = hash((parent, tokens))
-                block = self._blocks.get(key)
-                if block is None:
-                    if start < first:
-                        break  # evicted since: its features are gone with it
-                    kv = sequence.read(start, start + self.block)
-                    feats = features[start - first:start - first + self.block].clone()
-                    nbytes = kv.numel() * kv.element_size() + feats.numel() * feats.element_size()
-                    self._pool.take(nbytes, "the prefix cache")
-                    self._blocks[key] = _Block(parent, tokens, kv, feats, nbytes)
-                    self.used_bytes += nbytes
-                elif block.parent != parent or block.tokens != tokens:
-                    break  # a hash collision: the block there stays
+                if start < first or key in self._blocks:
+                    break  # evicted since (its features are gone with it), or a hash collision
+                kv = sequence.read(start, start + self.block)
+                feats = features[start - first:start - first + self.block].clone()
+                nbytes = kv.numel() * kv.element_size() + feats.numel() * feats.element_size()
+                self._pool.take(nbytes, "the prefix cache")
+                self._blocks[key] = _Block(parent, tokens, kv, feats, nbytes)
+                self.used_bytes += nbytes
                 keys.append(key)
                 self._pinned.add(key)
-                self._blocks.move_to_end(key)
                 parent = key
         except CacheFull:
             pass  # the sessions use the rest of the budget

@@ -61,13 +61,13 @@ class VerifyResult:
 @dataclass
 class Prefilling:
     """A session's prompt being fed in chunks: its cache holds prompt[:done]; features of those
-    rows so far (the prefix cache's, then each chunk's)."""
+    rows so far when the session asked for them (the prefix cache's, then each chunk's)."""
 
     session: TargetSession
     prompt: list[int]
     done: int = 0
     cached: int = 0  # of which loaded from the prefix cache
-    features: list[torch.Tensor] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # kept only when the session asked for them
     stored: int = 0  # prompt[:stored] is in the prefix cache (whole blocks)
     pending: list[torch.Tensor] = field(default_factory=list)  # features of prompt[stored:done]
 
@@ -166,7 +166,8 @@ class Target:
             features = self.prefix_cache.load(prompt, session.kv)
             if features is not None:
                 prefilling.done = prefilling.cached = prefilling.stored = len(features)
-                prefilling.features.append(features)
+                if with_features:
+                    prefilling.features.append(features)
         return prefilling
 
     def plan_prefill(self, prefilling: Prefilling, chunk: int | None = None) -> Step:
@@ -181,7 +182,7 @@ class Target:
 
         def finish(logits: torch.Tensor | None, features) -> VerifyResult:  # logits [1, vocab] of the last row
             prefilling.done = end
-            if features is not None:
+            if session.with_features:
                 prefilling.features.append(features)
             if self.prefix_cache is not None:
                 self._keep_blocks(prefilling, features)
