@@ -30,7 +30,7 @@ shift || true
 setup
 case "$cmd" in
   test)
-    python -m specsplit.protogen --check
+    python -m specsplit.api.protogen --check
     ruff check --quiet .
     # -rs: every skip is listed with its reason (kernel paths this CPU lacks, for one)
     exec python -m pytest -q -rs "$@"

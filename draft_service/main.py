@@ -13,11 +13,12 @@ from draft_service.drafters.model import ModelDrafter, draft_vocabulary
 from draft_service.drafters.ngram import NgramDrafter, OutputStore
 from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
-from specsplit import catalog, runtime, telemetry
-from specsplit.serving import serve
-from specsplit.sessions import SessionTable
-from specsplit.settings import DraftSettings, ModelSettings
-from specsplit.worker import ModelWorker
+from specsplit.model import catalog
+from specsplit.serving import runtime, telemetry
+from specsplit.serving.server import serve
+from specsplit.serving.sessions import SessionTable
+from specsplit.serving.settings import DraftSettings, ModelSettings
+from specsplit.serving.worker import ModelWorker
 
 
 def draft_quantization(model: ModelSettings) -> str:
@@ -29,8 +30,8 @@ def draft_quantization(model: ModelSettings) -> str:
         return model.quantize
     import torch
 
-    from specsplit import native
-    from specsplit.modeling import parse_dtype
+    from specsplit.model import native
+    from specsplit.model.modeling import parse_dtype
 
     dtype = parse_dtype(model.dtype)
     if native.unavailable(dtype, torch.device(model.device)):

@@ -11,16 +11,17 @@ import grpc
 import torch
 
 from draft_service.drafters.base import Drafter, DraftSession, Steps, drive_all, steps_of
-from specsplit import shm, wire
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.draft.v1 import draft_pb2 as pb
-from specsplit.draft.v1 import draft_pb2_grpc as pb_grpc
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.draft.v1 import draft_pb2 as pb
+from specsplit.api.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
-from specsplit.serving import Rounds
-from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
-from specsplit.settings import MAX_DRAFT, MAX_GAMMA
+from specsplit.model.modeling import pairing_problem
+from specsplit.serving import shm, wire
+from specsplit.serving.server import Rounds
+from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA
+from specsplit.serving.worker import ModelWorker
 from specsplit.spec.drafting import Proposal
-from specsplit.worker import ModelWorker
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -68,16 +69,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if drafter is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"unknown drafter {name!r}; this service has {sorted(self._drafters)}")
-        theirs = drafter.description.tokenizer_fingerprint
-        if request.target_tokenizer_fingerprint and theirs and theirs != request.target_tokenizer_fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"drafter {name!r} uses tokenizer {theirs}, the target uses "
-                                f"{request.target_tokenizer_fingerprint}: token ids would not match")
-        trained_for = drafter.description.target_model_fingerprint
-        if request.target_model_fingerprint and trained_for and trained_for != request.target_model_fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"drafter {name!r} was trained for target weights {trained_for}, the target has "
-                                f"{request.target_model_fingerprint}: retrain it with `specsplit distill`")
+        d = drafter.description
+        problem = pairing_problem(f"drafter {name!r}", d.tokenizer_fingerprint, d.target_model_fingerprint,
+                                  request.target_tokenizer_fingerprint, request.target_model_fingerprint)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         params, method = wire.sampling(request.sampling)
         try:
             params.check()

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specsplit.ewma import Ewma
-from specsplit.settings import ControllerSettings
+from specsplit.serving.settings import ControllerSettings
+from specsplit.spec.ewma import Ewma
 from specsplit.spec.tokentree import verify_ms
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode

@@ -14,10 +14,10 @@ from opentelemetry.metrics import Observation
 
 from gateway.controller import Controller, Outcome, RoundFacts
 from gateway.state import Request
-from specsplit import roundtime, wire
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.settings import MAX_DRAFT
-from specsplit.telemetry import meter, tracer
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.serving import roundtime, wire
+from specsplit.serving.settings import MAX_DRAFT
+from specsplit.serving.telemetry import meter, tracer
 
 POSITION_BUCKETS = (32, 128, 512)  # output position of a round's first token: 0-31, 32-127, 128-511, 512+
 

@@ -6,9 +6,10 @@ import asyncio
 
 from gateway.access import BearerAuth
 from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
-from specsplit import catalog, runtime, telemetry
-from specsplit.serving import serve
-from specsplit.settings import GatewaySettings
+from specsplit.model import catalog
+from specsplit.serving import runtime, telemetry
+from specsplit.serving.server import serve
+from specsplit.serving.settings import GatewaySettings
 
 
 async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:

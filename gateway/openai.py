@@ -19,9 +19,9 @@ import grpc
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.errors import Failure
-from specsplit.gateway.v1 import gateway_pb2 as pb
 
 log = logging.getLogger("specsplit.gateway")
 

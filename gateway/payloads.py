@@ -1,16 +1,16 @@
 """Where a round's bulk payloads travel: target features to the drafter and draft distributions to
 the verifier go by reference into the session's shared-memory segment when the receiving service
-mapped it, inline otherwise (specsplit.shm)."""
+mapped it, inline otherwise (specsplit.serving.shm)."""
 
 from __future__ import annotations
 
 import grpc
 
 from gateway.state import Request
-from specsplit import shm
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
+from specsplit.serving import shm
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -9,8 +9,8 @@ import logging
 from pathlib import Path
 
 from gateway.controller import Controller
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.verify.v1 import verify_pb2 as vpb
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.verify.v1 import verify_pb2 as vpb
 
 log = logging.getLogger("specsplit.gateway")
 VERSION = 1

@@ -26,12 +26,12 @@ from grpc_health.v1 import health_pb2_grpc
 
 from gateway.draftwatch import PROBE_TIMEOUT_S, DraftWatch
 from gateway.load import Load
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 from specsplit.errors import Failure
-from specsplit.serving import aio_channel
-from specsplit.settings import ClientTLS
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.serving.server import aio_channel
+from specsplit.serving.settings import ClientTLS
 
 log = logging.getLogger("specsplit.gateway")
 RESOLVE_EVERY_S = 5.0

@@ -18,12 +18,12 @@ from gateway.replicas import Replica
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
-from specsplit import shm
-from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.serving import shm
 from specsplit.spec import tokentree
-from specsplit.verify.v1 import verify_pb2 as vpb
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns

@@ -21,17 +21,17 @@ from gateway.replicas import Replica, Replicas
 from gateway.rounds import RoundLoop
 from gateway.state import Plan
 from gateway.upstream import Upstream
-from specsplit import shm
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.modeling import chat_prompt_ids, tokenizer_fingerprint
-from specsplit.serving import unix_path
-from specsplit.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings
+from specsplit.model.modeling import chat_prompt_ids, pairing_problem, tokenizer_fingerprint
+from specsplit.serving import shm
+from specsplit.serving.server import unix_path
+from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings
 from specsplit.spec.sampling import SamplingParams
-from specsplit.verify.v1 import verify_pb2 as vpb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 VERIFY_SERVICE = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -52,16 +52,8 @@ def incompatibility(target: vpb.InfoResponse, drafters: dict[str, dpb.DrafterInf
     drafter = drafters.get(name)
     if drafter is None:
         return f"unknown drafter {name!r}; the draft service has {sorted(drafters)}"
-    theirs, ours = drafter.tokenizer_fingerprint, target.tokenizer_fingerprint
-    if theirs and theirs != ours:
-        return (f"drafter {name!r} ({drafter.model_id}) uses tokenizer {theirs}, the target "
-                f"{target.model_id} uses {ours}: their token ids do not match")
-    trained_for = drafter.target_model_fingerprint
-    if trained_for and trained_for != target.model_fingerprint:
-        return (f"drafter {name!r} ({drafter.model_id}) was trained for target weights {trained_for}; the target "
-                f"{target.model_id} has weights {target.model_fingerprint or '(unknown)'}: retrain it with "
-                "`specsplit distill`")
-    return ""
+    return pairing_problem(f"drafter {name!r} ({drafter.model_id})", drafter.tokenizer_fingerprint,
+                           drafter.target_model_fingerprint, target.tokenizer_fingerprint, target.model_fingerprint)
 
 
 async def _check(stub: health_pb2_grpc.HealthStub) -> tuple[bool, str]:

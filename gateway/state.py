@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gateway.controller import Decision
-from specsplit import shm
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.draft.v1 import draft_pb2 as dpb
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.serving import shm
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Plan:
 
 
 class Round(NamedTuple):
-    """One round's facts as measured (ns), before any accounting (specsplit.roundtime)."""
+    """One round's facts as measured (ns), before any accounting (specsplit.serving.roundtime)."""
 
     drafted: int
     accepted: int

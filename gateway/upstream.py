@@ -1,6 +1,6 @@
 """How the gateway reaches the draft and verify services: unary calls for a session's start and end,
 and per-session round links for its rounds, over the fast path when both sides share the host
-(specsplit.fastpath) and over one gRPC stream per session otherwise. Every failure becomes a
+(specsplit.serving.fastpath) and over one gRPC stream per session otherwise. Every failure becomes a
 Failure naming the service."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import logging
 
 import grpc
 
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 from specsplit.errors import Failure
-from specsplit.fastpath import FastLink
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.serving.fastpath import FastLink
 
 log = logging.getLogger("specsplit.gateway")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
+from specsplit.serving.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -155,8 +155,9 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
     try:
         verify_addr = await address("verify", tasks[0])
         draft_addr = await address("draft", tasks[1])
+        # chains unless a test asks for trees: most tests pin the verify width they check
         settings = GatewaySettings(server("gateway"), verify_addr, draft_addr, tokenizer=str(target),
-                                   connect_timeout_s=10, **gateway_kw)
+                                   connect_timeout_s=10, **{"tree_budget": 0, **gateway_kw})
         tasks.append(asyncio.create_task(run_gateway(settings, stop, handle_signals=False)))
         gateway_addr = await address("gateway", tasks[2])
         yield Running(gateway_addr, verify_addr, draft_addr, stop, tasks)

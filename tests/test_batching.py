@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import running_stack
 
-from specsplit.fastllama import Feed
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.modeling import KVSequence, load_model
-from specsplit.worker import ModelWorker
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.model.fastllama import Feed
+from specsplit.model.modeling import KVSequence, load_model
+from specsplit.serving.worker import ModelWorker
 from verify_service.engine import Target
 
 
@@ -188,7 +188,7 @@ def test_the_self_head_drafts_several_sessions_in_one_call_as_it_drafts_each_alo
     where they would."""
     from draft_service.drafters.base import drive_all
     from draft_service.drafters.selfdraft import SelfDrafter
-    from specsplit.featurehead import NativeHead
+    from specsplit.model.featurehead import NativeHead
 
     drafter = SelfDrafter(self_head, models["target"])
     if not isinstance(drafter.runner, NativeHead):
@@ -245,8 +245,8 @@ async def test_the_concurrency_sweep_measures_every_level_and_mode_and_checks_an
 
 
 async def test_two_rounds_of_one_session_at_once_commit_one_and_refuse_the_other(models, tmp_path):
-    from specsplit.verify.v1 import verify_pb2 as vpb
-    from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+    from specsplit.api.verify.v1 import verify_pb2 as vpb
+    from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 
     # Two live sessions and a long batch wait: the first call waits for a second before its forward
     # runs, so both calls of "s" are gathered into one (alone, the first would run at once and the

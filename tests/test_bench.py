@@ -44,7 +44,7 @@ def test_summary_ratios_and_counts():
     assert (code["p95_off_s"], code["p95_on_s"]) == (3.0, 2.0)
     # 2 x 1.0 ms of drafting over 8 * 4 + 19 * 4 drafted tokens, against a 40 ms target step.
     assert code["draft_cost_ratio"] == (2.0 / 108) / 40.0
-    # Shares of the gateway's request time, by specsplit.roundtime's parts: they add up to 1.
+    # Shares of the gateway's request time, by specsplit.serving.roundtime's parts: they add up to 1.
     assert code["network_share"] == (0.5 + 0.5) / 3000
     assert sum(code[f"{k}_share"] for k in ("draft", "verify", "network", "gateway")) == pytest.approx(1.0)
 
@@ -74,7 +74,7 @@ def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
 
 
 def test_acceptance_by_draft_position_counts_chains_and_trees():
-    from specsplit.gateway.v1 import gateway_pb2 as gpb
+    from specsplit.api.gateway.v1 import gateway_pb2 as gpb
     from specsplit.tools.bench import depth_counts
 
     rounds = [gpb.RoundRecord(drafted=4, accepted=2),  # a chain: depth 4

@@ -8,7 +8,7 @@ import json
 
 from conftest import running_stack
 
-from specsplit.cli import _parser
+from specsplit.cli import parser as _parser
 from specsplit.tools.launcher import StackConfig
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specsplit import catalog
+from specsplit.model import catalog
 
 
 def _wheel(index: Path, name: str, version: str, parts: list[bytes]) -> None:

@@ -7,8 +7,8 @@ import random
 
 from gateway.controller import AUTO, OFF, ON, Controller, expected_length
 from gateway.instruments import outcome
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.settings import ControllerSettings
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.serving.settings import ControllerSettings
 
 
 class Workload:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specsplit.cli import _parser
+from specsplit.cli import parser as _parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = sorted((ROOT / "deploy").glob("compose.*.yaml"))

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit import catalog
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.model import catalog
 from specsplit.tools.launcher import Stack, StackConfig
 from specsplit.tools.workload import load_prompts
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit import fastpath
+from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.worker import ModelWorker
+from specsplit.serving import fastpath
+from specsplit.serving.worker import ModelWorker
 
 
 @pytest.fixture

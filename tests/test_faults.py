@@ -21,10 +21,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 PROMPT = "Repeat after me: speculation must never change the output."
 

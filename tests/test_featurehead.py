@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specsplit.featurehead import FeatureHead, HeadCache, HeadConfig, head_step, unrolled_forward
+from specsplit.model.featurehead import FeatureHead, HeadCache, HeadConfig, head_step, unrolled_forward
 
 
 def random_head(seed: int = 0, head_dim: int = 8) -> FeatureHead:
@@ -88,8 +88,8 @@ def test_self_session_keeps_features_aligned_with_committed_tokens():
 def test_native_serving_computes_what_torch_serving_computes(dtype, tol):
     """The native kernels run the head's layer and draft logits as head_step + logits do, through
     a prefix, drafted steps and a rollback (bfloat16 weights: within bf16 rounding)."""
-    from specsplit import native
-    from specsplit.featurehead import NativeHead, TorchHead
+    from specsplit.model import native
+    from specsplit.model.featurehead import NativeHead, TorchHead
 
     if native.unavailable(dtype, torch.device("cpu")):
         pytest.skip(native.unavailable(dtype, torch.device("cpu")))
@@ -118,8 +118,8 @@ def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dty
     """NativeHead.tree_step: rows whose parents are slots of earlier calls (a draft tree grown
     depth by depth, EAGLE-2 style) get what a chain feed of their path gives (up to the rounding of
     the head's input projection, a torch GEMM whose result depends on the rows in the call)."""
-    from specsplit import native
-    from specsplit.featurehead import NativeHead
+    from specsplit.model import native
+    from specsplit.model.featurehead import NativeHead
 
     if native.unavailable(dtype, torch.device("cpu")):
         pytest.skip(native.unavailable(dtype, torch.device("cpu")))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit import catalog, native
-from specsplit.modeling import KVSequence, load_model
+from specsplit.model import catalog, native
+from specsplit.model.modeling import KVSequence, load_model
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ def test_the_files_blocks_are_the_weights_transformers_dequantized(default_dir):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from specsplit.ggufweights import GGUFWeights, dequantize, gguf_path
+    from specsplit.model.ggufweights import GGUFWeights, dequantize, gguf_path
 
     weights = GGUFWeights(gguf_path(default_dir), AutoConfig.from_pretrained(default_dir))
     hf = load_file(default_dir / "model.safetensors")

@@ -17,7 +17,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("specsplit", "gateway", "draft_service", "verify_service")
-GENERATED = ("specsplit/common/v1", "specsplit/draft/v1", "specsplit/verify/v1", "specsplit/gateway/v1")
+GENERATED = ("specsplit/api/common/v1", "specsplit/api/draft/v1", "specsplit/api/verify/v1", "specsplit/api/gateway/v1")
 
 
 def project() -> dict:

@@ -36,7 +36,7 @@ def test_services_exit_when_the_launcher_is_killed(models, tmp_path):
 
 
 def test_services_spin_briefly_unless_the_user_chose_otherwise():
-    from specsplit.cli import SERVICE_SPINCOUNT, quiet_spin
+    from specsplit.cli.serve import SERVICE_SPINCOUNT, quiet_spin
 
     env: dict[str, str] = {}
     quiet_spin(env)

@@ -12,9 +12,9 @@ import grpc
 import pytest
 import torch
 
-from specsplit.fastllama import CacheFull
-from specsplit.modeling import load_model
-from specsplit.prefixcache import BLOCK, PrefixCache
+from specsplit.model.fastllama import CacheFull
+from specsplit.model.modeling import load_model
+from specsplit.model.prefixcache import BLOCK, PrefixCache
 from specsplit.spec.sampling import SamplingParams
 from verify_service.engine import Target
 
@@ -97,7 +97,7 @@ def test_prefix_cache_only_uses_room_the_sessions_leave_and_evicts_least_recentl
 
 
 async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_plain_jobs_between():
-    from specsplit.worker import Again, ModelWorker
+    from specsplit.serving.worker import Again, ModelWorker
 
     worker = ModelWorker("test", wait_s=0.0)
     batches: list[list] = []
@@ -133,8 +133,8 @@ def _long_text(sentences: int) -> str:
 async def test_a_long_prefill_runs_in_chunks_beside_a_decoding_session_and_changes_nothing(models, tmp_path):
     from conftest import running_stack
 
-    from specsplit.verify.v1 import verify_pb2 as vpb
-    from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+    from specsplit.api.verify.v1 import verify_pb2 as vpb
+    from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 
     long = _prompt(3000, 290, 7)
     lm = load_model(models["long"], "bfloat16")
@@ -174,10 +174,10 @@ async def test_a_long_prefill_runs_in_chunks_beside_a_decoding_session_and_chang
 async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_nothing(models, tmp_path):
     from conftest import running_stack
 
-    from specsplit.gateway.v1 import gateway_pb2 as pb
-    from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.verify.v1 import verify_pb2 as vpb
-    from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+    from specsplit.api.gateway.v1 import gateway_pb2 as pb
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.api.verify.v1 import verify_pb2 as vpb
+    from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 
     request = pb.GenerateRequest(text=_long_text(500), speculation=pb.SPECULATION_OFF, max_new_tokens=4,
                                  stop=pb.StopConditions(ignore_eos=True))

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from conftest import running_stack
 
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.spec.sampling import ACCEPT, RESAMPLE, SIBLING_ACCEPT, coupled_choice, sample, uniform
 from verify_service import engine
 

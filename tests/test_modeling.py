@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draft_service.drafters.model import ModelDrafter
-from specsplit.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model, tokenizer_fingerprint
+from specsplit.model.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model, tokenizer_fingerprint
 from verify_service.engine import LengthMismatch, Target
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
@@ -18,7 +18,7 @@ KERNEL_PATHS = [("bfloat16", "", "amx"), ("bfloat16", "", "avx512"), ("float32",
 
 def _kernel_path(monkeypatch, dtype: str, quantize: str, path: str) -> None:
     """Selects one native kernel path, or skips naming what this CPU lacks (pytest -rs lists them)."""
-    from specsplit import native
+    from specsplit.model import native
 
     reason = native.unavailable(getattr(torch, dtype), torch.device("cpu"))
     if not reason and path == "amx" and not native.amx():
@@ -116,7 +116,7 @@ def _one_by_one_equals_verified(lm) -> torch.Tensor:
 def test_native_kernels_run_where_the_cpu_has_them(models, dtype, monkeypatch):
     """The tripwire: on a CPU that can run them, the kernels build and serve, whatever the suite's
     SPECSPLIT_NATIVE says (a run with the fallback switched on still checks them here)."""
-    from specsplit import native
+    from specsplit.model import native
 
     monkeypatch.delenv("SPECSPLIT_NATIVE", raising=False)
     lm = load_model(models["target"], dtype)
@@ -279,7 +279,7 @@ def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
 def test_quantized_weights_keep_verification_exact_and_stay_close(models, quantize, dtype):
     """int8 (weights only) and q8_0 (int8 weights and activations per block of 32, vpdpbusd): a row's
     logits do not depend on how many rows share the call, and stay close to the unquantized model's."""
-    from specsplit import native
+    from specsplit.model import native
 
     torch_dtype = getattr(torch, dtype)
     if native.unavailable(torch_dtype, torch.device("cpu")):

@@ -14,8 +14,8 @@ import openai
 import pytest
 from conftest import running_stack
 
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 TOKEN = "s3cret-token"
 GREEDY = {"temperature": 0, "max_tokens": 20}

@@ -7,9 +7,9 @@ import grpc
 from conftest import running_stack
 from test_services import PROMPTS, request, wait_released
 
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 
 async def test_a_perfect_drafter_hits_and_skips_propose_calls(models, tmp_path):

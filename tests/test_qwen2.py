@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from draft_service.drafters.model import ModelDrafter, draft_vocabulary
-from specsplit import native
-from specsplit.modeling import KVSequence, load_model
+from specsplit.model import native
+from specsplit.model.modeling import KVSequence, load_model
 from tests.conftest import make_tokenizer
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
@@ -95,7 +95,7 @@ def test_a_native_draft_vocabulary_scores_exactly_the_full_heads_rows(qwen2_dir,
 
 def test_the_hybrid_drafts_with_the_draft_model_where_retrieval_has_nothing(qwen2_dir, tmp_path):
     from draft_service.main import build_drafters
-    from specsplit.settings import DraftSettings, ModelSettings, ServerSettings
+    from specsplit.serving.settings import DraftSettings, ModelSettings, ServerSettings
 
     drafters = build_drafters(DraftSettings(ServerSettings(f"unix://{tmp_path}/d.sock"),
                                             ModelSettings(str(qwen2_dir), "float32", exact=False)))

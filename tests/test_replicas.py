@@ -12,10 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.replicas import RESOLVE_EVERY_S, Replicas, resolve
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
+from specsplit.serving.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
 from specsplit.tools.launcher import wait_serving
 from verify_service.server import VerifierServicer
 
@@ -138,7 +138,7 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
         verify_at = [await address(n, tasks[n]) for n in verify]
         draft_at = [await address(n, tasks[n]) for n in draft]
         settings = GatewaySettings(server("gateway"), ",".join(verify_at), ",".join(draft_at),
-                                   tokenizer=str(models["target"]), connect_timeout_s=10)
+                                   tokenizer=str(models["target"]), connect_timeout_s=10, tree_budget=0)
         tasks["gateway"] = asyncio.create_task(run_gateway(settings, stops["gateway"], handle_signals=False))
         yield await address("gateway", tasks["gateway"]), stops, tasks, started
     finally:
@@ -233,8 +233,8 @@ async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_no
 
 
 async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_another(models, tmp_path, monkeypatch):
-    from specsplit.draft.v1 import draft_pb2 as dpb
-    from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+    from specsplit.api.draft.v1 import draft_pb2 as dpb
+    from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
 
     async for gateway, _, _, started in _stack(models, tmp_path, monkeypatch, ("v1",), ("d1", "d2"),
                                                {"d1": {"max_sessions": 2}}):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_featurehead import random_head
 
-from specsplit import native
-from specsplit.featurehead import NativeHead, TorchHead
-from specsplit.modeling import KVSequence, load_model
+from specsplit.model import native
+from specsplit.model.featurehead import NativeHead, TorchHead
+from specsplit.model.modeling import KVSequence, load_model
 
 
 def _sequences(models, native_kernels: bool):

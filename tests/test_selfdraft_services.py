@@ -8,10 +8,10 @@ import pytest
 from conftest import running_stack
 from test_services import PROMPTS, request, wait_released
 
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
@@ -80,7 +80,7 @@ async def test_retrieval_store_drafts_a_repeated_answer_from_an_earlier_request(
 
 
 async def test_features_sent_to_a_drafter_that_reads_none_are_refused(models, tmp_path):
-    from specsplit.common.v1 import common_pb2 as cpb
+    from specsplit.api.common.v1 import common_pb2 as cpb
 
     async with running_stack(tmp_path, "unix", models["target"], None) as stack:
         async with grpc.aio.insecure_channel(stack.draft) as ch:

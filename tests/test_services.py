@@ -8,12 +8,12 @@ import grpc
 import pytest
 from conftest import running_stack
 
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "cat",', "Once upon a time"]
 
@@ -292,7 +292,7 @@ async def test_drafter_with_another_tokenizer_is_refused(models, tmp_path):
 
 async def test_gateway_refuses_requests_until_its_backends_answer(models, tmp_path):
     from gateway.main import run as run_gateway
-    from specsplit.settings import GatewaySettings, ServerSettings
+    from specsplit.serving.settings import GatewaySettings, ServerSettings
 
     nowhere = f"unix://{tmp_path / 'nobody.sock'}"
     settings = GatewaySettings(ServerSettings(f"unix://{tmp_path / 'gw.sock'}", grace_s=0.5), nowhere, nowhere,
@@ -312,7 +312,7 @@ async def test_gateway_refuses_requests_until_its_backends_answer(models, tmp_pa
 
 
 async def test_verifier_refuses_bad_sampling_and_bad_proposals(models, tmp_path):
-    from specsplit.common.v1 import common_pb2 as cpb
+    from specsplit.api.common.v1 import common_pb2 as cpb
 
     async with running_stack(tmp_path, "unix", models["target"], None) as stack:
         async with grpc.aio.insecure_channel(stack.verify) as ch:
@@ -345,7 +345,7 @@ async def test_verifier_refuses_bad_sampling_and_bad_proposals(models, tmp_path)
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 async def test_coupled_sampling_gives_the_same_text_with_speculation_on_or_off(models, tmp_path, transport):
-    from specsplit.common.v1 import common_pb2 as cpb
+    from specsplit.api.common.v1 import common_pb2 as cpb
 
     async with running_stack(tmp_path, transport, models["target"], models["draft"]) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
@@ -395,7 +395,7 @@ async def test_model_drafter_drafts_with_the_verifiers_noise_in_coupled_mode(mod
 
 
 async def test_draft_service_returns_what_each_draft_was_sampled_from(models, tmp_path):
-    from specsplit.common.v1 import common_pb2 as cpb
+    from specsplit.api.common.v1 import common_pb2 as cpb
 
     async with running_stack(tmp_path, "unix", models["target"], models["draft"],
                              draft_kw={"proposal_top_k": 5}) as stack:
@@ -433,7 +433,7 @@ async def test_controller_reasons_policy_and_concurrency(models, tmp_path, caplo
     task type off (applied only for the models it was made with), and the concurrency cut-off."""
     import json
 
-    from specsplit.settings import ControllerSettings
+    from specsplit.serving.settings import ControllerSettings
 
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
         async with grpc.aio.insecure_channel(stack.verify) as v, grpc.aio.insecure_channel(stack.draft) as d:
@@ -471,7 +471,7 @@ async def test_controller_reasons_policy_and_concurrency(models, tmp_path, caplo
 
 
 async def test_verifier_refuses_sessions_past_its_kv_budget_and_frees_them_on_release(models, tmp_path):
-    from specsplit.modeling import load_model
+    from specsplit.model.modeling import load_model
 
     native = load_model(models["target"], "bfloat16").native
     if native is None:

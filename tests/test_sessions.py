@@ -1,6 +1,6 @@
 import pytest
 
-from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 
 
 class Clock:
@@ -67,7 +67,7 @@ async def test_sweep_evicts_idle_sessions_in_the_background():
 def test_a_start_that_arrives_after_its_end_is_refused():
     """A caller that gave up on a slow start ends the session; the start may still arrive later
     (a stalled service resumes) and must not leave an orphan behind."""
-    from specsplit import sessions
+    from specsplit.serving import sessions
 
     table = SessionTable(max_sessions=4, idle_timeout_s=60)
     assert table.pop("late") is None  # ended before it started

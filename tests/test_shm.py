@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specsplit import shm
-from specsplit.common.v1 import common_pb2 as cpb
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.serving import shm
 from specsplit.tools.launcher import wait_serving
 
 
@@ -86,7 +86,7 @@ def test_segments_of_a_killed_creator_are_reclaimed_and_a_live_ones_are_not(shm_
     live = shm.Creator()
     kept = live.create("11" * 16, 0, 1 << 20, 0)
     child = subprocess.run([sys.executable, "-c", (
-        "import os, signal\nfrom specsplit import shm\nc = shm.Creator()\nc.create('22' * 16, 0, 1 << 20, 0)\n"
+        "import os, signal\nfrom specsplit.serving import shm\nc = shm.Creator()\nc.create('22' * 16, 0, 1 << 20, 0)\n"
         "os.kill(os.getpid(), signal.SIGKILL)")], env=os.environ)
     assert child.returncode == -signal.SIGKILL
     assert len(_segments(shm_dir)) == 2
@@ -234,6 +234,8 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
         assert _poll(lambda: _segments(shm_dir) == [])
         services.start("verify")  # same socket path: the gateway reconnects (after its backoff)
         assert _poll(lambda: _succeeds(gw), 30)
+        # that request's segment goes in a background release, after its answer
+        assert _poll(lambda: _segments(shm_dir) == [])
 
         # The gateway killed mid-request: its segment and lock are left behind until something starts.
         future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))

@@ -1,5 +1,5 @@
 from gateway.textstream import TextAssembler
-from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
 
 
 class CharTokenizer:

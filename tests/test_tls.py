@@ -12,12 +12,12 @@ import grpc
 import pytest
 from conftest import running_stack
 
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.serving import aio_channel
-from specsplit.settings import ClientTLS
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.serving.server import aio_channel
+from specsplit.serving.settings import ClientTLS
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -16,8 +16,8 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as otlp
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otlp_grpc
 
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.tools.launcher import Stack, StackConfig
 from specsplit.tools.tracereport import Span, load_otlp_request, requests_from
 

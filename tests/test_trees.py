@@ -9,10 +9,10 @@ from conftest import running_stack
 
 from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
 from gateway.load import InFlight, Load
-from specsplit import native
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.modeling import KVSequence, load_model
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.model import native
+from specsplit.model.modeling import KVSequence, load_model
 from specsplit.spec.drafting import Choice, chain_tree
 from specsplit.spec.tokentree import Tree, depths, prune, worth_verifying
 from verify_service.engine import Target

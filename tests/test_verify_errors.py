@@ -8,8 +8,8 @@ import grpc
 import pytest
 from conftest import running_stack
 
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 
 async def _refused(call) -> grpc.aio.AioRpcError:
@@ -37,7 +37,7 @@ async def test_out_of_range_drafts_and_a_full_context_are_refused_and_the_sessio
 
 
 async def test_a_round_the_kv_budget_cannot_hold_is_refused_while_other_sessions_hold_the_rest(models, tmp_path):
-    from specsplit.modeling import load_model
+    from specsplit.model.modeling import load_model
 
     lm = load_model(models["long"], "bfloat16")
     if lm.native is None:

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specsplit.modeling import KVSequence, LoadedModel, Sequence
+from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.spec import tokentree
 from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
 from specsplit.spec.rollback import TreeRollback
 from specsplit.spec.sampling import SamplingParams, warp
 
 if TYPE_CHECKING:
-    from specsplit.prefixcache import PrefixCache
+    from specsplit.model.prefixcache import PrefixCache
 
 METHODS = ("coupled", "rejection")
 
@@ -40,7 +40,7 @@ class TargetSession:
     with_features: bool = False  # return the features of newly committed positions
     sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
     method: str = "coupled"  # with temperature > 0: coupled | rejection
-    segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.shm)
+    segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ class Target:
             return []
         start = time.perf_counter_ns()
         if self.batches and len(steps) > 1:
-            from specsplit.fastllama import Feed
+            from specsplit.model.fastllama import Feed
 
             outs = self.lm.native.run([Feed(s.session.kv, s.ids, s.last_only, s.parents, s.logits) for s in steps])
             outs = [(logits, hidden if s.features else None) for s, (logits, hidden) in zip(steps, outs)]

@@ -9,12 +9,12 @@ import time
 
 from opentelemetry.metrics import Observation
 
-from specsplit import runtime, telemetry
-from specsplit.prefixcache import PrefixCache
-from specsplit.serving import serve
-from specsplit.sessions import SessionTable
-from specsplit.settings import VerifySettings
-from specsplit.worker import ModelWorker
+from specsplit.model.prefixcache import PrefixCache
+from specsplit.serving import runtime, telemetry
+from specsplit.serving.server import serve
+from specsplit.serving.sessions import SessionTable
+from specsplit.serving.settings import VerifySettings
+from specsplit.serving.worker import ModelWorker
 from verify_service.engine import Target
 from verify_service.server import SERVICE_NAME, VerifierServicer, register
 

@@ -12,18 +12,18 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from specsplit import shm, wire
-from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.verify.v1 import verify_pb2 as pb
+from specsplit.api.verify.v1 import verify_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
-from specsplit.fastllama import CacheFull
-from specsplit.modeling import LoadedModel
-from specsplit.serving import Rounds
-from specsplit.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
-from specsplit.settings import MAX_DRAFT
-from specsplit.telemetry import meter, record_compute
-from specsplit.verify.v1 import verify_pb2 as pb
-from specsplit.verify.v1 import verify_pb2_grpc as pb_grpc
-from specsplit.worker import Again, ModelWorker
+from specsplit.model.fastllama import CacheFull
+from specsplit.model.modeling import LoadedModel
+from specsplit.serving import shm, wire
+from specsplit.serving.server import Rounds
+from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.serving.settings import MAX_DRAFT
+from specsplit.serving.telemetry import meter, record_compute
+from specsplit.serving.worker import Again, ModelWorker
 from verify_service.engine import ContextFull, LengthMismatch, Prefilling, Target, TargetSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name

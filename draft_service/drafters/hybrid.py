@@ -17,8 +17,8 @@ from collections import OrderedDict
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive, steps_of
 from draft_service.drafters.ngram import NgramDrafter
-from specsplit.ewma import Ewma
 from specsplit.spec.drafting import Proposal
+from specsplit.spec.ewma import Ewma
 from specsplit.spec.tokentree import chain, follow
 
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)

@@ -1,4 +1,4 @@
-"""Self-drafting: a small head (specsplit.featurehead) on the target's own features, trained by
+"""Self-drafting: a small head (specsplit.model.featurehead) on the target's own features, trained by
 `specsplit distill` for one target. Features arrive with every Propose; the head keeps a one-layer
 KV cache over the committed positions and drafts greedily in its reduced vocabulary."""
 
@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
-from specsplit.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, NativeHead, TorchHead
-from specsplit.modeling import weights_fingerprint
+from specsplit.model.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, NativeHead, TorchHead
+from specsplit.model.modeling import weights_fingerprint
 from specsplit.spec.drafting import Proposal, candidates, chain_tree, choose, sampled_from
 from specsplit.spec.tokentree import Tree
 
 HEAD_FORMAT = "specsplit-feature-head/1"
 WIDTH = 3  # token trees: nodes expanded per depth, and children per node
 MIN_EXPAND = 0.05  # token trees: a node whose path probability is below this is not expanded
-PACKAGED = Path(__file__).resolve().parent.parent.parent / "specsplit" / "drafts"
+PACKAGED = Path(__file__).resolve().parents[2] / "specsplit" / "model" / "drafts"
 
 
 class SelfSession(DraftSession):
@@ -214,7 +214,7 @@ class SelfDrafter:
 def _runner(head: FeatureHead, device: torch.device, max_positions: int):
     """The native kernels when they run here (bfloat16 weights where the CPU has bf16 dot products:
     half the bytes a step reads), else torch."""
-    from specsplit import native
+    from specsplit.model import native
 
     if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
         dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32

@@ -39,7 +39,7 @@ class Anchor:
     def __init__(self, model_dir: str, dtype: str, draft_dir: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from specsplit.modeling import parse_dtype
+        from specsplit.model.modeling import parse_dtype
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(dtype), local_files_only=True)
         self.model.eval()
@@ -69,7 +69,7 @@ class Anchor:
             self._generate(self._ids(prompt), 8, mode)
 
     def _ids(self, prompt: str) -> list[int]:
-        from specsplit.modeling import chat_prompt_ids
+        from specsplit.model.modeling import chat_prompt_ids
 
         return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
 
@@ -95,7 +95,7 @@ def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 
                  repeats: int = 30) -> dict[str, float]:
     """Our target forward in this process (the verify service's code): median ms of a 1-row step
     and of a 5-row verify at a `context`-token prefix, interleaved."""
-    from specsplit.modeling import KVSequence, load_model
+    from specsplit.model.modeling import KVSequence, load_model
 
     lm = load_model(model_dir, dtype, quantize=quantize)
     seq = KVSequence(lm.model)

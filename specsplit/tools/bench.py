@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 
 from gateway.controller import p95
-from specsplit import roundtime
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.serving import roundtime
 from specsplit.tools.launcher import Stack, StackConfig
 from specsplit.tools.workload import REQUEST, Prompt, Variant, load_prompts, request, warmup
 
@@ -46,7 +46,7 @@ class Record:
     proposal_bytes: int = 0  # draft distributions sent (rejection sampling), all rounds
     predraft: tuple[int, int] = (0, 0)  # pre-drafts started, used (--predraft on)
     off_ids: list[int] = None  # the spec-off output's token ids
-    parts: dict = None  # the last spec-on run's time by part (specsplit.roundtime.request_split), ms
+    parts: dict = None  # the last spec-on run's time by part (specsplit.serving.roundtime.request_split), ms
     by_depth: list = None  # per draft depth d (1, 2, ...): [rounds that drafted that deep, rounds that accepted d]
 
 
@@ -211,8 +211,8 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
 
 
 def _draft_memory(address: str) -> dict[str, int]:
-    from specsplit.draft.v1 import draft_pb2 as dpb
-    from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
+    from specsplit.api.draft.v1 import draft_pb2 as dpb
+    from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
 
     with grpc.insecure_channel(address) as channel:
         info = dpb_grpc.DrafterStub(channel).Info(dpb.InfoRequest(), timeout=10)
@@ -333,9 +333,9 @@ def main(args, config: StackConfig) -> int:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
     if args.long_context:
-        from specsplit import catalog
-        from specsplit.fastllama import kernel_name
-        from specsplit.modeling import parse_dtype
+        from specsplit.model import catalog
+        from specsplit.model.fastllama import kernel_name
+        from specsplit.model.modeling import parse_dtype
         from specsplit.tools import longcontext
 
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
@@ -351,7 +351,7 @@ def main(args, config: StackConfig) -> int:
                                    args.requests)
     anchor, anchored, profile, llama = None, [], None, None
     if args.anchor_llama_cpp or args.anchor and args.temperature <= 0:
-        from specsplit import catalog
+        from specsplit.model import catalog
         from specsplit.tools import anchor as anchoring
 
         model_dir = str(catalog.resolve(config.target_model))

@@ -13,15 +13,15 @@ import grpc
 from gateway import policy
 from gateway.controller import Controller, Decision
 from gateway.instruments import outcome
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.settings import ControllerSettings
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.serving.settings import ControllerSettings
 from specsplit.tools.bench import gateway_stub
 from specsplit.tools.launcher import StackConfig
 from specsplit.tools.workload import Prompt, load_prompts, request, warmup
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 FORCED = Decision(True, 0, "forced")  # observed for statistics only: calibration decides itself
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specsplit.settings import VerifySettings
+from specsplit.serving.settings import ControllerSettings, DraftSettings, GatewaySettings, VerifySettings
 
 _PR_SET_PDEATHSIG = 1
 
@@ -51,16 +51,16 @@ class StackConfig:
     dtype: str = "bfloat16"
     draft_dtype: str = "bfloat16"
     draft_quantize: str = "auto"  # the draft model's weights: "auto", "" (its dtype) or "int8"
-    draft_vocab: int = 32768  # the model drafter's draft vocabulary (its draft_vocab.json if it has one; 0: all)
+    draft_vocab: int = DraftSettings.draft_vocab  # the model drafter's draft vocabulary (0: all)
     device: str = "cpu"
     exact: bool = True
     quantize: str = ""  # the target's weights: "" (its dtype) or "int8"
     batch_wait_ms: float = VerifySettings.batch_wait_ms  # the verify service's --batch-wait-ms
-    drafter: str = "auto"  # the draft service's default drafter
+    drafter: str = DraftSettings.default_drafter  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
-    store_tokens: int = 262144  # the retrieval drafter's store of earlier outputs (0: none)
-    gamma: int = 4
-    tree_budget: int = 8  # the gateway's --tree-budget
+    store_tokens: int = DraftSettings.store_tokens  # the retrieval drafter's store of earlier outputs (0: none)
+    gamma: int = ControllerSettings.gamma_start
+    tree_budget: int = GatewaySettings.tree_budget  # the gateway's --tree-budget
     threads: int = 0
     run_dir: str | None = None  # sockets, address files and logs; a fresh temp dir when None
     trace_file: str | None = None  # the services export traces here as OTLP-JSON lines (else OTEL_* decides)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.controller import p95
-from specsplit.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
 
 SIZES = (2000, 4000, 6000)
 SOURCES = ("argparse", "dataclasses", "typing", "tarfile")
@@ -109,7 +109,7 @@ class HFForward:
 def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out=sys.stdout) -> int:
     from transformers import AutoTokenizer
 
-    from specsplit.modeling import chat_prompt_ids
+    from specsplit.model.modeling import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     docs = documents(tokenizer)

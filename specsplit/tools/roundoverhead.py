@@ -1,7 +1,7 @@
 """`specsplit bench --round-overhead`: what a round costs beyond the models. The real gateway and the
 real draft and verify servers (gRPC, worker thread, fast path, shared memory) run with a verifier
 and a drafter that cost nothing: the drafter proposes gamma copies of one token and the verifier
-accepts them all. Every figure is a round's overhead as specsplit.roundtime defines it (round wall
+accepts them all. Every figure is a round's overhead as specsplit.serving.roundtime defines it (round wall
 time minus compute), for each way the gateway reaches the services."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import grpc
 import torch
 
 from gateway.controller import p95
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.tools.launcher import Stack, StackConfig, die_with_launcher
 
 TOKEN = 100  # what the stub drafter proposes and the stub verifier chooses
@@ -66,12 +66,12 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
     """The real servicer and server of `kind` around a stub model."""
     from transformers import AutoTokenizer
 
-    from specsplit import catalog
-    from specsplit.modeling import tokenizer_fingerprint
-    from specsplit.serving import serve
-    from specsplit.sessions import SessionTable
-    from specsplit.settings import ServerSettings
-    from specsplit.worker import ModelWorker
+    from specsplit.model import catalog
+    from specsplit.model.modeling import tokenizer_fingerprint
+    from specsplit.serving.server import serve
+    from specsplit.serving.sessions import SessionTable
+    from specsplit.serving.settings import ServerSettings
+    from specsplit.serving.worker import ModelWorker
 
     settings = ServerSettings(listen=listen, address_file=address_file, shared_memory=shared_memory)
     worker, sessions = ModelWorker(kind), SessionTable(64, 600.0)

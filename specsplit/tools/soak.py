@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specsplit import shm
-from specsplit.draft.v1 import draft_pb2 as dpb
-from specsplit.draft.v1 import draft_pb2_grpc as dpb_grpc
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.draft.v1 import draft_pb2 as dpb
+from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.serving import shm
 from specsplit.tools.launcher import Stack, StackConfig, wait_serving
 from specsplit.tools.workload import Prompt, request
-from specsplit.verify.v1 import verify_pb2 as vpb
-from specsplit.verify.v1 import verify_pb2_grpc as vpb_grpc
 
 STALL_S = 2.0  # --chaos stop: how long the draft service stays stopped
 

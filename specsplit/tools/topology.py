@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from specsplit.gateway.v1 import gateway_pb2 as pb
-from specsplit.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.tools.launcher import Stack, StackConfig
 from specsplit.tools.netem import DelayProxy
 from specsplit.tools.workload import Prompt, request, warmup
@@ -55,7 +55,7 @@ class Tally:
         self.hits += s.predraft_hits
         self.shared_memory += s.shared_memory
         self.requests += 1
-        overhead = [r.network_ms + r.gateway_ms for r in s.round_records]  # specsplit.roundtime
+        overhead = [r.network_ms + r.gateway_ms for r in s.round_records]  # specsplit.serving.roundtime
         self.overhead_ms += overhead
         self.first_ms += overhead[:1]
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from specsplit import roundtime
+from specsplit.serving import roundtime
 
 GENERATE = "specsplit.gateway.v1.Gateway/Generate"
 KINDS = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
@@ -132,7 +132,7 @@ class RequestReport:
     total_ms: float
     draft_ms: float  # drafter compute on the critical path (rounds that waited for their Propose)
     verify_ms: float  # target compute (prefill and verify forwards)
-    network_ms: float  # calls beyond their servers' compute (specsplit.roundtime), prefill included
+    network_ms: float  # calls beyond their servers' compute (specsplit.serving.roundtime), prefill included
     gateway_ms: float = 0.0  # the rest: the gateway's own work, tokenising, the client hop
     predraft_hits: int = 0  # rounds served by a pre-draft: no Propose on their critical path
 
@@ -148,7 +148,7 @@ def _ms(span: Span, name: str) -> float:
 
 def requests_from(spans: list[Span]) -> list[RequestReport]:
     """One report per Generate trace, from the gateway's prefill and round spans: the times the
-    gateway measured and accounted once (specsplit.roundtime), the same figures as the response's
+    gateway measured and accounted once (specsplit.serving.roundtime), the same figures as the response's
     stats."""
     by_trace: dict[str, list[Span]] = defaultdict(list)
     for s in spans:

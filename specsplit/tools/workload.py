@@ -8,9 +8,9 @@ from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 
-from specsplit.common.v1 import common_pb2 as cpb
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.errors import UsageError
-from specsplit.gateway.v1 import gateway_pb2 as pb
 
 
 @dataclass(frozen=True)

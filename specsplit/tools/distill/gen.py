@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsplit.modeling import LoadedModel, chat_prompt_ids
+from specsplit.model.modeling import LoadedModel, chat_prompt_ids
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:

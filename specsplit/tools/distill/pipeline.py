@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from draft_service.drafters.selfdraft import HEAD_FORMAT, target_tensors
-from specsplit import catalog
-from specsplit.featurehead import HeadConfig
-from specsplit.modeling import load_model
+from specsplit.model import catalog
+from specsplit.model.featurehead import HeadConfig
+from specsplit.model.modeling import load_model
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import load_prompts
 from specsplit.tools.distill.standalone import export_standalone, train_standalone

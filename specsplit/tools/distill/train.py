@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specsplit.featurehead import FeatureHead, HeadConfig, unrolled_forward
+from specsplit.model.featurehead import FeatureHead, HeadConfig, unrolled_forward
 from specsplit.tools.distill.gen import shard_paths
 
 
@@ -56,7 +56,7 @@ def load_examples(data_dir: Path, target=None, log=print) -> list[dict]:
 
 @torch.inference_mode()
 def add_features(target, examples: list[dict]) -> None:
-    from specsplit.modeling import KVSequence
+    from specsplit.model.modeling import KVSequence
 
     for ex in examples:
         ex["features"] = KVSequence(target.model).hidden(ex["ids"][:-1].tolist()).detach().cpu()

