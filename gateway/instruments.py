@@ -163,7 +163,7 @@ class Instruments:
     def finished(self, request: Request, generated: int) -> pb.GenerationStats:
         """The request's stats; also records its metrics, spans and the controller's observation."""
         plan, drafting = request.plan, request.drafting or bool(request.lost)
-        records = [_record(r) for r in request.rounds]
+        records = [_record(r) for r in request.measured.rounds]
         stats = _stats(request, records, generated, self._exact)
         common = self._common(request)
         positions = [1]  # output position of each round's first token
@@ -190,7 +190,7 @@ class Instruments:
                 **self._common(request), "specsplit.prompt_tokens": len(request.plan.prompt_ids)}) as span:
             yield
             if span.is_recording():
-                span.set_attributes({"specsplit.verify_ms": request.prefill_verify_ns / 1e6,
+                span.set_attributes({"specsplit.verify_ms": request.measured.prefill_verify_ns / 1e6,
                                      "specsplit.network_ms": _prefill_network_ms(request)})
 
     def _common(self, request: Request) -> dict:
@@ -201,8 +201,8 @@ class Instruments:
         if not trace.get_current_span().is_recording():
             return
         offset = time.time_ns() - time.perf_counter_ns()  # perf_counter marks -> wall clock
-        start = request.decode_mark + offset
-        for i, (r, record, position) in enumerate(zip(request.rounds, records, positions)):
+        start = request.measured.decode_mark + offset
+        for i, (r, record, position) in enumerate(zip(request.measured.rounds, records, positions)):
             span = tracer().start_span("round", start_time=start, attributes={
                 **common, "specsplit.round": i, "specsplit.position": position,
                 "specsplit.gamma": request.plan.gamma if record.drafted else 0,
@@ -234,7 +234,7 @@ def _record(r) -> pb.RoundRecord:
 
 def _prefill_network_ms(request: Request) -> float:
     """The prefill's calls beyond the verifier's compute (the drafter's start runs alongside)."""
-    return max(0, request.prefill_ns - request.prefill_verify_ns) / 1e6
+    return max(0, request.measured.prefill_ns - request.measured.prefill_verify_ns) / 1e6
 
 
 def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact: bool) -> pb.GenerationStats:
@@ -246,9 +246,9 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
     sampled = params.temperature > 0
     end = time.perf_counter_ns()
     return pb.GenerationStats(
-        prompt_tokens=len(plan.prompt_ids), generated_tokens=generated, prefill_ms=request.prefill_ns / 1e6,
-        prefill_compute_ms=request.prefill_verify_ns / 1e6,
-        decode_ms=(end - request.decode_mark) / 1e6, total_ms=(end - request.started) / 1e6,
+        prompt_tokens=len(plan.prompt_ids), generated_tokens=generated, prefill_ms=request.measured.prefill_ns / 1e6,
+        prefill_compute_ms=request.measured.prefill_verify_ns / 1e6,
+        decode_ms=(end - request.measured.decode_mark) / 1e6, total_ms=(end - request.measured.started) / 1e6,
         rounds=len(rounds), drafted_tokens=drafted, accepted_tokens=accepted,
         mean_acceptance_length=(accepted + len(rounds)) / len(rounds) if rounds else 0.0,
         speculation_used=drafting, drafter=plan.drafter if drafting else "", gamma=plan.gamma if drafting else 0,
@@ -258,10 +258,11 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
         seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
         speculation_reason=request.fallback or plan.decision.reason,
-        shared_memory=request.shm_verify and request.shm_draft and drafting, fast_path=request.fast_path,
-        predraft_attempts=request.predraft_attempts, predraft_hits=request.predraft_hits,
-        tree_budget=plan.tree_budget if drafting else 0, prefix_cached_tokens=request.prefix_cached,
-        prefill_chunks=request.prefill_chunks)
+        shared_memory=request.links.shm_verify and request.links.shm_draft and drafting,
+        fast_path=request.links.fast_path,
+        predraft_attempts=request.measured.predraft_attempts, predraft_hits=request.measured.predraft_hits,
+        tree_budget=plan.tree_budget if drafting else 0, prefix_cached_tokens=request.measured.prefix_cached,
+        prefill_chunks=request.measured.prefill_chunks)
 
 
 def _digest(ids: list[int]) -> str:

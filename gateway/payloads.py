@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from gateway.state import Request
+from gateway.state import Links
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
@@ -36,24 +36,24 @@ def proposal_bytes(inline: list[cpb.SparseProbs], ref: cpb.ShmRef | None) -> int
     return ref.length if ref is not None else sum(d.ByteSize() for d in inline)
 
 
-def for_drafter(request: Request, features: cpb.Features | None) -> cpb.Features | None:
+def for_drafter(links: Links, features: cpb.Features | None) -> cpb.Features | None:
     """Features as the draft service can read them: a ring reference only if it mapped the segment."""
-    if features is None or request.shm_draft:
+    if features is None or links.shm_draft:
         return features
-    return shm.fetch_features(request.segment, features)
+    return shm.fetch_features(links.segment, features)
 
 
-def for_verifier(request: Request, proposal: dpb.ProposeResponse,
+def for_verifier(links: Links, proposal: dpb.ProposeResponse,
                  keep: list[int]) -> tuple[list[cpb.SparseProbs], cpb.ShmRef | None]:
     """The draft distributions of the drafts kept (indices into the proposal), inline or, when they
     are a prefix, as a segment reference the verifier can read."""
     if not proposal.HasField("draft_probs_shm"):
         return [proposal.draft_probs[i] for i in keep] if proposal.draft_probs else [], None
     ref = proposal.draft_probs_shm
-    if request.shm_verify and keep == list(range(len(keep))):
-        length = request.segment.proposal_prefix(ref.offset, ref.length, len(keep))
+    if links.shm_verify and keep == list(range(len(keep))):
+        length = links.segment.proposal_prefix(ref.offset, ref.length, len(keep))
         return [], cpb.ShmRef(offset=ref.offset, length=length)
-    dists = request.segment.read_proposal(ref.offset, ref.length)
+    dists = links.segment.read_proposal(ref.offset, ref.length)
     return [cpb.SparseProbs(token_ids=dists[i][0], probs=dists[i][1]) for i in keep], None
 
 

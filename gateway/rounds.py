@@ -1,5 +1,5 @@
 """The round loop: prefill, then draft -> verify until a stop condition; the session is released
-after the answer, on every exit path. Per-round facts go into `request.rounds`; stats, spans and
+after the answer, on every exit path. Per-round facts go into `request.measured.rounds`; stats, spans and
 metrics are made from them once the request is done (gateway.instruments)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
 from specsplit.serving import shm
 from specsplit.spec import tokentree
+from specsplit.spec.cursor import Cursor
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
@@ -31,6 +32,7 @@ ROUND_OVERHEAD_MS = 0.5  # a round's link and gateway work beyond compute, co-lo
 # A draft service that cannot take an AUTO request's session: it goes on without drafts.
 _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEADLINE_EXCEEDED: "drafter-down",
                grpc.StatusCode.RESOURCE_EXHAUSTED: "drafter-full"}
+_FINISH = {"": pb.FINISH_REASON_UNSPECIFIED, "length": pb.FINISH_REASON_LENGTH, "context": pb.FINISH_REASON_CONTEXT}
 
 
 # A draft replica that refused a StartSession outright (down, or its session table full): nothing
@@ -68,22 +70,24 @@ class RoundLoop:
 
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
-        request = Request(plan, uuid.uuid4().hex, plan.speculate and self._drafter is not None, started=now())
+        request = Request(plan, uuid.uuid4().hex, Cursor(plan.max_new_tokens, self._target.max_context),
+                          plan.speculate and self._drafter is not None)
+        request.measured.started = now()
         for replica in self._pinned():
             replica.sessions += 1
         try:
-            request.segment = self._segment(request)
+            request.links.segment = self._segment(request)
             deadline = Deadline(time_remaining, self._rpc_timeout_s)
             self._load.enter(request.session_id)
             with self._instruments.prefill(request):
                 await self._prefill(request, deadline)
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
-            delta = text.add(request.committed, self._limit(request))
-            mark = request.decode_mark = now()
+            delta = text.add(request.cursor.last, _FINISH[request.cursor.finish()])
+            mark = request.measured.decode_mark = now()
             while not delta.finish:
                 yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
                 mark = await self._round(request, mark)
-                delta = text.add(request.committed, self._limit(request))
+                delta = text.add(request.cursor.last, _FINISH[request.cursor.finish()])
             stats = self._instruments.finished(request, len(text.token_ids))
             yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish, stats=stats)
         finally:
@@ -95,12 +99,13 @@ class RoundLoop:
         With pre-drafting the next block is drafted while the Verify is in flight, assuming every
         draft is accepted and the target's next token is the drafter's own guess."""
         plan = request.plan
-        gamma = self._room(request)
+        cursor = request.cursor
+        gamma = cursor.room(plan.gamma)
         proposal, predrafted, request.ready = request.ready, request.ready is not None, None
         feature_bytes, draft_call = payloads.feature_bytes(request.features), 0
         if proposal is None and request.drafting and gamma >= 1:
             t = now()
-            proposal = await self._draft(request, self._propose(request, request.unsent, gamma + plan.predraft))
+            proposal = await self._draft(request, self._propose(request, gamma + plan.predraft))
             draft_call = now() - t
         drafts, parents, guess, probs, ref, draft_ns, source, expected = [], [], None, [], None, 0, "", 0.0
         if proposal is not None:
@@ -112,41 +117,35 @@ class RoundLoop:
                 keep = list(range(min(gamma, len(tokens))))
             drafts = [tokens[i] for i in keep]
             guess = tokens[gamma] if plan.predraft and len(tokens) > gamma else None
-            probs, ref = payloads.for_verifier(request, proposal, keep)
-        check = vpb.VerifyRequest(session_id=request.session_id, length=request.length, draft_token_ids=drafts,
+            probs, ref = payloads.for_verifier(request.links, proposal, keep)
+        check = vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=drafts,
                                   draft_probs=probs, draft_probs_shm=ref, draft_parents=parents)
         t = now()
         ahead = None
-        if guess is not None and plan.max_new_tokens - request.generated - len(drafts) - 1 > 0:
+        if guess is not None and plan.max_new_tokens - cursor.generated - len(drafts) - 1 > 0:
             ahead = asyncio.ensure_future(self._draft(
-                request, self._propose(request, [*request.unsent, *drafts, guess], plan.gamma + 1)))
+                request, self._propose(request, plan.gamma + 1, ahead=[*drafts, guess])))
         try:
-            verdict = await request.verifier.call(check)
+            verdict = await request.links.verifier.call(check)
         finally:
             verify_call = now() - t
             if ahead is not None:
                 pre = (await asyncio.gather(ahead, return_exceptions=True))[0]
         if ahead is not None:
-            request.predraft_attempts += 1
+            request.measured.predraft_attempts += 1
             if isinstance(pre, BaseException):
                 raise pre
             if pre is not None and verdict.num_accepted == len(drafts) and verdict.next_token_id == guess:
-                request.ready, request.predraft_hits = pre, request.predraft_hits + 1
+                request.ready, request.measured.predraft_hits = pre, request.measured.predraft_hits + 1
         if plan.needs_features and request.drafting:
             request.features = payloads.join(request.features, verdict.features if verdict.HasField("features")
-                                             else None, request.segment)
+                                             else None, request.links.segment)
         path = verdict.accepted_indices or range(verdict.num_accepted)
-        request.committed = [*(drafts[i] for i in path), verdict.next_token_id]
-        if request.ready is not None:  # the drafter already holds these tokens
-            request.base, request.unsent = verdict.length, []
-        else:  # the drafter hears them with the next Propose (or EndSession); rounds without a
-            # Propose (no room left to draft) keep adding to what it has not heard yet
-            request.unsent = [*request.unsent, *request.committed]
-        request.length = verdict.length
-        request.generated += len(request.committed)
-        self._load.report(request.session_id, 1 + len(drafts), len(request.committed))
+        cursor.commit([*(drafts[i] for i in path), verdict.next_token_id], verdict.length,
+                      drafter_holds_them=request.ready is not None)
+        self._load.report(request.session_id, 1 + len(drafts), len(cursor.last))
         end = now()
-        request.rounds.append(Round(
+        request.measured.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
             max(tokentree.depths(parents)) if parents else len(drafts), expected, verdict.batch_rows,
@@ -157,9 +156,9 @@ class RoundLoop:
         """A Propose within its budget (DraftWatch). None when the draft service failed or overran
         it: the request loses its drafter and goes on target-only, which is spec-off decoding (the
         same tokens under greedy and coupled sampling; rejection sampling's output distribution)."""
-        kind = "next" if request.rounds else "first"  # a first Propose may carry the prompt's features
+        kind = "next" if request.measured.rounds else "first"  # a first Propose may carry the prompt's features
         try:
-            return await self._watch.guard(request.plan.drafter, kind, request.drafter.call(message))
+            return await self._watch.guard(request.plan.drafter, kind, request.links.drafter.call(message))
         except (Failure, TimeoutError) as e:
             self._lose(request, str(e))
             return None
@@ -167,10 +166,10 @@ class RoundLoop:
     def _lose(self, request: Request, why: str) -> None:
         if not request.drafting:
             return  # already lost (a pre-draft and a round's Propose can both fail)
-        request.lost, request.lost_at, request.fallback = why, len(request.rounds), "drafter-lost"
+        request.lost, request.lost_at, request.fallback = why, len(request.measured.rounds), "drafter-lost"
         request.drafting, request.ready = False, None
-        if request.drafter is not None:
-            request.drafter.close()
+        if request.links.drafter is not None:
+            request.links.drafter.close()
         self._watch.lost(why)
         log.warning("session %s goes on without drafts: %s", request.session_id, why)
 
@@ -194,28 +193,16 @@ class RoundLoop:
         keep, parents = tokentree.prune(list(proposal.draft_parents)[:len(proposal.draft_token_ids)], gamma, size)
         return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 
-    def _propose(self, request: Request, new_tokens: list[int], gamma: int) -> dpb.ProposeRequest:
-        """Tells the drafter what was committed since `request.base` (plus, for a pre-draft, the block
-        under verification and the guess after it) and the features it lacks; they count as
-        delivered: a Propose that fails fails the request."""
-        message = dpb.ProposeRequest(session_id=request.session_id, base_length=request.base,
+    def _propose(self, request: Request, gamma: int, ahead: list[int] = ()) -> dpb.ProposeRequest:
+        """Tells the drafter what was committed since it last heard (for a pre-draft, also the block
+        under verification and the guess after it: `ahead`) and the features it lacks; they count
+        as delivered: a Propose that fails fails the request."""
+        base, new_tokens = request.cursor.tell(ahead)
+        message = dpb.ProposeRequest(session_id=request.session_id, base_length=base,
                                      new_token_ids=new_tokens, gamma=gamma, tree_budget=request.plan.tree_budget,
-                                     features=payloads.for_drafter(request, request.features))
-        request.features, request.base, request.unsent = None, request.length, []
+                                     features=payloads.for_drafter(request.links, request.features))
+        request.features = None
         return message
-
-    def _room(self, request: Request) -> int:
-        """Largest gamma whose accepted + 1 tokens fit max_new_tokens and the context."""
-        plan = request.plan
-        return min(plan.gamma, plan.max_new_tokens - request.generated - 1,
-                   self._target.max_context - request.length - 1)
-
-    def _limit(self, request: Request) -> int:
-        if request.generated >= request.plan.max_new_tokens:
-            return pb.FINISH_REASON_LENGTH
-        if request.length >= self._target.max_context:
-            return pb.FINISH_REASON_CONTEXT
-        return pb.FINISH_REASON_UNSPECIFIED
 
     def _segment(self, request: Request) -> shm.Segment | None:
         """The session's shared memory, offered to both services (spec-off too: mapping it is what
@@ -237,8 +224,8 @@ class RoundLoop:
         session's round links; commits the first token, keeps the prompt's features for drafters
         that read them, and turns drafting off when an AUTO request's draft service is down."""
         plan, up = request.plan, self._up
-        name = request.segment.name if request.segment else ""
-        t = request.prefill_mark = now()
+        name = request.links.segment.name if request.links.segment else ""
+        t = request.measured.prefill_mark = now()
         prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
             session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
             sampling=plan.sampling, shm_segment=name, skip_prefix_cache=plan.skip_prefix_cache), "verify",
@@ -263,23 +250,21 @@ class RoundLoop:
             request.drafting, started, request.fallback = False, None, _NO_DRAFTER[started.code]
         elif isinstance(started, BaseException):
             raise started
-        if request.segment is not None:
-            request.shm_verify = payloads.proves(verified.shm_nonce, request.segment, "verify")
-            request.shm_draft = started is not None and payloads.proves(started.shm_nonce, request.segment, "draft")
-        request.verifier = await up.verify_link(self._verifier, verified.fast_path if request.shm_verify else "",
-                                                deadline)
+        links = request.links
+        if links.segment is not None:
+            links.shm_verify = payloads.proves(verified.shm_nonce, links.segment, "verify")
+            links.shm_draft = started is not None and payloads.proves(started.shm_nonce, links.segment, "draft")
+        links.verifier = await up.verify_link(self._verifier, verified.fast_path if links.shm_verify else "", deadline)
         if request.drafting:
             try:
-                request.drafter = await up.draft_link(self._drafter, started.fast_path if request.shm_draft else "",
-                                                      deadline)
+                links.drafter = await up.draft_link(self._drafter, started.fast_path if links.shm_draft else "",
+                                                    deadline)
             except Failure as e:
                 self._lose(request, str(e))
-        request.fast_path = bool(request.shm_verify and verified.fast_path)
-        request.prefill_ns, request.prefill_verify_ns = now() - t, verified.forward_ns
-        request.prefix_cached, request.prefill_chunks = verified.cached_tokens, verified.chunks
-        request.committed, request.unsent = [verified.next_token_id], [verified.next_token_id]
-        request.base = len(plan.prompt_ids)
-        request.length, request.generated = verified.length, 1
+        request.links.fast_path = bool(request.links.shm_verify and verified.fast_path)
+        request.measured.prefill_ns, request.measured.prefill_verify_ns = now() - t, verified.forward_ns
+        request.measured.prefix_cached, request.measured.prefill_chunks = verified.cached_tokens, verified.chunks
+        request.cursor.start(len(plan.prompt_ids), verified.next_token_id, verified.length)
         if plan.needs_features and request.drafting:
             request.features = verified.features
 
@@ -318,19 +303,19 @@ class RoundLoop:
         removes the shared memory; the replicas count the session until then (a replica that left
         DNS closes its channel only once no session needs it)."""
         try:
-            for link in (request.verifier, request.drafter):
+            for link in (request.links.verifier, request.links.drafter):
                 if link is not None:
                     link.close()
             calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
             if request.drafting or request.lost or request.start_abandoned:  # a stalled drafter may hold it
                 calls.append(self._drafter.EndSession(dpb.EndSessionRequest(
-                    session_id=request.session_id, base_length=request.base, new_token_ids=request.unsent),
-                    timeout=5))
+                    session_id=request.session_id, base_length=request.cursor.base,
+                    new_token_ids=request.cursor.unheard), timeout=5))
             for outcome in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(outcome, BaseException):
                     log.warning("releasing session %s failed: %s", request.session_id, outcome)
-            if request.segment is not None:
-                self._segments.remove(request.segment)
+            if request.links.segment is not None:
+                self._segments.remove(request.links.segment)
         finally:
             for replica in self._pinned():
                 replica.sessions -= 1

@@ -1,4 +1,5 @@
-"""A request's state in the gateway: the validated plan, where decoding stands, and what each round
+"""A request's state in the gateway: the validated plan, where decoding stands (a
+specsplit.spec.cursor.Cursor), its links, and what each round
 did (plain tuples, turned into messages, spans and metrics only after the answer)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from gateway.controller import Decision
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.serving import shm
+from specsplit.spec.cursor import Cursor
 
 
 @dataclass(frozen=True)
@@ -55,26 +57,21 @@ class Round(NamedTuple):
 
 
 @dataclass
-class Request:
-    """Where a request's decoding stands between rounds."""
+class Links:
+    """The session's ways to its two services (gateway.upstream, gateway.payloads)."""
 
-    plan: Plan
-    session_id: str
-    drafting: bool
-    base: int = 0  # position of unsent[0]
-    length: int = 0  # committed tokens on the verifier
-    unsent: list[int] = field(default_factory=list)  # committed tokens the drafter has not heard of
-    features: cpb.Features | None = None  # target features not yet delivered to the drafter
-    generated: int = 0
-    committed: list[int] = field(default_factory=list)  # tokens the last step committed (for the text)
     segment: shm.Segment | None = None  # the session's shared memory (co-located fast path)
     shm_verify: bool = False  # the verify service mapped it
     shm_draft: bool = False  # the draft service mapped it
     verifier: object = None  # the session's round link to each service (gateway.upstream)
     drafter: object = None
-    ready: dpb.ProposeResponse | None = None  # a pre-draft whose assumption held: next round's drafts
-    predraft_attempts: int = 0
-    predraft_hits: int = 0
+    fast_path: bool = False  # rounds went over the fast path (both services)
+
+
+@dataclass
+class Measured:
+    """What the request's stats, spans and metrics are made of (gateway.instruments), after the answer."""
+
     rounds: list[Round] = field(default_factory=list)
     prefill_ns: int = 0  # wall time of Prefill + StartSession
     prefill_verify_ns: int = 0  # the verifier's prefill compute
@@ -85,7 +82,23 @@ class Request:
     started: int = 0
     prefill_mark: int = 0
     decode_mark: int = 0
-    fast_path: bool = False  # rounds went over the fast path (both services)
+    predraft_attempts: int = 0
+    predraft_hits: int = 0
+
+
+@dataclass
+class Request:
+    """A request between rounds, by owner: its plan; its place in the round protocol (`cursor`, the
+    speculation core's); its links; whether it drafts and what its drafter is owed; its measurements."""
+
+    plan: Plan
+    session_id: str
+    cursor: Cursor
+    drafting: bool
+    links: Links = field(default_factory=Links)
+    measured: Measured = field(default_factory=Measured)
+    features: cpb.Features | None = None  # target features not yet delivered to the drafter
+    ready: dpb.ProposeResponse | None = None  # a pre-draft whose assumption held: next round's drafts
     # Why the request has no drafter though its plan speculates (its stats' speculation_reason):
     # drafter-down (at the start), drafter-full (its session table), drafter-lost (mid-request).
     fallback: str = ""

@@ -1,6 +1,6 @@
 import pytest
 
-from specsplit.tools.bench import Record, first_divergence, summarise
+from specsplit.tools.records import Record, first_divergence, summarise
 from specsplit.tools.workload import load_prompts
 
 
@@ -50,7 +50,7 @@ def test_summary_ratios_and_counts():
 
 
 def test_p95_is_nearest_rank():
-    from specsplit.tools.bench import p95
+    from gateway.controller import p95
 
     assert p95([5.0]) == 5.0
     assert p95([float(i) for i in range(1, 21)]) == 19.0
@@ -75,7 +75,7 @@ def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
 
 def test_acceptance_by_draft_position_counts_chains_and_trees():
     from specsplit.api.gateway.v1 import gateway_pb2 as gpb
-    from specsplit.tools.bench import depth_counts
+    from specsplit.tools.records import depth_counts
 
     rounds = [gpb.RoundRecord(drafted=4, accepted=2),  # a chain: depth 4
               gpb.RoundRecord(drafted=6, accepted=1, depth=3),  # a tree 3 deep

@@ -3,8 +3,10 @@ the round protocol, the rollback contract and the acceptance maths.
 
 A session's round (the gateway drives it; docs/protocol.md has the messages):
 
-1. The verifier holds the committed tokens; its cache holds all but the last (`rollback`).
-2. The drafter, told what was committed since its last proposal, proposes k tokens: a chain, or a
+1. The verifier holds the committed tokens; its cache holds all but the last (`rollback`). The
+   gateway's `cursor` says where both sides stand: the verifier's length, what the drafter has not
+   heard yet, the room left.
+2. The drafter, told what was committed since its last proposal (`Cursor.tell`), proposes k tokens: a chain, or a
    token tree (`tokentree`: each token's parent, scored by the drafter's estimate that the target
    follows the path to it), drawn as `drafting` says (greedy, coupled with the verifier's noise, or
    sampled from q with q sent along for rejection sampling).
@@ -14,9 +16,11 @@ A session's round (the gateway drives it; docs/protocol.md has the messages):
    temperature > 0 the walk is lossless: coupled choice with the shared (seed, position) noise
    (`sampling`), or rejection sampling with the residual distribution, sibling by sibling.
 4. Both sides roll back by position to the committed length (`rollback.truncate`; a tree's cache
-   keeps one path with `TreeRollback.keep`), and the next round starts from there.
+   keeps one path with `TreeRollback.keep`), the gateway commits the verdict (`Cursor.commit`), and
+   the next round starts from there.
 
 Modules: `sampling` (warp, the seeded noise streams, coupled choice), `tokentree` (trees, best-first
 selection, the verify cost curve and the gain-based cut), `drafting` (what a drafter proposes and
 the draws losslessness depends on), `acceptance` (greedy, coupled and rejection walks over chains
-and trees), `rollback` (the cache contracts)."""
+and trees), `rollback` (the cache contracts), `cursor` (a request's place in the protocol),
+`ewma` (the decayed mean the controller and the hybrid drafter learn with)."""

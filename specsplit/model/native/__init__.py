@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decoder.cpp")
+SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, attention.inc
+PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h", ".inc"})
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
          "-fopenmp"]
 _LOCK = threading.Lock()
@@ -59,7 +60,8 @@ def lacks_vnni() -> str | None:
 
 def cache_dir() -> Path:
     root = Path(os.environ.get("SPECSPLIT_CACHE", Path.home() / ".cache" / "specsplit"))
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in PARTS)
+                            + torch.__version__.encode() + " ".join(FLAGS).encode())
     return root / "native" / digest.hexdigest()[:12]
 
 

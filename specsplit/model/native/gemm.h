@@ -1,0 +1,395 @@
+// Part of decoder.cpp (included once, inside its anonymous namespace): activation rows and the GEMMs
+// (AVX-512 bf16/fp32/int8 weight-only, VNNI block formats, AMX tiles).
+#pragma once
+
+// Activation rows as the GEMM reads them: bf16 pairs, fp32, or q8 blocks (x + 128 as bytes and a
+// scale per block), `stride` elements apart.
+struct Rows {
+  std::vector<uint16_t> h;
+  std::vector<float> f;
+  std::vector<uint8_t> q;
+  std::vector<float> qs;  // q8: per row and block, x = (q - 128) * qs
+  std::vector<float> qsum;  // q8: per row and block, qs * sum(q - 128): what q4_1's m multiplies
+  int64_t stride = 0;
+};
+
+enum class Act { kF32, kBF16, kQ8 };
+
+// One row quantized per block of 32: s = max|x| / 127, q = round-to-nearest-even(x / s) + 128.
+void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, float* scales, float* sums) {
+  alignas(64) float tmp[kBlock];
+  for (int64_t b = 0; b * kBlock < stride; ++b) {
+    const int64_t n = std::min<int64_t>(kBlock, std::max<int64_t>(0, k - b * kBlock));
+    for (int64_t i = 0; i < kBlock; ++i) tmp[i] = i < n ? src[b * kBlock + i] : 0.0f;
+    const __m512 lo = _mm512_load_ps(tmp), hi = _mm512_load_ps(tmp + kLanes);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float s = amax / 127.0f;
+    scales[b] = s;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i off = _mm512_set1_epi32(128);
+    const __m512i qlo = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), off);
+    const __m512i qhi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)), off);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock), _mm512_cvtusepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock + kLanes), _mm512_cvtusepi32_epi8(qhi));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)) - 128 * kBlock;  // exact
+    sums[b] = s * static_cast<float>(total);
+  }
+}
+
+// Sizes `out` for `rows` rows of k features (done once, before the rows are filled in parallel).
+void shape_rows(int64_t rows, int64_t k, Act act, Rows& out) {
+  if (act == Act::kQ8) {
+    out.stride = (k + kBlock - 1) / kBlock * kBlock;
+    out.q.resize(rows * out.stride);
+    out.qs.resize(rows * out.stride / kBlock);
+    out.qsum.resize(rows * out.stride / kBlock);
+  } else if (act == Act::kF32) {
+    out.stride = k;
+    out.f.resize(rows * k);
+  } else {
+    out.stride = (k + 1) / 2 * 2;
+    // Whole tiles of 16 rows for AMX (a tile row depends only on its own input row: padding is never read back).
+    out.h.resize((rows + kTileRows - 1) / kTileRows * kTileRows * out.stride);
+  }
+}
+
+// Row r of `out` (shaped for k features) from src.
+void row_to(const float* src, int64_t r, int64_t k, Act act, Rows& out) {
+  if (act == Act::kQ8) {
+    const int64_t blocks = out.stride / kBlock;
+    quantize_row_q8(src, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks,
+                    out.qsum.data() + r * blocks);
+    return;
+  }
+  if (act == Act::kF32) {
+    std::memcpy(out.f.data() + r * k, src, k * 4);
+    return;
+  }
+  uint16_t* dst = out.h.data() + r * out.stride;
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes)  // round to nearest even, like f32_to_bf16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  for (; i < k; ++i) dst[i] = f32_to_bf16(src[i]);
+  if (out.stride > k) dst[k] = 0;
+}
+
+void to_rows(const float* x, int64_t rows, int64_t k, Act act, Rows& out) {
+  shape_rows(rows, k, act, out);
+  for (int64_t r = 0; r < rows; ++r) row_to(x + r * k, r, k, act, out);
+}
+
+// 16 int8 pairs (32 bytes) widened to 32 bf16 in the same order.
+inline __m512bh i8_pairs_to_bf16(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// The weights of one input pair for a panel's 16 outputs, as bf16: loaded, or widened from int8.
+template <bool I8>
+inline __m512bh pair_weights(const char* panel, int64_t kp) {
+  if constexpr (I8) return i8_pairs_to_bf16(reinterpret_cast<const int8_t*>(panel) + kp * 2 * kLanes);
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(panel) + kp * 2 * kLanes);
+}
+
+// bf16 or int8 pairs. Two accumulators per row (even and odd input pairs), summed at the end:
+// twice the independent dependency chains (vdpbf16ps has a latency of several cycles), the same
+// order for every row count. int8 scales the sum per output.
+template <int R, bool I8>
+void panel_pairs(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, float* y, int64_t ldy) {
+  constexpr int64_t kPairBytes = I8 ? 2 * kLanes : 4 * kLanes;  // one input pair of a panel
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const char* wp = static_cast<const char*>(w.ptr) + panel * (w.k2 / 2) * kPairBytes;
+  const int64_t pairs = w.k2 / 2;
+  int64_t kp = 0;
+  for (; kp + 2 <= pairs; kp += 2) {
+    const __m512bh w0 = pair_weights<I8>(wp, kp);
+    const __m512bh w1 = pair_weights<I8>(wp, kp + 1);
+    // Stream ahead: with several rows the panel's compute outlasts its load, and the hardware
+    // prefetcher alone leaves DRAM idle meanwhile.
+    _mm_prefetch(wp + kp * kPairBytes + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (!I8) _mm_prefetch(wp + kp * kPairBytes + kPrefetchBytes + 64, _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      int32_t p0, p1;
+      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
+      std::memcpy(&p1, x + r * stride + 2 * kp + 2, 4);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_set1_epi32(p1), w1);
+    }
+  }
+  if (kp < pairs) {
+    const __m512bh w0 = pair_weights<I8>(wp, kp);
+    for (int r = 0; r < R; ++r) {
+      int32_t p0;
+      std::memcpy(&p0, x + r * stride + 2 * kp, 4);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32(p0), w0);
+    }
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  const __m512 scale = I8 ? _mm512_loadu_ps(w.scale_ptr + o) : _mm512_set1_ps(1.0f);  // padded to whole panels
+  for (int r = 0; r < R; ++r)
+    _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scale));
+}
+
+template <int R>
+void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const float* wp = static_cast<const float*>(w.ptr) + panel * w.k * kLanes;
+  for (int64_t i = 0; i < w.k; ++i) {
+    __m512 wv = _mm512_loadu_ps(wp + i * kLanes);
+    _mm_prefetch(reinterpret_cast<const char*>(wp + i * kLanes) + 2 * kPrefetchBytes, _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * stride + i]), wv, acc[r]);
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
+}
+
+// q8_0 weights by q8 activations: per block, two int32 chains of vpdpbusd (even and odd quads),
+// summed, corrected for the +128 offset, converted to float and scaled into the row's float
+// accumulator, block after block in input order (the same for every row count).
+// FMT: 0 q8_0, 1 q4_0, 2 q4_1 (q4_1 adds m * qs * sum(q) per block, after the block's product).
+template <int R, int FMT>
+void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, const float* xsum, int64_t stride,
+              float* y, int64_t ldy) {
+  constexpr bool Q4 = FMT > 0;
+  const int64_t blocks = w.k2 / kBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : kBlock * kLanes;  // 256 or 512 bytes a block
+  const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * blocks * kBlockBytes;
+  const float* sp = w.scale_ptr + panel * blocks * kLanes;
+  const int32_t* cp = w.corr_ptr + panel * blocks * kLanes;
+  const float* mp = FMT == 2 ? w.min_ptr + panel * blocks * kLanes : nullptr;
+  constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs
+  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(FMT == 1 ? 8 : 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* wb = wp + b * kBlockBytes;
+    __m512i wq[kQuads];
+    if constexpr (Q4) {
+      for (int v = 0; v < kQuads / 2; ++v) {
+        const __m512i packed = _mm512_loadu_si512(wb + v * 4 * kLanes);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + v * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+        wq[v] = _mm512_sub_epi8(_mm512_and_si512(packed, nibble), eight);
+        wq[v + kQuads / 2] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), eight);
+      }
+    } else {
+      for (int j = 0; j < kQuads; ++j) {
+        wq[j] = _mm512_loadu_si512(wb + j * 4 * kLanes);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+    const __m512 ws = _mm512_loadu_ps(sp + b * kLanes);
+    const __m512i corr = _mm512_loadu_si512(cp + b * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* xb = x + r * stride + b * kBlock;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < kQuads; j += 2) {
+        int32_t q0, q1;
+        std::memcpy(&q0, xb + 4 * j, 4);
+        std::memcpy(&q1, xb + 4 * j + 4, 4);
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(q0), wq[j]);
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(q1), wq[j + 1]);
+      }
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * (stride / kBlock) + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+      if constexpr (FMT == 2)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kLanes), _mm512_set1_ps(xsum[r * (stride / kBlock) + b]),
+                                 acc[r]);
+    }
+  }
+  const int64_t o = panel * kLanes;
+  const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
+}
+
+template <int R, int FMT>
+void panel_q(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
+  const int64_t blocks = x.stride / kBlock;
+  panel_q8<R, FMT>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * blocks, x.qsum.data() + row * blocks,
+                   x.stride, y + row * ldy, ldy);
+}
+
+template <int R>
+void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
+  switch (w.kind) {
+    case Kind::kQ8: panel_q<R, 0>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ4: panel_q<R, 1>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ41: panel_q<R, 2>(w, panel, x, row, y, ldy); break;
+    case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+    case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+    case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
+  }
+}
+
+// AMX, bf16 weights: tiles 0 (C, 16 rows x 16 fp32), 1 (A, 16 rows x 32 bf16), 2 (B, 16 input
+// pairs x 16 outputs: 16 consecutive pairs of a panel, the bf16 layout as packed). A row's output
+// is the tdpbf16ps sums over the input in chunk order, whatever the other rows of the tile: as
+// exact by construction as the vdpbf16ps path, with other bits, so a model uses one or the other
+// for every row count (Packed::amx, chosen at load).
+// GCC's tile intrinsics are asm statements that do not tell the compiler they read or write memory:
+// without these barriers it may sink (or drop) our stores to a buffer past the tileloadd that reads it,
+// or read a buffer before the tilestored that fills it (seen: NaN attention once the code around moved).
+#define TILE_LOAD(t, base, stride)   \
+  do {                               \
+    asm volatile("" : : : "memory"); \
+    _tile_loadd(t, base, stride);    \
+  } while (0)
+#define TILE_STORE(t, base, stride)  \
+  do {                               \
+    _tile_stored(t, base, stride);   \
+    asm volatile("" : : : "memory"); \
+  } while (0)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux hands out the tile state on request, once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+void configure_tiles() {  // per thread and call: other code (oneDNN) may configure tiles on the same threads
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kTileRows;
+    c.colsb[t] = 64;
+  }
+  // GCC 12 does not see that ldtilecfg reads its operand and drops the stores above without this.
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit elements.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Two rows of 16 bf16 (as 16-bit lanes) interleaved into 16 pairs: lo in the low half of each dword.
+inline __m512i pair16(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+// NR row tiles by NP panels (tiles 0-3 accumulate, 4-5 rows, 6-7 weights): each operand tile
+// loaded once serves two products. `rows` valid rows from x (whole tiles are always there).
+template <int NR, int NP>
+__attribute__((target("amx-tile,amx-bf16")))
+void panels_amx(const Packed& w, int64_t panel, const uint16_t* x, int64_t stride, int64_t rows, float* y,
+                int64_t ldy) {
+  alignas(64) float c[kTileRows * kLanes];
+  const int64_t pbytes = (w.k2 / 2) * 4 * kLanes;  // one panel's weights
+  const char* wp = static_cast<const char*>(w.ptr) + panel * pbytes;
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  if constexpr (NR > 1) _tile_zero(2);
+  if constexpr (NR > 1 && NP > 1) _tile_zero(3);
+  for (int64_t kc = 0; kc < w.k2 / 32; ++kc) {
+    TILE_LOAD(4, x + kc * 32, stride * 2);
+    TILE_LOAD(6, wp + kc * 16 * 4 * kLanes, 4 * kLanes);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP > 1) {
+      TILE_LOAD(7, wp + pbytes + kc * 16 * 4 * kLanes, 4 * kLanes);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NR > 1) {
+      TILE_LOAD(5, x + kTileRows * stride + kc * 32, stride * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  auto put = [&](int64_t p, int64_t r0) {  // c -> y for tile (row tile r0, panel p)
+    const int64_t o = p * kLanes;
+    const __mmask16 m = (w.n - o >= kLanes) ? 0xffff : static_cast<__mmask16>((1u << (w.n - o)) - 1);
+    for (int64_t r = r0; r < std::min<int64_t>(rows, r0 + kTileRows); ++r)
+      _mm512_mask_storeu_ps(y + r * ldy + o, m, _mm512_load_ps(c + (r - r0) * kLanes));
+  };
+  TILE_STORE(0, c, 4 * kLanes);
+  put(panel, 0);
+  if constexpr (NP > 1) {
+    TILE_STORE(1, c, 4 * kLanes);
+    put(panel + 1, 0);
+  }
+  if constexpr (NR > 1) {
+    TILE_STORE(2, c, 4 * kLanes);
+    put(panel, kTileRows);
+    if constexpr (NP > 1) {
+      TILE_STORE(3, c, 4 * kLanes);
+      put(panel + 1, kTileRows);
+    }
+  }
+}
+
+// AMX GEMM for one thread's share of the panels: blocks of panels that stay in L2 while every
+// 32 rows of x pass by (rows are read once per block, the weights once).
+void gemm_amx(const Packed& w, const Rows& x, int64_t rows, float* y, int64_t p0, int64_t p1) {
+  constexpr int64_t kL2Bytes = 512 << 10;
+  const int64_t pbytes = (w.k2 / 2) * 4 * kLanes;
+  const int64_t block = std::max<int64_t>(2, kL2Bytes / pbytes / 2 * 2);
+  for (int64_t pb = p0; pb < p1; pb += block) {
+    const int64_t pe = std::min(p1, pb + block);
+    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
+      const int64_t rr = std::min<int64_t>(2 * kTileRows, rows - r);
+      const uint16_t* xr = x.h.data() + r * x.stride;
+      float* yr = y + r * w.n;
+      for (int64_t p = pb; p < pe; p += 2) {
+        const bool two = p + 1 < pe;
+        if (rr > kTileRows)
+          two ? panels_amx<2, 2>(w, p, xr, x.stride, rr, yr, w.n) : panels_amx<2, 1>(w, p, xr, x.stride, rr, yr, w.n);
+        else
+          two ? panels_amx<1, 2>(w, p, xr, x.stride, rr, yr, w.n) : panels_amx<1, 1>(w, p, xr, x.stride, rr, yr, w.n);
+      }
+    }
+  }
+}
+
+using PanelFn = void (*)(const Packed&, int64_t, const Rows&, int64_t, float*, int64_t);
+constexpr PanelFn kPanel[kMaxRows + 1] = {nullptr, panel_any<1>, panel_any<2>, panel_any<3>, panel_any<4>,
+                                          panel_any<5>, panel_any<6>, panel_any<7>, panel_any<8>};
+
+// y[rows][w.n] = x @ W^T. Called by every thread of an OpenMP team: the output panels are shared
+// out in contiguous chunks (each thread streams its part of the weights), barrier at the end.
+void gemm_team(const Packed& w, const Rows& x, int64_t rows, float* y) {
+  const int64_t panels = w.panels();
+  if (w.amx) {  // contiguous shares of the panels, as schedule(static) would give
+    configure_tiles();
+    const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+    gemm_amx(w, x, rows, y, panels * tid / team, panels * (tid + 1) / team);
+#pragma omp barrier
+    return;
+  }
+#pragma omp for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const int64_t block = std::min<int64_t>(kMaxRows, rows - r);
+      kPanel[block](w, p, x, r, y, w.n);
+    }
+}
+

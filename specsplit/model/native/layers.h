@@ -1,0 +1,61 @@
+// Part of decoder.cpp (included once, inside its anonymous namespace): norm, a layer's weights, a
+// packed weight as Python builds it.
+#pragma once
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    __m512 acc = _mm512_setzero_ps();  // the same lanes and order for every row
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {
+      const __m512 v = _mm512_loadu_ps(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < width; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + kLanes <= width; i += kLanes)
+      _mm512_storeu_ps(y + r * width + i,
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv), _mm512_loadu_ps(weight + i)));
+    for (; i < width; ++i) y[r * width + i] = xr[i] * inv * weight[i];
+  }
+}
+
+struct Layer {
+  Packed qkv, o, gate_up, down;
+  torch::Tensor qkv_bias, norm_in, norm_post;  // fp32
+};
+
+// A packed GEMM weight, as Python builds it: from a float tensor (optionally quantized) or from a
+// block format's own blocks (a GGUF file's, served as shipped).
+struct Weight {
+  Packed p;
+  // amx: bf16 weights whose inputs are whole chunks of 32 run on AMX tiles (others never do).
+  static Weight dense(const torch::Tensor& w, int64_t quant, bool amx) {
+    TORCH_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (none), 1 (int8), 2 (q8_0) or 3 (q4_0)");
+    Weight out{pack(w, static_cast<Quant>(quant))};
+    out.p.amx = amx && out.p.kind == Kind::kBF16 && out.p.k2 % 32 == 0;
+    TORCH_CHECK(!out.p.amx || amx_permitted(), "the kernel did not grant this process AMX tile state");
+    return out;
+  }
+  bool on_amx() const { return p.amx; }
+  static Weight q8_0(const torch::Tensor& q, const torch::Tensor& d, int64_t k) { return Weight{blocks_q8(q, d, k)}; }
+  static Weight q4_0(const torch::Tensor& nibbles, const torch::Tensor& d, int64_t k) {
+    return Weight{blocks_q4(nibbles, d, torch::Tensor(), k)};
+  }
+  static Weight q4_1(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+    return Weight{blocks_q4(nibbles, d, m, k)};
+  }
+  int64_t outputs() const { return p.n; }
+  int64_t inputs() const { return p.k; }
+};
+
+Act act_of(Kind kind) {
+  switch (kind) {
+    case Kind::kQ8: case Kind::kQ4: case Kind::kQ41: return Act::kQ8;
+    case Kind::kF32: return Act::kF32;
+    default: return Act::kBF16;
+  }
+}
+

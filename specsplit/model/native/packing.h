@@ -1,0 +1,172 @@
+// Part of decoder.cpp (included once, inside its anonymous namespace): packed weights.
+//
+// Layouts: weights are packed once into 16-output panels, [N/16][K/2][16][2] bf16 pairs (for
+// vdpbf16ps), the same in int8 with a scale per output (weight-only quantization), or
+// [N/16][K][16] fp32, or q8_0: [N/16][K/4][16][4] int8 quads (for vpdpbusd) with a scale per
+// output and block of 32 inputs; activations between ops are fp32 [rows][features] (q8_0: each
+// GEMM input quantized to int8 per row and block of 32, as llama.cpp's q8 blocks); the KV
+// cache is the model dtype, [layers][2][capacity][kv_heads][head_dim].
+//
+// q8_0 exactness: a block's 32 products are summed in int32 (exact in any order), converted to
+// float exactly (|sum| < 2^24) and added to the row's float accumulator block by block in input
+// order, so a row's result still does not depend on the other rows or the threads.
+#pragma once
+
+// A packed weight matrix and how to multiply rows by it.
+enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41 };
+// What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, q8_0 (int8 weights and
+// activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
+enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
+constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
+
+struct Packed {
+  torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
+  torch::Tensor scale;  // int8: float32 per output (w = q * scale); q8_0: per panel, block and output
+  torch::Tensor corr;  // q8_0: 128 * the sum of each block's weights, per panel, block and output (int32)
+  torch::Tensor mins;  // q4_1: m per panel, block and output
+  const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
+  const float* scale_ptr = nullptr;
+  const int32_t* corr_ptr = nullptr;
+  const float* min_ptr = nullptr;
+  bool amx = false;  // bf16 on AMX tiles (tdpbf16ps) for every row count
+  int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
+  Kind kind = Kind::kBF16;
+  int64_t panels() const { return (n + kLanes - 1) / kLanes; }
+};
+
+// Weight-only int8, symmetric per output row: q = round(w / s), s = max|w| / 127. The pairs layout
+// is the bf16 one, so the GEMM widens a pair to bf16 (exact: |q| <= 127) and scales at the end.
+Packed pack_int8(const torch::Tensor& weight) {
+  Packed p;
+  p.kind = Kind::kI8;
+  p.n = weight.size(0);
+  p.k = weight.size(1);
+  p.k2 = (p.k + 1) / 2 * 2;
+  auto w = weight.to(torch::kFloat32);
+  auto scale = w.abs().amax({1}).clamp_min(1e-12) / 127.0;
+  auto q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch::kInt8).contiguous();
+  p.data = torch::zeros({p.panels() * p.k2 * kLanes}, torch::kInt8);
+  auto* dst = p.data.data_ptr<int8_t>();
+  const auto* src = q.data_ptr<int8_t>();
+  for (int64_t o = 0; o < p.n; ++o)
+    for (int64_t i = 0; i < p.k; ++i)
+      dst[((o / kLanes) * (p.k2 / 2) + i / 2) * 2 * kLanes + (o % kLanes) * 2 + (i % 2)] = src[o * p.k + i];
+  p.scale = torch::zeros({p.panels() * kLanes}, torch::kFloat32);
+  p.scale.narrow(0, 0, p.n).copy_(scale);
+  p.ptr = p.data.data_ptr();
+  p.scale_ptr = p.scale.data_ptr<float>();
+  return p;
+}
+
+// Block formats (llama.cpp's, one scale d per output and block of 32 inputs), packed as 16-output
+// panels for vpdpbusd, which multiplies unsigned by signed bytes: activations travel as x + 128
+// and each block's sum is corrected by 128 * sum(q).
+// - q8_0: q in [-127, 127], w = d q; quads [panels][k2/4][16][4] (quad j: inputs 4j..4j+3).
+// - q4_0: w = d (u - 8), u a nibble; q4_1: w = d u + m. Nibbles as GGUF keeps them (byte j of a
+//   block: input j in the low nibble, input j + 16 in the high), [panels][blocks][4][16][4]: so
+//   vector v of a block holds quad v (low nibbles) and quad v + 4 (high), widened in registers.
+void finish_blocks(Packed& p, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
+  const int64_t blocks = p.k2 / kBlock, panels = p.panels();
+  auto by_panel = [&](const torch::Tensor& t) {  // [outputs, blocks] -> [panels][blocks][16], padded
+    auto padded = torch::zeros({panels * kLanes, blocks}, t.scalar_type());
+    padded.narrow(0, 0, p.n).copy_(t);
+    return padded.view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
+  };
+  p.scale = by_panel(d.to(torch::kFloat32));
+  p.corr = by_panel(q.to(torch::kInt32).sum(2).to(torch::kInt32) * 128);
+  p.scale_ptr = p.scale.data_ptr<float>();
+  p.corr_ptr = p.corr.data_ptr<int32_t>();
+  if (m.defined()) {
+    p.mins = by_panel(m.to(torch::kFloat32));
+    p.min_ptr = p.mins.data_ptr<float>();
+  }
+  p.ptr = p.data.data_ptr();
+}
+
+// q [n, blocks, 32] int8, d [n, blocks].
+Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, int64_t k) {
+  Packed p;
+  p.kind = Kind::kQ8;
+  p.n = q.size(0);
+  p.k = k;
+  p.k2 = q.size(1) * kBlock;
+  TORCH_CHECK(q.size(2) == kBlock && p.k2 >= k && p.k2 - k < kBlock, "q8_0 blocks must be [n, ceil(k / 32), 32]");
+  auto padded = torch::zeros({p.panels() * kLanes, p.k2}, torch::kInt8);
+  padded.narrow(0, 0, p.n).copy_(q.reshape({p.n, p.k2}));
+  p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
+  finish_blocks(p, q, d, torch::Tensor());
+  return p;
+}
+
+// nibbles [n, blocks, 16] uint8 as GGUF stores them; d [n, blocks]; m [n, blocks] (q4_1) or undefined (q4_0).
+Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+  Packed p;
+  p.kind = m.defined() ? Kind::kQ41 : Kind::kQ4;
+  p.n = nibbles.size(0);
+  p.k = k;
+  const int64_t blocks = nibbles.size(1);
+  p.k2 = blocks * kBlock;
+  TORCH_CHECK(nibbles.size(2) == kBlock / 2 && p.k2 >= k && p.k2 - k < kBlock,
+              "q4 blocks must be [n, ceil(k / 32), 16]");
+  auto padded = torch::zeros({p.panels() * kLanes, blocks, kBlock / 2}, torch::kUInt8);
+  if (!m.defined()) padded.fill_(0x88);  // padding outputs: nibbles 8 are zeros in q4_0
+  padded.narrow(0, 0, p.n).copy_(nibbles);
+  p.data = padded.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({-1});
+  auto u = nibbles.to(torch::kInt32);
+  auto q = torch::cat({u.bitwise_and(15), u.bitwise_right_shift(4)}, 2);  // [n, blocks, 32]: inputs 0..15, 16..31
+  finish_blocks(p, m.defined() ? q : q - 8, d, m);
+  return p;
+}
+
+// Quantizes float weights [n, k] into one of the block formats.
+Packed pack_blocks(const torch::Tensor& weight, Quant quant) {
+  const int64_t n = weight.size(0), k = weight.size(1), k2 = (k + kBlock - 1) / kBlock * kBlock;
+  auto w = torch::zeros({n, k2}, torch::kFloat32);
+  w.narrow(1, 0, k).copy_(weight.to(torch::kFloat32));
+  auto wb = w.view({n, k2 / kBlock, kBlock});
+  if (quant == Quant::kQ8) {
+    auto d = wb.abs().amax({2}) / 127.0;
+    auto q = (wb / d.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
+    return blocks_q8(q, d, k);
+  }
+  auto d = wb.gather(2, wb.abs().argmax(2, true)).squeeze(2) / -8.0;  // llama.cpp's Q4_0 rounding
+  auto inv = torch::where(d == 0, torch::zeros_like(d), 1.0 / d);
+  auto u = ((wb * inv.unsqueeze(2)).round().clamp(-8, 7) + 8).to(torch::kInt32);
+  auto nibbles = (u.narrow(2, 0, kBlock / 2) + u.narrow(2, kBlock / 2, kBlock / 2) * 16).to(torch::kUInt8);
+  return blocks_q4(nibbles, d, torch::Tensor(), k);
+}
+
+Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
+  if (quant == Quant::kInt8) return pack_int8(weight);
+  if (quant == Quant::kQ8 || quant == Quant::kQ4) return pack_blocks(weight, quant);
+  Packed p;
+  p.n = weight.size(0);
+  p.k = weight.size(1);
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  p.kind = bf16 ? Kind::kBF16 : Kind::kF32;
+  TORCH_CHECK(bf16 || weight.scalar_type() == torch::kFloat32, "weights must be bfloat16 or float32");
+  auto w = weight.contiguous();
+  const int64_t panels = p.panels();
+  if (bf16) {
+    p.k2 = (p.k + 1) / 2 * 2;
+    p.data = torch::zeros({panels * p.k2 * kLanes}, torch::kInt16);
+    auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr<int16_t>());
+    const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    for (int64_t o = 0; o < p.n; ++o)
+      for (int64_t i = 0; i < p.k; ++i)
+        dst[((o / kLanes) * (p.k2 / 2) + i / 2) * 2 * kLanes + (o % kLanes) * 2 + (i % 2)] = src[o * p.k + i];
+  } else {
+    p.k2 = p.k;
+    p.data = torch::zeros({panels * p.k * kLanes}, torch::kFloat32);
+    float* dst = p.data.data_ptr<float>();
+    const float* src = w.data_ptr<float>();
+    for (int64_t o = 0; o < p.n; ++o)
+      for (int64_t i = 0; i < p.k; ++i) dst[((o / kLanes) * p.k + i) * kLanes + (o % kLanes)] = src[o * p.k + i];
+  }
+  p.ptr = p.data.data_ptr();
+  return p;
+}
+
+constexpr int kTileRows = 16;  // AMX: rows of a tile
+
