@@ -254,3 +254,47 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
     finally:
         services.stop()
     assert os.listdir(shm_dir) == []
+
+
+@pytest.fixture
+def full_shm_dir(monkeypatch):
+    """A tmpfs of 1 MiB, filled: a full /dev/shm (mounting one needs root, as CI runs)."""
+    d = Path(tempfile.mkdtemp(prefix="full-", dir="/tmp"))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True)
+    if mounted.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        fd = os.open(d / "ballast", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: full
+            pass
+        finally:
+            os.close(fd)
+        monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_full_dev_shm_falls_back_to_grpc(models, self_head, tmp_path, full_shm_dir):
+    # ftruncate accepts a segment on a full tmpfs; its first write then faults with SIGBUS. The
+    # segment's pages are reserved at creation instead, so the gateway sees the failure there and
+    # runs the session over gRPC: same answer, no shared memory, nothing left behind.
+    services = Services(models, self_head, tmp_path, full_shm_dir)
+    try:
+        with grpc.insecure_channel(services.addresses["gateway"]) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            for drafter in ("self", "model"):
+                off = gw.Generate(_request("def add(a, b):", drafter, speculation=pb.SPECULATION_OFF), timeout=120)
+                on = gw.Generate(_request("def add(a, b):", drafter), timeout=120)
+                assert list(on.token_ids) == list(off.token_ids), drafter
+                assert on.stats.speculation_used and not on.stats.shared_memory
+            assert all(p.poll() is None for p in services.procs.values())  # nobody died of SIGBUS
+        assert _segments(full_shm_dir) == ["ballast"]
+        assert "no shared memory for session" in (tmp_path / "gateway.log").read_text()
+    finally:
+        services.stop()

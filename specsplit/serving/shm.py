@@ -14,6 +14,7 @@ Layout and sizing: docs/protocol.md#shared-memory."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -48,6 +49,20 @@ class ShmError(ValueError):
 def is_segment_name(name: str) -> bool:
     """A session segment's file name (not a lock file, not a fast-path socket)."""
     return bool(_NAME.match(name))
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    """Takes the segment's pages now. ftruncate alone makes a sparse file that a full tmpfs still
+    accepts; the first write past the free space then kills the writer with SIGBUS (the gateway,
+    or a service writing features). Reserved up front, a full /dev/shm is an OSError here, and the
+    gateway runs that session over gRPC."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem that cannot reserve: as before
+            return
+        raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory in {path.parent}: "
+                               f"{os.strerror(e.errno)}") from None
 
 
 def shm_dir() -> Path:
@@ -91,6 +106,7 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)
+            _reserve(fd, size, path)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(path)
