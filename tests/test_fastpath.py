@@ -187,3 +187,48 @@ async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
     assert after.value.code == grpc.StatusCode.UNAVAILABLE and link.closed
     thread.join(5)
     listener.close()
+
+
+async def test_a_service_answers_bad_frames_clearly_and_keeps_serving(models, tmp_path, shm_dir):
+    """The service side of the fast path, on the real verify and draft services: an undecodable
+    request is answered INVALID_ARGUMENT, naming the message, on a link that goes on; a frame
+    longer than any message closes that connection only; the services keep serving."""
+    from conftest import running_stack
+
+    from specsplit.api.gateway.v1 import gateway_pb2 as pb
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        sockets = sorted(shm_dir.glob("specsplit-fast-*.sock"))
+        assert len(sockets) == 2  # the verify service's and the draft service's
+
+        def exchange(path: Path, data: bytes) -> bytes:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(str(path))
+                conn.sendall(data)
+                answer = b""
+                while True:
+                    chunk = conn.recv(1 << 16)
+                    if not chunk:
+                        return answer
+                    answer += chunk
+                    if len(answer) >= 5 and len(answer) >= 5 + struct.unpack_from("<I", answer)[0]:
+                        conn.sendall(fastpath.frame(fastpath.OK, b"\xff\xff"))  # the link goes on
+                        second = conn.recv(1 << 16)
+                        return answer + b"|" + second
+
+        for path in sockets:
+            answer = await asyncio.to_thread(exchange, path, fastpath.frame(fastpath.OK, b"\xff\xff"))
+            first, second = answer.split(b"|", 1)
+            for reply in (first, second):
+                length, kind = struct.unpack_from("<IB", reply)
+                assert kind == fastpath.ERROR and reply[5] == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
+                assert b"undecodable" in reply[6:5 + length], reply
+            oversize = struct.pack("<IB", fastpath.MAX_FRAME + 1, fastpath.OK)
+            assert await asyncio.to_thread(exchange, path, oversize) == b""  # closed, nothing answered
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            done = await pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(
+                text="def add(a, b):", max_new_tokens=8, speculation=pb.SPECULATION_ON,
+                stop=pb.StopConditions(ignore_eos=True)))
+        assert done.stats.generated_tokens == 8 and done.stats.fast_path

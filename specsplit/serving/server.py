@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -140,7 +141,11 @@ class Rounds:
 
     def frame(self, body: bytes, reply: Callable[[Any], None]) -> None:
         """The fast path's handler (on the worker thread): reply(response bytes, or the Failure)."""
-        request = self._type.FromString(body)
+        try:
+            request = self._type.FromString(body)
+        except DecodeError as e:
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"undecodable {self._type.DESCRIPTOR.name} ({len(body)} bytes): {e}") from None
         self._worker.gather(self._run_many, request, self._rows(request),
                             lambda outcome: reply(outcome if isinstance(outcome, BaseException)
                                                   else outcome.SerializeToString()))
