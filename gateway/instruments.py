@@ -61,27 +61,20 @@ class GatewayMetrics:
             "specsplit.spec_decode.accepted_tokens_per_position", unit="{token}",
             description="rounds whose draft was accepted up to draft_position; divided by drafts_per_position: "
                         "the acceptance at that position")
-        self.draft = m.create_histogram("specsplit.round.draft_compute", unit="s",
-                                        explicit_bucket_boundaries_advisory=SECONDS,
-                                        description="drafter compute per round (draft service)")
-        self.verify = m.create_histogram("specsplit.round.verify_compute", unit="s",
-                                         explicit_bucket_boundaries_advisory=SECONDS,
-                                         description="target forward and acceptance per round (verify service)")
-        self.network = m.create_histogram("specsplit.round.network", unit="s",
-                                          explicit_bucket_boundaries_advisory=SECONDS,
-                                          description="round calls' wall time minus server compute, per round")
-        self.gateway = m.create_histogram("specsplit.round.gateway", unit="s",
-                                          explicit_bucket_boundaries_advisory=SECONDS,
-                                          description="the gateway's own work per round (round time - calls)")
-        self.latency = m.create_histogram("specsplit.request.duration", unit="s",
-                                          description="Generate wall time on the gateway",
-                                          explicit_bucket_boundaries_advisory=REQUEST_SECONDS)
-        self.ttft = m.create_histogram("specsplit.request.time_to_first_token", unit="s",
-                                       description="from the call's arrival to its first token leaving the gateway",
-                                       explicit_bucket_boundaries_advisory=REQUEST_SECONDS)
-        self.tpot = m.create_histogram("specsplit.request.time_per_output_token", unit="s",
-                                       description="after the first token: decode wall time / (tokens - 1)",
-                                       explicit_bucket_boundaries_advisory=SECONDS[3:] + [2, 5])
+        def seconds(name: str, description: str, buckets=SECONDS):
+            return m.create_histogram(name, unit="s", explicit_bucket_boundaries_advisory=buckets,
+                                      description=description)
+
+        self.draft = seconds("specsplit.round.draft_compute", "drafter compute per round (draft service)")
+        self.verify = seconds("specsplit.round.verify_compute",
+                              "target forward and acceptance per round (verify service)")
+        self.network = seconds("specsplit.round.network", "round calls' wall time minus server compute, per round")
+        self.gateway = seconds("specsplit.round.gateway", "the gateway's own work per round (round time - calls)")
+        self.latency = seconds("specsplit.request.duration", "Generate wall time on the gateway", REQUEST_SECONDS)
+        self.ttft = seconds("specsplit.request.time_to_first_token",
+                            "from the call's arrival to its first token leaving the gateway", REQUEST_SECONDS)
+        self.tpot = seconds("specsplit.request.time_per_output_token",
+                            "after the first token: decode wall time / (tokens - 1)", SECONDS[3:] + [2, 5])
         self.requests = m.create_counter("specsplit.requests", unit="{request}",
                                          description="Generate calls ended, by finish reason and gRPC status")
         self.predrafts = m.create_counter(

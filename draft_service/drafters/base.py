@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -96,9 +96,16 @@ class Drafter(Protocol):
 Steps = Generator[object, object, Proposal]
 
 
+@runtime_checkable
+class Stepped(Protocol):
+    """A drafter whose work can share a runner with other sessions' (model drafters)."""
+
+    def steps(self, session: DraftSession, gamma: int, budget: int) -> Steps: ...
+
+
 def steps_of(drafter, session: DraftSession, gamma: int, budget: int = 0) -> Steps:
     """A drafter's steps; for one without them, its propose as steps that need no runner."""
-    if hasattr(drafter, "steps"):
+    if isinstance(drafter, Stepped):
         return (yield from drafter.steps(session, gamma, budget))
     return drafter.propose(session, gamma, budget)
 
