@@ -198,3 +198,81 @@ def test_up_serves_each_services_metrics_on_its_own_port(up, capsys):
         assert re.search(r'specsplit_replica_sessions\{[^}]*service="%s"' % service, gateway), service
     draft = scrape(2)
     assert "specsplit_draft_memory" in draft and re.search(r"specsplit_draft_sessions_limit\{[^}]*\} 64\.0", draft)
+
+
+def test_a_verify_replica_killed_mid_round_fails_its_sessions_only(models, tmp_path):
+    """Two verify replicas behind one gateway, each serving some of eight streams; one is SIGKILLed
+    while they decode. Its sessions fail UNAVAILABLE, saying the verify service went; the others
+    finish with the exact answer; the survivor ends with no session left; new requests go there."""
+    from specsplit.api.verify.v1 import verify_pb2 as vpb
+    from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+    from specsplit.tools.launcher import wait_serving
+
+    target = str(models["long"])  # a context of 8,192: streams long enough to be cut mid-way
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, *args: str) -> str:
+        address_file = tmp_path / f"{name}.address"
+        log = open(tmp_path / f"{name}.log", "ab")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", *args, "--listen",
+                                        f"unix://{tmp_path / name}.sock", "--address-file", str(address_file)],
+                                       stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 120
+        while not address_file.exists():
+            assert procs[name].poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
+            time.sleep(0.1)
+        address = address_file.read_text().strip()
+        wait_serving(address, 60)
+        return address
+
+    try:
+        v1 = start("v1", "verify", "--target-model", target, "--dtype", "float32")
+        v2 = start("v2", "verify", "--target-model", target, "--dtype", "float32")
+        draft = start("draft", "draft", "--self-head", "none", "--default-drafter", "ngram")
+        gateway = start("gateway", "gateway", "--verify", f"{v1},{v2}", "--draft", draft, "--tokenizer", target)
+        request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=3000, speculation=pb.SPECULATION_ON,
+                                     stop=pb.StopConditions(ignore_eos=True))
+        with grpc.insecure_channel(gateway) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            off = stub.Generate(pb.GenerateRequest(text=request.text, max_new_tokens=3000, stop=request.stop,
+                                                   speculation=pb.SPECULATION_OFF), timeout=300)
+            streams = [stub.GenerateStream(request, timeout=300) for _ in range(8)]
+            firsts = [next(s) for s in streams]  # every session is decoding
+            with grpc.insecure_channel(v2) as ch:
+                on_v2 = vpb_grpc.VerifierStub(ch).Info(vpb.InfoRequest(), timeout=10).active_sessions
+            assert 0 < on_v2 < 8, on_v2  # spread over both replicas
+            procs["v2"].kill()
+            finished, failed = [], []
+            for first, stream in zip(firsts, streams):
+                ids = list(first.token_ids)
+                try:
+                    for chunk in stream:
+                        ids += chunk.token_ids
+                    finished.append(ids)
+                except grpc.RpcError as e:
+                    failed.append(e)
+            assert len(failed) == on_v2 and len(finished) == 8 - on_v2
+            assert all(ids == list(off.token_ids) for ids in finished)
+            for e in failed:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and "verify" in e.details(), (e.code(), e.details())
+            with grpc.insecure_channel(v1) as ch:
+                info = vpb_grpc.VerifierStub(ch).Info
+                deadline = time.monotonic() + 30
+                while info(vpb.InfoRequest(), timeout=10).active_sessions and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert info(vpb.InfoRequest(), timeout=10).active_sessions == 0  # nothing leaked
+            short = pb.GenerateRequest(text=request.text, max_new_tokens=16, speculation=pb.SPECULATION_ON,
+                                       stop=request.stop)
+            time.sleep(4 * 0.5)  # a few of the gateway's health checks (every 0.5 s)
+            again = [stub.Generate(short, timeout=60) for _ in range(3)]  # the dead replica takes none
+            assert all(list(a.token_ids) == list(off.token_ids)[:16] for a in again)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
