@@ -35,6 +35,12 @@ def list_of(convert, what: str):
     return parse
 
 
+def setting(p: argparse.ArgumentParser, flag: str, cls, field: str, help: str | None = None) -> None:
+    """A flag whose default and type are a settings class's field (the one source of both)."""
+    default = getattr(cls, field)
+    p.add_argument(flag, type=type(default), default=default, help=help)
+
+
 def threads_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", str(ServerSettings.threads))),
                    help="torch intra-op threads (0: torch's default)")

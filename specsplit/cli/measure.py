@@ -6,6 +6,20 @@ import argparse
 
 from specsplit.cli.flags import ENV, list_of, stack_config, stack_flags
 
+# The bench's other measurements, each instead of the on/off table (--controlled and --concurrency
+# take values, below).
+MODES = (
+    ("--topology", "instead: co-located (UNIX, TCP) and split with an emulated RTT between gateway+verifier and "
+                   "drafter (a userspace delaying proxy); speedup, overhead per round, break-even RTT"),
+    ("--long-context", "instead: documents of 2k-6k tokens with questions (time to first token cold and with the "
+                       "prefix cache, against transformers' forward), a long prefill beside a decoding stream, "
+                       "and a multi-turn chat"),
+    ("--round-overhead", "per-round overhead (median, P95) through the real services around a drafter and a verifier "
+                         "that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)"),
+    ("--tracing-overhead", "instead: spec-on requests alternated between a stack with tracing off and one with "
+                           "tracing on (OTLP-JSON file), and the median cost of tracing per token"),
+)
+
 
 def add(sub) -> None:
     bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
@@ -43,9 +57,6 @@ def add(sub) -> None:
     bench.add_argument("--controlled", type=int, default=0, metavar="PASSES",
                        help="instead: the controller at work; PASSES passes of AUTO requests to learn, then per "
                             "prompt spec-off, forced spec-on and AUTO (try --prompts mixed)")
-    bench.add_argument("--topology", action="store_true",
-                       help="instead: co-located (UNIX, TCP) and split with an emulated RTT between gateway+verifier "
-                            "and drafter (a userspace delaying proxy); speedup, overhead per round, break-even RTT")
     bench.add_argument("--rtts", default="", type=list_of(float, "numbers"),
                        help="with --topology: comma-separated RTTs in ms (default 0,0.5,1,2,5,10,20,40)")
     bench.add_argument("--plot", default="specsplit-topology.png", help="with --topology: PNG of the curve")
@@ -54,16 +65,8 @@ def add(sub) -> None:
                             "at each level; aggregate tok/s, P50/P95 latency and TTFT, the batches formed")
     bench.add_argument("--requests", type=int, default=16,
                        help="with --concurrency: requests per level and mode (spread over the clients)")
-    bench.add_argument("--long-context", action="store_true",
-                       help="instead: documents of 2k-6k tokens with questions (time to first token cold and "
-                            "with the prefix cache, against transformers' forward), a long prefill beside a "
-                            "decoding stream, and a multi-turn chat")
-    bench.add_argument("--round-overhead", action="store_true",
-                       help="per-round overhead (median, P95) through the real services around a drafter and a "
-                            "verifier that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)")
-    bench.add_argument("--tracing-overhead", action="store_true",
-                       help="instead: spec-on requests alternated between a stack with tracing off and one "
-                            "with tracing on (OTLP-JSON file), and the median cost of tracing per token")
+    for flag, what in MODES:
+        bench.add_argument(flag, action="store_true", help=what)
     bench.add_argument("--drafters", default="", type=list_of(str, "drafter names"),
                        help="comma-separated drafters to compare side by side, e.g. ngram,self "
                             "(default: every drafter of the started stack; with --gateway, its default)")

@@ -13,6 +13,7 @@ from specsplit.cli.flags import (
     draft_model_flags,
     server_flags,
     server_settings,
+    setting,
     store_tokens_flag,
     target_flags,
 )
@@ -66,20 +67,19 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
     target_flags(v, "int8: weight-only int8 target GEMMs on the native kernels; q8_0: int8 weights per block of 32 "
                     "by int8 activations (AVX-512 VNNI); q4_0: 4-bit weights, the same activations; gguf: the "
                     "blocks of the model dir's model.gguf as shipped; spec on still equals off")
-    v.add_argument("--max-sessions", type=int, default=VerifySettings.max_sessions)
-    v.add_argument("--kv-cache-mib", type=int, default=VerifySettings.kv_cache_mib,
-                   help="KV cache of all sessions together; 0: max sessions at the full context, "
-                        "at most a quarter of memory")
-    v.add_argument("--idle-timeout", type=float, default=VerifySettings.idle_timeout_s,
-                   help="evict sessions idle this long (s)")
-    v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=VerifySettings.prefix_cache,
+    s = VerifySettings
+    setting(v, "--max-sessions", s, "max_sessions")
+    setting(v, "--kv-cache-mib", s, "kv_cache_mib", "KV cache of all sessions together; 0: max sessions at the full "
+                                                   "context, at most a quarter of memory")
+    setting(v, "--idle-timeout", s, "idle_timeout_s", "evict sessions idle this long (s)")
+    v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=s.prefix_cache,
                    help="keep prompts' keys and values for later prompts that start the same way, in KV budget "
                         "the sessions leave free")
-    v.add_argument("--batch-rows", type=int, default=VerifySettings.batch_rows,
-                   help="most rows of concurrent sessions' calls batched into one forward (1: no batching)")
-    v.add_argument("--batch-wait-ms", type=float, default=VerifySettings.batch_wait_ms,
-                   help="how long a call may wait for other sessions' calls to join its forward (a batch runs "
-                        "at once when every live session has sent its call)")
+    setting(v, "--batch-rows", s, "batch_rows",
+            "most rows of concurrent sessions' calls batched into one forward (1: no batching)")
+    setting(v, "--batch-wait-ms", s, "batch_wait_ms", "how long a call may wait for other sessions' calls to join "
+                                                     "its forward (a batch runs at once when every live session "
+                                                     "has sent its call)")
 
 
 def _draft_flags(d: argparse.ArgumentParser) -> None:
