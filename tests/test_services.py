@@ -31,7 +31,7 @@ async def active_sessions(stack) -> tuple[int, int]:
     return vi.active_sessions, di.active_sessions
 
 
-async def wait_released(stack, timeout_s: float = 5.0) -> tuple[int, int]:
+async def wait_released(stack, timeout_s: float = 60.0) -> tuple[int, int]:  # a hang guard, not a timing
     deadline = asyncio.get_running_loop().time() + timeout_s
     while (counts := await active_sessions(stack)) != (0, 0) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)

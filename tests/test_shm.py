@@ -171,7 +171,7 @@ def _succeeds(gw) -> bool:
         return False
 
 
-def _poll(predicate, timeout_s: float = 10.0) -> bool:
+def _poll(predicate, timeout_s: float = 60.0) -> bool:  # a hang guard, not a timing
     deadline = time.monotonic() + timeout_s
     while not predicate() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -233,7 +233,7 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
             future.result(60)
         assert _poll(lambda: _segments(shm_dir) == [])
         services.start("verify")  # same socket path: the gateway reconnects (after its backoff)
-        assert _poll(lambda: _succeeds(gw), 30)
+        assert _poll(lambda: _succeeds(gw))
         # that request's segment goes in a background release, after its answer
         assert _poll(lambda: _segments(shm_dir) == [])
 
