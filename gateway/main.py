@@ -28,7 +28,7 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
         if settings.http_listen:  # after connect: the HTTP door serves once the backends fit together
             from gateway.openai import OpenAIFront, start
 
-            front = OpenAIFront(servicer, backends.target.model_id, settings.auth_token)
+            front = OpenAIFront(servicer, backends.target.model_id, backends.tokenizer, settings.auth_token)
             http.append((await start(settings.http_listen, front))[0])
 
     try:

@@ -19,129 +19,13 @@ import grpc
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from specsplit.api.common.v1 import common_pb2 as cpb
+from gateway.openaiwire import FINISH, STATUS, Tokens, choices, generate_request, invalid, per_choice
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.errors import Failure
 
 log = logging.getLogger("specsplit.gateway")
 
 MAX_BODY = 8 << 20
-FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CONTEXT: "length", pb.FINISH_REASON_EOS: "stop",
-          pb.FINISH_REASON_STOP_STRING: "stop"}
-STATUS = {  # gRPC status -> (HTTP status, OpenAI error type)
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-SPECULATION = {"auto": pb.SPECULATION_AUTO, "on": pb.SPECULATION_ON, "off": pb.SPECULATION_OFF}
-METHODS = {"coupled": cpb.VERIFY_METHOD_COUPLED, "rejection": cpb.VERIFY_METHOD_REJECTION}
-EXTENSION = {"speculation", "drafter", "gamma", "tree_budget", "task_type", "verify_method", "ignore_eos", "top_k"}
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-               "tools": None, "functions": None, "response_format": None, "logit_bias": None}
-
-
-def invalid(message: str, param: str | None = None) -> Failure:
-    failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, message)
-    failure.param = param
-    return failure
-
-
-def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.GenerateRequest:
-    """An OpenAI request body as a GenerateRequest; raises Failure (INVALID_ARGUMENT) naming the field."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    for key, neutral in UNSUPPORTED.items():
-        if body.get(key) not in (None, False, neutral):
-            raise invalid(f"{key}={body[key]!r} is not supported (specsplit answers one choice, without logprobs)",
-                          key)
-    request = pb.GenerateRequest()
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise invalid("messages must be a non-empty list", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise invalid(f"messages[{i}] must be an object", "messages")
-            request.chat.messages.add(role=str(message.get("role", "")), content=_content(message.get("content"), i))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise invalid("prompt must be a string (or a list of one string)", "prompt")
-        request.text = prompt
-    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    request.max_new_tokens = _int(tokens, "max_tokens", 1) if tokens is not None else max_new_tokens_default
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid("stop must be a string or a list of strings", "stop")
-    request.stop.stop_strings.extend(stops)
-    # OpenAI's defaults: temperature 1, top_p 1.
-    temperature = _number(body.get("temperature", 1.0), "temperature")
-    request.sampling.temperature = temperature
-    if body.get("top_p") is not None:
-        request.sampling.top_p = _number(body["top_p"], "top_p")
-    if body.get("seed") is not None:
-        request.sampling.seed = _int(body["seed"], "seed", 0)
-    extension = body.get("specsplit") or {}
-    if not isinstance(extension, dict):
-        raise invalid("specsplit must be an object", "specsplit")
-    unknown = set(extension) - EXTENSION
-    if unknown:
-        raise invalid(f"unknown specsplit field(s) {sorted(unknown)}; use {sorted(EXTENSION)}", "specsplit")
-    if "speculation" in extension:
-        request.speculation = _choice(extension["speculation"], SPECULATION, "specsplit.speculation")
-    if "verify_method" in extension:
-        request.sampling.method = _choice(extension["verify_method"], METHODS, "specsplit.verify_method")
-    for key in ("gamma", "tree_budget", "top_k"):
-        if key in extension:
-            value = _int(extension[key], f"specsplit.{key}", 0)
-            if key == "top_k":
-                request.sampling.top_k = value
-            else:
-                setattr(request, key, value)
-    for key in ("drafter", "task_type"):
-        if key in extension:
-            if not isinstance(extension[key], str):
-                raise invalid(f"specsplit.{key} must be a string", f"specsplit.{key}")
-            setattr(request, key, extension[key])
-    if extension.get("ignore_eos"):
-        request.stop.ignore_eos = True
-    return request
-
-
-def _content(content, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: text only
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    raise invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def _int(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise invalid(f"{name} must be an integer >= {low}, not {value!r}", name)
-    return value
-
-
-def _number(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(f"{name} must be a number, not {value!r}", name)
-    return float(value)
-
-
-def _choice(value, choices: dict, name: str):
-    if value not in choices:
-        raise invalid(f"{name} {value!r}: use one of {sorted(choices)}", name)
-    return choices[value]
 
 
 def error_response(failure: Failure) -> web.Response:
@@ -156,8 +40,9 @@ class OpenAIFront:
 
     keepalive_s = 2.0  # a stream waiting this long for its first token sends a comment line
 
-    def __init__(self, servicer, model_id: str, auth_token: str = "", max_new_tokens_default: int = 16):
+    def __init__(self, servicer, model_id: str, tokenizer, auth_token: str = "", max_new_tokens_default: int = 16):
         self._servicer, self._model = servicer, model_id
+        self._tokens = Tokens(tokenizer)  # token ids as text, for log-probabilities
         self._expected = f"Bearer {auth_token}".encode() if auth_token else None
         self._default_tokens = max_new_tokens_default  # OpenAI's completions default is 16
 
@@ -199,37 +84,37 @@ class OpenAIFront:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise invalid(f"the request body is not JSON: {e}") from None
         request = generate_request(body, chat, self._default_tokens)
+        n = choices(body)
         model = body.get("model") or self._model
         if model != self._model:
             raise Failure(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here; this gateway serves "
                                                      f"{self._model!r} (GET /v1/models)")
-        peer = http.remote or "unknown"
-        client = f"http:{peer}"
-        stream = self._servicer.stream(request, client, lambda: None)
+        client = f"http:{http.remote or 'unknown'}"
+        shape = _Shape(chat, body, request, self._tokens)
+        streams = [self._servicer.stream(one, client, lambda: None) for one in per_choice(request, n)]
+        merged = _merged(streams)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._sse(http, stream, chat, ident, created, include_usage)
-        text, last = [], None
-        async with contextlib.aclosing(stream) as chunks:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                last = chunk
-        finish = FINISH.get(last.finish_reason, "stop")
-        choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish})
+            return await self._sse(http, merged, shape, ident, created, include_usage)
+        parts: list[list[pb.GenerateChunk]] = [[] for _ in range(n)]
+        async with contextlib.aclosing(merged) as chunks:
+            async for index, chunk in chunks:
+                parts[index].append(chunk)
+        answers = [shape.whole(i, chunks) for i, chunks in enumerate(parts)]
+        lasts = [chunks[-1] for chunks in parts]
         return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": self._model, "choices": [choice],
-                                  "usage": _usage(last.stats), "specsplit": _stats(last.stats)})
+                                  "created": created, "model": self._model, "choices": answers,
+                                  "usage": shape.usage(lasts), "specsplit": _stats(lasts[0].stats)})
 
-    async def _sse(self, http: web.Request, stream, chat: bool, ident: str, created: int,
+    async def _sse(self, http: web.Request, merged, shape: _Shape, ident: str, created: int,
                    include_usage: bool) -> web.StreamResponse:
-        """Server-sent events: one `data:` line per chunk, then `data: [DONE]`. A failure before the
-        first token is an ordinary error response; after it, an error event ends the stream. While a
-        long prompt is prefilled, a comment line every keepalive_s keeps the connection alive (a
-        failure after one is an error event too)."""
-        chunks = contextlib.aclosing(stream)
+        """Server-sent events: one `data:` line per chunk of any choice, then `data: [DONE]`. A failure
+        before the first token is an ordinary error response; after it, an error event ends the
+        stream. While a long prompt is prefilled, a comment line every keepalive_s keeps the
+        connection alive (a failure after one is an error event too)."""
+        chunks = contextlib.aclosing(merged)
         iterator = await chunks.__aenter__()
         pending = asyncio.ensure_future(anext(iterator, None))
         response = early = None
@@ -249,36 +134,31 @@ class OpenAIFront:
             first, early = None, e  # headers are out: it becomes an error event
         if response is None:
             response = await _open_stream(http)
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        kind = "chat.completion.chunk" if shape.chat else "text_completion"
 
         async def send(payload: dict) -> None:
             await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-        def event(chunk: pb.GenerateChunk, role: bool = False) -> dict:
-            finish = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
-            text = chunk.text
-            if chat:
-                delta = {"role": "assistant", "content": text} if role else {"content": text}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            payload = {"id": ident, "object": kind, "created": created, "model": self._model, "choices": [choice]}
+        def event(index: int, chunk: pb.GenerateChunk) -> dict:
+            payload = {"id": ident, "object": kind, "created": created, "model": self._model,
+                       "choices": [shape.part(index, chunk)]}
             if chunk.HasField("stats"):
                 payload["specsplit"] = _stats(chunk.stats)
             return payload
 
-        last = first
+        lasts: dict[int, pb.GenerateChunk] = {}
         try:
             if early is not None:
                 raise early
             if first is not None:
-                await send(event(first, role=True))
-                async for chunk in iterator:
-                    await send(event(chunk))
-                    last = chunk
-            if include_usage and last is not None:
+                await send(event(*first))
+                lasts[first[0]] = first[1]
+                async for index, chunk in iterator:
+                    await send(event(index, chunk))
+                    lasts[index] = chunk
+            if include_usage and lasts:
                 await send({"id": ident, "object": kind, "created": created, "model": self._model, "choices": [],
-                            "usage": _usage(last.stats)})
+                            "usage": shape.usage(list(lasts.values()))})
             await response.write(b"data: [DONE]\n\n")
         except Failure as e:
             status, kind_ = STATUS.get(e.code, (500, "server_error"))
@@ -291,16 +171,111 @@ class OpenAIFront:
         return response
 
 
+async def _merged(streams: list):
+    """(choice index, chunk) from n Generate streams as they come; a failure of any ends them all
+    (each stream is closed, so its session is released)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as chunks:
+            async for chunk in chunks:
+                yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    await queue.put((index, chunk, None))
+            await queue.put((index, None, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+            await queue.put((index, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                left -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Shape:
+    """One request's choices in OpenAI's shapes: text or delta, echo, log-probabilities, usage."""
+
+    def __init__(self, chat: bool, body: dict, request: pb.GenerateRequest, tokens: Tokens):
+        self.chat, self._tokens = chat, tokens
+        self._logprobs = request.logprobs.generated
+        self._echo = not chat and bool(body.get("echo"))
+        self._prompt_only = body.get("max_tokens", body.get("max_completion_tokens")) == 0
+        self._prompt = request.text
+        self._first_id = None
+        if self._echo and self._logprobs:  # the first prompt token has no logprob, but is listed
+            self._first_id = tokens.first_id(request.text)
+        self._offsets: dict[int, int] = {}
+        self._roles: set[int] = set()
+
+    def part(self, index: int, chunk: pb.GenerateChunk) -> dict:
+        """A choice's part of a stream event (the whole answer when it is the only chunk)."""
+        finish = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+        generated = not self._prompt_only
+        if self.chat:
+            delta = {"content": chunk.text}
+            if index not in self._roles:
+                self._roles.add(index)
+                delta = {"role": "assistant", **delta}
+            out = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if self._logprobs:
+                out["logprobs"] = self._tokens.chat_logprobs(chunk.logprobs)
+            return out
+        first = index not in self._offsets
+        text = (self._prompt if self._echo and first else "") + (chunk.text if generated else "")
+        out = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if self._logprobs:
+            entries = []
+            if first and self._echo:
+                entries = [(self._first_id, None), *((lp.token_id, lp) for lp in chunk.prompt_logprobs)]
+            if generated:
+                entries += [(lp.token_id, lp) for lp in chunk.logprobs]
+            out["logprobs"] = self._tokens.completion_logprobs(entries, self._offsets.get(index, 0))
+            self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in out["logprobs"]["tokens"])
+        else:
+            self._offsets.setdefault(index, 0)
+        return out
+
+    def whole(self, index: int, chunks: list[pb.GenerateChunk]) -> dict:
+        """A choice's whole answer from its chunks."""
+        joined = pb.GenerateChunk(text="".join(c.text for c in chunks), finish_reason=chunks[-1].finish_reason)
+        for c in chunks:
+            joined.logprobs.extend(c.logprobs)
+            joined.prompt_logprobs.extend(c.prompt_logprobs)
+        out = self.part(index, joined)
+        if self.chat:
+            delta = out.pop("delta")
+            out["message"] = {"role": "assistant", "content": delta["content"]}
+        return out
+
+    def usage(self, lasts: list[pb.GenerateChunk]) -> dict:
+        stats = lasts[0].stats
+        completion = 0 if self._prompt_only else sum(c.stats.generated_tokens for c in lasts)
+        return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": stats.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": stats.prefix_cached_tokens}}
+
+
 async def _open_stream(http: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(http)
     return response
-
-
-def _usage(stats: pb.GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.prefix_cached_tokens}}
 
 
 def _stats(stats: pb.GenerationStats) -> dict:

@@ -84,12 +84,20 @@ class RoundLoop:
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
             delta = text.add(request.cursor.last, _FINISH[request.cursor.finish()])
             mark = request.measured.decode_mark = now()
+            emitted = 0  # tokens sent so far: their logprobs are request.logprobs[:emitted]
+            prompt_logprobs = request.prompt_logprobs
             while not delta.finish:
-                yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids)
+                logprobs = request.logprobs[emitted:emitted + len(delta.token_ids)]
+                emitted += len(delta.token_ids)
+                yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, logprobs=logprobs,
+                                       prompt_logprobs=prompt_logprobs)
+                prompt_logprobs = []
                 mark = await self._round(request, mark)
                 delta = text.add(request.cursor.last, _FINISH[request.cursor.finish()])
             stats = self._instruments.finished(request, len(text.token_ids))
-            yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish, stats=stats)
+            yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish, stats=stats,
+                                   logprobs=request.logprobs[emitted:emitted + len(delta.token_ids)],
+                                   prompt_logprobs=prompt_logprobs)
         finally:
             self._load.leave(request.session_id)
             self._up.in_background(self._release(request))
@@ -140,6 +148,7 @@ class RoundLoop:
         if plan.needs_features and request.drafting:
             request.features = payloads.join(request.features, verdict.features if verdict.HasField("features")
                                              else None, request.links.segment)
+        request.logprobs += verdict.logprobs
         path = verdict.accepted_indices or range(verdict.num_accepted)
         cursor.commit([*(drafts[i] for i in path), verdict.next_token_id], verdict.length,
                       drafter_holds_them=request.ready is not None)
@@ -228,7 +237,8 @@ class RoundLoop:
         t = request.measured.prefill_mark = now()
         prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
             session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
-            sampling=plan.sampling, shm_segment=name, skip_prefix_cache=plan.skip_prefix_cache), "verify",
+            sampling=plan.sampling, shm_segment=name, skip_prefix_cache=plan.skip_prefix_cache,
+            logprobs=plan.logprobs), "verify",
             deadline.for_prefill(len(plan.prompt_ids)))
         started = None
         if request.drafting:
@@ -265,6 +275,7 @@ class RoundLoop:
         request.measured.prefill_ns, request.measured.prefill_verify_ns = now() - t, verified.forward_ns
         request.measured.prefix_cached, request.measured.prefill_chunks = verified.cached_tokens, verified.chunks
         request.cursor.start(len(plan.prompt_ids), verified.next_token_id, verified.length)
+        request.logprobs, request.prompt_logprobs = list(verified.logprobs), list(verified.prompt_logprobs)
         if plan.needs_features and request.drafting:
             request.features = verified.features
 

@@ -28,7 +28,7 @@ from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
 from specsplit.model.modeling import chat_prompt_ids, pairing_problem, tokenizer_fingerprint
-from specsplit.serving import shm
+from specsplit.serving import shm, wire
 from specsplit.serving.server import unix_path
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings
 from specsplit.spec.sampling import SamplingParams
@@ -203,17 +203,19 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                          b.segments, b.settings.shm_segment_bytes, b.draft.other)
 
     async def Generate(self, request, context):
-        text, ids, last = [], [], None
+        text, ids, logprobs, prompt_logprobs, last = [], [], [], [], None
         try:
             async with contextlib.aclosing(self.stream(request, client_of(context), context.time_remaining)) as chunks:
                 async for chunk in chunks:
                     text.append(chunk.text)
                     ids += chunk.token_ids
+                    logprobs += chunk.logprobs
+                    prompt_logprobs += chunk.prompt_logprobs
                     last = chunk
         except Failure as e:
             await context.abort(e.code, e.message)
         return pb.GenerateResponse(text="".join(text), token_ids=ids, finish_reason=last.finish_reason,
-                                   stats=last.stats)
+                                   stats=last.stats, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     async def GenerateStream(self, request, context):
         try:
@@ -319,7 +321,15 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     decision=decision, tree_budget=tree,
                     score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
                     predraft=speculate and not tree and self._predraft(request, drafter),
-                    skip_prefix_cache=request.skip_prefix_cache)
+                    skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs))
+
+    @staticmethod
+    def _check_logprobs(asked: cpb.LogprobsRequest) -> cpb.LogprobsRequest:
+        try:
+            wire.logprobs(asked).check()
+        except ValueError as e:
+            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"logprobs: {e}") from None
+        return asked
 
     def _predraft(self, request: pb.GenerateRequest, drafter: str) -> bool:
         """The request's choice, else the gateway's setting; `auto`: the controller's measurement."""

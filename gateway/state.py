@@ -34,6 +34,7 @@ class Plan:
     tree_budget: int = 0  # most draft tokens per round in a token tree; 0: chains of gamma
     score_scale: float = 1.0  # the controller's calibration of the drafter's tree scores
     skip_prefix_cache: bool = False  # a cold prefill (GenerateRequest.skip_prefix_cache)
+    logprobs: cpb.LogprobsRequest = field(default_factory=cpb.LogprobsRequest)  # GenerateRequest.logprobs
 
 
 class Round(NamedTuple):
@@ -107,3 +108,7 @@ class Request:
     # A StartSession the gateway gave up on may still have run on a draft service that only stalled:
     # the release ends it too.
     start_abandoned: bool = False
+    # With plan.logprobs: one per committed token, in order (the emitted tokens are a prefix), and
+    # the prompt's.
+    logprobs: list[cpb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[cpb.TokenLogprob] = field(default_factory=list)

@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+import torch
 from conftest import running_stack
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
@@ -96,7 +97,11 @@ async def test_sampling_with_a_seed_repeats(door):
 
 @pytest.mark.parametrize("kw, status, param", [
     ({"temperature": -1}, 400, None),
-    ({"n": 2}, 400, "n"),
+    ({"n": 17}, 400, "n"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"frequency_penalty": -1}, 400, "frequency_penalty"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"max_tokens": 0}, 400, "max_tokens"),  # without echo there is nothing to answer
     ({"extra_body": {"specsplit": {"gama": 3}}}, 400, "specsplit"),
     ({"extra_body": {"specsplit": {"speculation": "sometimes"}}}, 400, "specsplit.speculation"),
     ({"model": "gpt-4"}, 404, None),
@@ -163,3 +168,119 @@ async def test_a_stream_waiting_for_its_first_token_keeps_the_connection_alive_a
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole.choices[0].text
     streamed = await client.completions.create(**kw, stream=True)  # the official client skips the comments
     assert "".join([c.choices[0].text async for c in streamed if c.choices]) == whole.choices[0].text
+
+
+LOGPROB_PROMPT = "def add(a, b):"
+
+
+def reference_logprobs(models, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 log-softmax of every row for these token ids."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+async def test_logprobs_are_the_targets_and_agree_with_transformers(door, models):
+    from transformers import AutoTokenizer
+
+    from specsplit.api.common.v1 import common_pb2 as cpb
+
+    client, model, stub, _ = door
+    prompt_ids = AutoTokenizer.from_pretrained(models["target"]).encode(LOGPROB_PROMPT)
+    answers = {}
+    for mode in (pb.SPECULATION_OFF, pb.SPECULATION_ON):
+        answers[mode] = await grpc_generate(stub, text=LOGPROB_PROMPT, max_new_tokens=12, speculation=mode,
+                                            drafter="ngram", stop=pb.StopConditions(ignore_eos=True),
+                                            logprobs=cpb.LogprobsRequest(generated=True, top=5, prompt=True))
+    off, on = answers[pb.SPECULATION_OFF], answers[pb.SPECULATION_ON]
+    assert on.stats.speculation_used and list(on.token_ids) == list(off.token_ids)
+    # A row's logits do not depend on how many rows share its forward: on equals off, bit for bit.
+    assert [(lp.token_id, lp.logprob, list(lp.top_ids)) for lp in on.logprobs] == \
+        [(lp.token_id, lp.logprob, list(lp.top_ids)) for lp in off.logprobs]
+    assert [lp.token_id for lp in off.logprobs] == list(off.token_ids)
+    for lp in off.logprobs:  # greedy: the chosen token is the arg-max, and the top list is sorted
+        assert lp.logprob <= 0 and lp.top_ids[0] == lp.token_id and lp.top_logprobs[0] == lp.logprob
+        assert list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True) and len(lp.top_ids) == 5
+    assert [lp.token_id for lp in off.prompt_logprobs] == prompt_ids[1:]
+    ids = [*prompt_ids, *off.token_ids]
+    reference = reference_logprobs(models, ids)
+    ours = [*off.prompt_logprobs, *off.logprobs]
+    for position, lp in enumerate(ours, start=1):  # token at `position` is predicted by row position - 1
+        assert lp.token_id == ids[position]
+        assert abs(lp.logprob - float(reference[position - 1, ids[position]])) < 1e-4, position
+    # The OpenAI shapes carry the same numbers.
+    chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert all(e.logprob == e.top_logprobs[0].logprob and bytes(e.bytes) == e.token.encode() for e in content)
+    completion = await client.completions.create(model=model, prompt=LOGPROB_PROMPT, temperature=0, max_tokens=12,
+                                                 logprobs=5, extra_body={"specsplit": {"ignore_eos": True}})
+    got = completion.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in off.logprobs], abs=1e-6)
+    assert "".join(got.tokens) == completion.choices[0].text == off.text
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
+
+
+async def test_echo_with_no_new_tokens_gives_the_prompts_logprobs_as_lm_eval_asks(door, models):
+    from transformers import AutoTokenizer
+
+    client, model, _, port = door
+    prompt_ids = AutoTokenizer.from_pretrained(models["target"]).encode(LOGPROB_PROMPT)
+    reference = reference_logprobs(models, prompt_ids)
+    # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs, temperature 0.
+    body = {"model": model, "prompt": LOGPROB_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "temperature": 0}
+    status, answer = await asyncio.to_thread(post_json, port, "/v1/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["text"] == LOGPROB_PROMPT and answer["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == LOGPROB_PROMPT and len(lp["tokens"]) == len(prompt_ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(prompt_ids)):
+        assert abs(lp["token_logprobs"][i] - float(reference[i - 1, prompt_ids[i]])) < 1e-4
+        assert len(lp["top_logprobs"][i]) == 1
+    # The official client, the same request.
+    same = await client.completions.create(model=model, prompt=LOGPROB_PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                           temperature=0)
+    assert same.choices[0].logprobs.token_logprobs == lp["token_logprobs"]
+    # echo with generated tokens: the prompt, then the completion, in one list.
+    more = await client.completions.create(model=model, prompt=LOGPROB_PROMPT, max_tokens=4, echo=True, logprobs=0,
+                                           temperature=0, extra_body={"specsplit": {"ignore_eos": True}})
+    tokens = more.choices[0].logprobs.tokens
+    assert more.choices[0].text.startswith(LOGPROB_PROMPT) and len(tokens) == len(prompt_ids) + 4
+    assert more.choices[0].logprobs.token_logprobs[:len(prompt_ids)] == lp["token_logprobs"]
+
+
+async def test_n_choices_are_the_seeded_requests_one_by_one(door):
+    client, model, _, _ = door
+    kw = {"model": model, "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 12,
+          "temperature": 0.9, "extra_body": {"specsplit": {"ignore_eos": True}}}
+    three = await client.chat.completions.create(n=3, seed=7, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    singles = [await client.chat.completions.create(seed=7 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in three.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in three.choices}) > 1  # different seeds, different samples
+    assert three.usage.completion_tokens == 36
+    stream = await client.chat.completions.create(n=2, seed=7, stream=True, **kw)
+    texts, finished = {0: "", 1: ""}, set()
+    async for event in stream:
+        for choice in event.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1} and [texts[0], texts[1]] == [c.message.content for c in three.choices[:2]]
+
+
+def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={
+        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

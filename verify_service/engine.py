@@ -14,7 +14,7 @@ from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.spec import tokentree
 from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
 from specsplit.spec.rollback import TreeRollback
-from specsplit.spec.sampling import SamplingParams, warp
+from specsplit.spec.sampling import Logprobs, SamplingParams, token_logprobs, warp
 
 if TYPE_CHECKING:
     from specsplit.model.prefixcache import PrefixCache
@@ -41,6 +41,7 @@ class TargetSession:
     sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
     method: str = "coupled"  # with temperature > 0: coupled | rejection
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
+    logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class VerifyResult:
     batch_rows: int = 0  # rows of the forward that served this call (all calls in its batch)
     batch_calls: int = 0  # calls (sessions) in that forward
     cached: int = 0  # a prefill: prompt tokens whose keys and values came from the prefix cache
+    logprobs: tuple = ()  # the committed tokens' (token, logprob, top ids, top logprobs), if asked
+    prompt_logprobs: tuple = ()  # a prefill's prompt tokens 1.. likewise
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Prefilling:
     features: list[torch.Tensor] = field(default_factory=list)  # kept only when the session asked for them
     stored: int = 0  # prompt[:stored] is in the prefix cache (whole blocks)
     pending: list[torch.Tensor] = field(default_factory=list)  # features of prompt[stored:done]
+    prompt_logprobs: list = field(default_factory=list)  # of prompt[1:done + 1], when asked
 
     @property
     def finished(self) -> bool:
@@ -151,17 +155,19 @@ class Target:
 
     def start_prefill(self, prompt: list[int], with_features: bool = False,
                       sampling: SamplingParams = SamplingParams(), method: str = "coupled",
-                      use_cache: bool = True) -> Prefilling:
+                      use_cache: bool = True, logprobs: Logprobs = Logprobs()) -> Prefilling:
         """A new session whose prompt is still to be fed (by plan_prefill's steps); a prefix of it
-        already in the prefix cache is loaded into its cache at once (unless not use_cache)."""
+        already in the prefix cache is loaded into its cache at once (unless not use_cache, or the
+        prompt's own log-probabilities are asked for: they need every prompt row's logits)."""
         sampling.check()
+        logprobs.check()
         if method not in METHODS:
             raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
         self._check_room(len(prompt) + 1)
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
-                                sampling=sampling, method=method)
+                                sampling=sampling, method=method, logprobs=logprobs)
         prefilling = Prefilling(session, list(prompt))
-        if self.prefix_cache is not None and use_cache:
+        if self.prefix_cache is not None and use_cache and not logprobs.prompt:
             self._reserve(session, len(prompt))
             features = self.prefix_cache.load(prompt, session.kv)
             if features is not None:
@@ -179,8 +185,13 @@ class Target:
         end = len(prompt) if chunk is None else min(len(prompt), start + max(1, chunk))
         last = end == len(prompt)
         self._reserve(session, end - start)
+        asked = session.logprobs
 
-        def finish(logits: torch.Tensor | None, features) -> VerifyResult:  # logits [1, vocab] of the last row
+        def finish(logits: torch.Tensor | None, features) -> VerifyResult:
+            # logits [1, vocab] of the chunk's last row; [rows, vocab] when the prompt's logprobs are asked
+            if asked.prompt:  # row j predicts prompt[start + j + 1]
+                prefilling.prompt_logprobs += token_logprobs(logits, prompt[start + 1:end + 1], asked.top)
+                logits = logits[-1:]
             prefilling.done = end
             if session.with_features:
                 prefilling.features.append(features)
@@ -191,11 +202,13 @@ class Target:
             _, first = self._decide(session, logits, [], [], len(prompt), None)
             session.tokens.append(first)
             features = torch.cat(prefilling.features) if session.with_features else None
-            return VerifyResult(0, first, len(session.tokens), 0, features, cached=prefilling.cached)
+            return VerifyResult(0, first, len(session.tokens), 0, features, cached=prefilling.cached,
+                                logprobs=tuple(token_logprobs(logits, [first], asked.top) if asked.generated else ()),
+                                prompt_logprobs=tuple(prefilling.prompt_logprobs))
 
         # The prefix cache keeps every prompt row's features, so a later session that asks for them
         # can load them with the keys and values.
-        return Step(session, prompt[start:end], finish, last_only=True, logits=last,
+        return Step(session, prompt[start:end], finish, last_only=not asked.prompt, logits=last or asked.prompt,
                     features=session.with_features or self.prefix_cache is not None)
 
     def plan_verify(self, session: TargetSession, length: int, draft: list[int],
@@ -238,10 +251,15 @@ class Target:
                 session.kv.truncate(length + len(path))
             else:
                 session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
-            session.tokens += [*(draft[i] for i in path), next_token]
+            committed = [*(draft[i] for i in path), next_token]
+            session.tokens += committed
+            kept = [0, *(i + 1 for i in path)]  # the rows that chose the committed tokens, in order
             if features is not None:
-                features = features[[0, *(i + 1 for i in path)]]
-            return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path))
+                features = features[kept]
+            asked = session.logprobs
+            logprobs = token_logprobs(logits[kept], committed, asked.top) if asked.generated else ()
+            return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path),
+                                logprobs=tuple(logprobs))
 
         return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.with_features)
 

@@ -24,6 +24,7 @@ from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFo
 from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
+from specsplit.spec.sampling import Logprobs
 from verify_service.engine import ContextFull, LengthMismatch, Prefilling, Target, TargetSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -89,10 +90,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             sampling, method = wire.sampling(request.sampling)
             sampling.check()
+            logprobs = wire.logprobs(request.logprobs)
+            logprobs.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         call = _Prefill(request.session_id, prompt, request.return_features, sampling, method,
-                        trace.get_current_span(), request.skip_prefix_cache)
+                        trace.get_current_span(), request.skip_prefix_cache, logprobs)
         try:
             session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK))
         except SessionEnded:
@@ -115,7 +118,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                   shm_nonce=segment.nonce if segment else b"",
                                   fast_path=self.rounds.fast_path if segment else "",
                                   batch_rows=result.batch_rows, batch_calls=result.batch_calls,
-                                  cached_tokens=result.cached, chunks=call.chunks)
+                                  cached_tokens=result.cached, chunks=call.chunks,
+                                  logprobs=wire.token_logprobs(result.logprobs),
+                                  prompt_logprobs=wire.token_logprobs(result.prompt_logprobs))
 
     def expected(self) -> int:
         """Calls a batch can expect: a round from every live session and a chunk from every prefill."""
@@ -165,7 +170,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         prefix cache holds of the prompt. SessionEnded once its caller released it (gave up)."""
         if call.state is None:
             call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling, call.method,
-                                                    use_cache=not call.skip_cache)
+                                                    use_cache=not call.skip_cache, logprobs=call.logprobs)
             self.prefilling += 1
         elif self._sessions.ended(call.session_id):
             raise SessionEnded(call.session_id)
@@ -230,7 +235,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
                                  accepted_indices=result.path, batch_rows=result.batch_rows,
-                                 batch_calls=result.batch_calls)
+                                 batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs))
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -311,6 +316,7 @@ class _Prefill:
     method: str
     span: object  # the Prefill's server span: an event per chunk shows the progress
     skip_cache: bool = False  # compute it all (PrefillRequest.skip_prefix_cache)
+    logprobs: Logprobs = Logprobs()  # PrefillRequest.logprobs
     state: Prefilling | None = None  # begun: the session and how far its prompt is in
     chunks: int = 0
     forward_ns: int = 0  # over its chunks

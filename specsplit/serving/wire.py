@@ -1,12 +1,12 @@
 """Conversions between the wire's common messages and the maths' plain values: target features
-(a [rows, dim] tensor <-> specsplit.common.v1.Features) and sampling settings."""
+(a [rows, dim] tensor <-> specsplit.common.v1.Features), sampling settings and log-probabilities."""
 
 from __future__ import annotations
 
 import torch
 
 from specsplit.api.common.v1 import common_pb2 as pb
-from specsplit.spec.sampling import SamplingParams
+from specsplit.spec.sampling import Logprobs, SamplingParams, TokenLogprob
 
 _WIRE = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.int16),
          "float32": (torch.float32, torch.int32)}
@@ -40,3 +40,16 @@ def sampling(message: pb.Sampling) -> tuple[SamplingParams, str]:
     method = "rejection" if message.method == pb.VERIFY_METHOD_REJECTION else "coupled"
     return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
                           seed=message.seed), method
+
+
+def logprobs(message: pb.LogprobsRequest) -> Logprobs:
+    return Logprobs(generated=message.generated, top=message.top, prompt=message.prompt)
+
+
+def token_logprobs(values) -> list[pb.TokenLogprob]:
+    """(token, logprob, top ids, top logprobs) tuples -> messages."""
+    return [pb.TokenLogprob(token_id=t, logprob=lp, top_ids=ids, top_logprobs=top) for t, lp, ids, top in values]
+
+
+def plain_logprobs(messages) -> list[TokenLogprob]:
+    return [(m.token_id, m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in messages]

@@ -96,3 +96,36 @@ def coupled_choice(probs: torch.Tensor, seed: int, position: int) -> int:
 
 def sample(probs: torch.Tensor, seed: int, position: int, stream: int = RESAMPLE) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator(seed, position, stream)))
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Which log-probabilities a session returns: each generated token's, the `top` most likely
+    alternatives at each position, and each prompt token's (from the second on)."""
+
+    generated: bool = False
+    top: int = 0
+    prompt: bool = False
+
+    def check(self) -> None:
+        if not 0 <= self.top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs {self.top} is not in [0, {MAX_TOP_LOGPROBS}]")
+
+
+TokenLogprob = tuple[int, float, list[int], list[float]]  # token, its logprob, top ids, their logprobs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row i's log-softmax (float32, before temperature, top-k or top-p) at tokens[i], and its `top`
+    most likely tokens, most likely first."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)].tolist()
+    if not top:
+        return [(t, c, [], []) for t, c in zip(tokens, chosen)]
+    values, ids = lp.topk(top, dim=-1)
+    return list(zip(tokens, chosen, ids.tolist(), values.tolist()))

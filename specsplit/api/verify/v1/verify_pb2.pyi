@@ -48,23 +48,25 @@ class InfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., forward_ms_by_rows: _Optional[_Iterable[float]] = ..., active_prefills: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "return_features", "sampling", "shm_segment", "skip_prefix_cache")
+    __slots__ = ("session_id", "prompt_token_ids", "return_features", "sampling", "shm_segment", "skip_prefix_cache", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     return_features: bool
     sampling: _common_pb2.Sampling
     shm_segment: str
     skip_prefix_cache: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
+    logprobs: _common_pb2.LogprobsRequest
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ..., skip_prefix_cache: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsRequest, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("next_token_id", "length", "forward_ns", "features", "shm_nonce", "fast_path", "batch_rows", "batch_calls", "cached_tokens", "chunks")
+    __slots__ = ("next_token_id", "length", "forward_ns", "features", "shm_nonce", "fast_path", "batch_rows", "batch_calls", "cached_tokens", "chunks", "logprobs", "prompt_logprobs")
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,8 @@ class PrefillResponse(_message.Message):
     BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     next_token_id: int
     length: int
     forward_ns: int
@@ -85,7 +89,9 @@ class PrefillResponse(_message.Message):
     batch_calls: int
     cached_tokens: int
     chunks: int
-    def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents")
@@ -104,7 +110,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls")
+    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +119,7 @@ class VerifyResponse(_message.Message):
     ACCEPTED_INDICES_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     length: int
@@ -121,7 +128,8 @@ class VerifyResponse(_message.Message):
     accepted_indices: _containers.RepeatedScalarFieldContainer[int]
     batch_rows: int
     batch_calls: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
