@@ -133,7 +133,7 @@ def stack_config(a: argparse.Namespace):
                        self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
-                       http_listen=getattr(a, "http_listen", ""))
+                       http_listen=getattr(a, "http_listen", ""), policy=getattr(a, "policy", None))
 
 
 def auth_flag(p: argparse.ArgumentParser, help: str) -> None:

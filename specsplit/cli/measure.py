@@ -102,6 +102,28 @@ def add(sub) -> None:
     cal.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
     cal.add_argument("--policy-out", default="specsplit-policy.json", help="where to write the policy")
 
+    val = sub.add_parser("validate", help="before turning speculation on: measure your prompts per task type "
+                                          "(acceptance, P50/P95 on vs off, consistency, drift, quantization) and "
+                                          "write report.md and policy.json")
+    val.set_defaults(run=run_validate)
+    stack_flags(val)
+    val.add_argument("--prompts", help="JSONL with task_type and prompt per line (other keys are ignored; default: "
+                                       "the starter prompts)")
+    val.add_argument("--out", required=True, help="directory for report.md, its plots and policy.json")
+    val.add_argument("--max-new-tokens", type=int, default=64)
+    val.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
+    val.add_argument("--gate", type=float, default=2.0,
+                     help="speculation is off below this acceptance length (the design note's 2.0)")
+    val.add_argument("--bucket", type=int, default=16, help="output positions per acceptance bucket")
+    val.add_argument("--no-quantization", dest="quantization", action="store_false",
+                     help="skip the matrix of 8- and 4-bit weights x speculation off / on (two more stacks)")
+    val.add_argument("--store-tokens", type=int, default=0, help="as for bench")
+    val.add_argument("--gateway", help="validate a running gateway (no quantization matrix) instead of a new stack")
+    val.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                     help="with --gateway: send the bearer token in this file")
+    val.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
+    val.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
+
     rep = sub.add_parser("trace-report", help="time shares, speedup and break-even RTT from Generate traces")
     rep.set_defaults(run=run_trace_report)
     rep.add_argument("--file", action="append", help="OTLP-JSON lines (e.g. from --trace-file); repeatable")
@@ -133,6 +155,12 @@ def run_calibrate(a: argparse.Namespace) -> int:
     from specsplit.tools.calibrate import main as calibrate_main
 
     return calibrate_main(a, stack_config(a))
+
+
+def run_validate(a: argparse.Namespace) -> int:
+    from specsplit.tools.validate import main as validate_main
+
+    return validate_main(a, stack_config(a))
 
 
 def run_trace_report(a: argparse.Namespace) -> int:

@@ -19,6 +19,8 @@ def add(sub) -> None:
     up.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
                     help="Prometheus endpoints: the gateway's on this port, the verify service's on the next, the "
                          "draft service's on the one after (0: none)")
+    up.add_argument("--policy", default=ENV("SPECSPLIT_POLICY"),
+                    help="policy file from `specsplit validate` or `calibrate`: the controller's starting state")
     up.add_argument("--http-listen", default=ENV("SPECSPLIT_HTTP_LISTEN", ""),
                     help="host:port: the gateway also speaks the OpenAI HTTP API there (/v1/completions, "
                          "/v1/chat/completions, /v1/models)")

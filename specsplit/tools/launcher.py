@@ -67,6 +67,7 @@ class StackConfig:
     shared_memory: bool = True  # False: --no-shm for all three
     metrics_port: int = 0  # Prometheus: the gateway's port; verify +1, draft +2 (0: none)
     http_listen: str = ""  # host:port: the gateway's OpenAI-compatible HTTP door ("" none)
+    policy: str | None = None  # the gateway's --policy (from `specsplit calibrate` or `validate`)
 
 
 class Stack:
@@ -183,7 +184,8 @@ class Stack:
             self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", draft,
                                     "--tokenizer", c.target_model, "--gamma", str(c.gamma),
                                     "--tree-budget", str(c.tree_budget),
-                                    *(["--http-listen", c.http_listen] if c.http_listen else [])])
+                                    *(["--http-listen", c.http_listen] if c.http_listen else []),
+                                    *(["--policy", str(Path(c.policy).resolve())] if c.policy else [])])
             self._await(["gateway"], timeout_s)
         except BaseException:
             self.stop()
