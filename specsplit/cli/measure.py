@@ -94,12 +94,7 @@ def add(sub) -> None:
     cal.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     cal.add_argument("--max-new-tokens", type=int, default=64)
     cal.add_argument("--repeats", type=int, default=1)
-    cal.add_argument("--store-tokens", type=int, default=0, help="as for bench")
-    cal.add_argument("--gateway", help="calibrate a running gateway (its default drafter) instead of a new stack")
-    cal.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
-                     help="with --gateway: send the bearer token in this file")
-    cal.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
-    cal.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
+    _measured_gateway_flags(cal, "calibrate a running gateway (its default drafter) instead of a new stack")
     cal.add_argument("--policy-out", default="specsplit-policy.json", help="where to write the policy")
 
     val = sub.add_parser("validate", help="before turning speculation on: measure your prompts per task type "
@@ -117,12 +112,7 @@ def add(sub) -> None:
     val.add_argument("--bucket", type=int, default=16, help="output positions per acceptance bucket")
     val.add_argument("--no-quantization", dest="quantization", action="store_false",
                      help="skip the matrix of 8- and 4-bit weights x speculation off / on (two more stacks)")
-    val.add_argument("--store-tokens", type=int, default=0, help="as for bench")
-    val.add_argument("--gateway", help="validate a running gateway (no quantization matrix) instead of a new stack")
-    val.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
-                     help="with --gateway: send the bearer token in this file")
-    val.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
-    val.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
+    _measured_gateway_flags(val, "validate a running gateway (no quantization matrix) instead of a new stack")
 
     rep = sub.add_parser("trace-report", help="time shares, speedup and break-even RTT from Generate traces")
     rep.set_defaults(run=run_trace_report)
@@ -136,6 +126,16 @@ def add(sub) -> None:
     rep.add_argument("--plot", help="PNG: one request's rounds as a timeline and the time shares per task type")
     rep.add_argument("--plot-trace", help="the trace id (or its start) to draw (default: the spec-on request "
                                           "with the most rounds)")
+
+
+def _measured_gateway_flags(p: argparse.ArgumentParser, gateway_help: str) -> None:
+    """What a command that writes a policy needs to measure a running gateway instead of its own stack."""
+    p.add_argument("--store-tokens", type=int, default=0, help="as for bench")
+    p.add_argument("--gateway", help=gateway_help)
+    p.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
+                   help="with --gateway: send the bearer token in this file")
+    p.add_argument("--verify", help="with --gateway: the verify service, whose model the policy records")
+    p.add_argument("--draft", help="with --gateway: the draft service, whose drafters the policy records")
 
 
 def run_bench(a: argparse.Namespace) -> int:

@@ -104,27 +104,26 @@ def _plots(out: Path, verdicts, formats) -> list[Path]:
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = range(len(verdicts))
-    for offset, label, key in ((-0.3, "P50 off", "p50_off"), (-0.1, "P50 on", "p50_on"),
-                               (0.1, "P95 off", "p95_off"), (0.3, "P95 on", "p95_on")):
-        ax.bar([x + offset for x in xs], [getattr(v, key) for v in verdicts], width=0.2, label=label)
-    ax.set_xticks(list(xs), [v.task_type for v in verdicts])
-    ax.set_ylabel("end-to-end latency (s)")
-    ax.legend()
-    paths.append(out / "latency.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
+    paths.append(_bars(plt, out / "latency.png", [v.task_type for v in verdicts], "end-to-end latency (s)",
+                       [(label, [getattr(v, key) for v in verdicts]) for label, key in (
+                           ("P50 off", "p50_off"), ("P50 on", "p50_on"), ("P95 off", "p95_off"),
+                           ("P95 on", "p95_on"))]))
     if formats:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        xs = range(len(formats))
-        ax.bar([x - 0.2 for x in xs], [f.off_tps for f in formats], width=0.4, label="speculation off")
-        ax.bar([x + 0.2 for x in xs], [f.on_tps for f in formats], width=0.4, label="speculation on")
-        ax.set_xticks(list(xs), [f.name for f in formats])
-        ax.set_ylabel("tokens per second")
-        ax.legend()
-        paths.append(out / "quantization.png")
-        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        paths.append(_bars(plt, out / "quantization.png", [f.name for f in formats], "tokens per second",
+                           [("speculation off", [f.off_tps for f in formats]),
+                            ("speculation on", [f.on_tps for f in formats])]))
     return paths
+
+
+def _bars(plt, path: Path, names: list[str], ylabel: str, series: list[tuple[str, list[float]]]) -> Path:
+    """Grouped bars: one group per name, one bar per series."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(names))], values, width=width, label=label)
+    ax.set_xticks(list(range(len(names))), names)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
