@@ -61,7 +61,7 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
 
 
 async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
-    runtime.configure_process(settings.server.threads)
+    runtime.configure_process(settings.server.threads, "draft")
     tel = telemetry.configure("specsplit-draft", settings.server.metrics_port)
     worker = ModelWorker("draft", settings.batch_wait_ms / 1e3)
     drafters = await worker.run(build_drafters, settings)

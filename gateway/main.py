@@ -15,7 +15,7 @@ from specsplit.serving.settings import GatewaySettings
 async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     from transformers import AutoTokenizer
 
-    runtime.configure_process(settings.server.threads)
+    runtime.configure_process(settings.server.threads, "gateway", most=1)  # no model compute here
     tel = telemetry.configure("specsplit-gateway", settings.server.metrics_port)
     tokenizer_dir = catalog.resolve(settings.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)

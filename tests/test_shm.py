@@ -298,3 +298,36 @@ def test_a_full_dev_shm_falls_back_to_grpc(models, self_head, tmp_path, full_shm
         assert "no shared memory for session" in (tmp_path / "gateway.log").read_text()
     finally:
         services.stop()
+
+
+def test_a_stopped_stack_leaves_nothing_in_dev_shm_after_its_services_were_killed(models, tmp_path, shm_dir):
+    """`up`'s stop sweeps what SIGKILLed services left (segments, locks, fast-path sockets); files of
+    live processes stay."""
+    import socket as sockets
+
+    from specsplit.tools.launcher import Stack, StackConfig
+
+    live = shm.Creator()  # a live gateway's segment and lock (this process holds the lock)
+    kept = live.create("33" * 16, 0, 1 << 20, 0)
+    listening = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)  # a live service's fast path
+    listening.bind(str(shm_dir / f"specsplit-fast-{os.getpid()}-live.sock"))
+    listening.listen()
+    ours = set(os.listdir(shm_dir))
+    stack = Stack(StackConfig(target_model=str(models["target"]), draft_model=str(models["draft"]), dtype="float32",
+                              draft_dtype="float32", drafter="ngram", self_head="none", run_dir=str(tmp_path / "up")))
+    try:
+        with grpc.insecure_channel(stack.start()) as ch:
+            stream = pb_grpc.GatewayStub(ch).GenerateStream(_request("def add(a, b):", "ngram", max_new_tokens=200))
+            next(stream)
+            left = set(os.listdir(shm_dir)) - ours
+            assert any(n.startswith("specsplit-fast-") for n in left) and _segments(shm_dir) != sorted(ours)
+            for name in ("gateway", "draft", "verify"):
+                stack.procs[name].kill()
+                stack.procs[name].wait(10)
+            assert set(os.listdir(shm_dir)) - ours  # the dead left their files behind
+    finally:
+        stack.stop()
+    assert set(os.listdir(shm_dir)) == ours  # theirs swept, the live ones kept
+    listening.close()
+    live.remove(kept)
+    live.close()

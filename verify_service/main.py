@@ -51,7 +51,7 @@ def _gauges(lm, sessions: SessionTable, cache: PrefixCache | None) -> None:
 
 
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
-    runtime.configure_process(settings.server.threads)
+    runtime.configure_process(settings.server.threads, "verify")
     tel = telemetry.configure("specsplit-verify", settings.server.metrics_port)
     worker = ModelWorker("verify", settings.batch_wait_ms / 1e3, settings.batch_rows)
     started = time.perf_counter()

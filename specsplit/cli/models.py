@@ -61,7 +61,7 @@ def run_distill(a: argparse.Namespace) -> int:
     from specsplit.serving import runtime
     from specsplit.tools.distill.pipeline import DistillSettings, distill
 
-    runtime.configure_process(a.threads)
+    runtime.configure_process(a.threads, "distill")
     stages = a.stages
     unknown = set(stages) - {"generate", "train", "export"}
     if unknown:

@@ -8,13 +8,20 @@ import torch
 
 from specsplit.model import catalog
 from specsplit.model.modeling import LoadedModel, load_model
+from specsplit.serving import cpus
 from specsplit.serving.settings import ModelSettings
 
 
-def configure_process(threads: int) -> None:
+def configure_process(threads: int, role: str, most: int | None = None) -> int:
+    """Logging, and the torch threads: `threads` if > 0, else as many as the CPUs this process may
+    use (affinity, cgroup quota: specsplit.serving.cpus), at most `most`; says how many and why."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if threads > 0:
-        torch.set_num_threads(threads)
+    n, why = cpus.threads(threads)
+    if most is not None and threads <= 0 and n > most:
+        n, why = most, f"{why}; at most {most} here"
+    torch.set_num_threads(n)
+    logging.getLogger("specsplit").info("%s: %d torch thread%s (%s)", role, n, "s" * (n != 1), why)
+    return n
 
 
 def load(settings: ModelSettings, head_ids: torch.Tensor | None = None) -> LoadedModel:

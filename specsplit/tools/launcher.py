@@ -70,6 +70,15 @@ class StackConfig:
     policy: str | None = None  # the gateway's --policy (from `specsplit calibrate` or `validate`)
 
 
+def sweep_shared_memory() -> list[str]:
+    """Removes what dead processes of this project left in the shared-memory directory: segments and
+    lock files of creators that no longer hold their lock, fast-path sockets nobody listens on. A
+    live process's files are kept (its lock is held, its socket answers)."""
+    from specsplit.serving import fastpath, shm
+
+    return shm.reclaim_stale() + fastpath.reclaim_stale()
+
+
 class Stack:
     """verify + draft (in parallel), then the gateway; each a `specsplit serve` process."""
 
@@ -208,6 +217,7 @@ class Stack:
                 codes[name] = proc.wait()
         for path in [*self.run_dir.glob("*.sock"), *self.run_dir.glob("*.address")]:
             path.unlink(missing_ok=True)  # a SIGKILLed server leaves its socket behind
+        sweep_shared_memory()  # and its shared-memory segments, locks and fast-path socket
         if self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         return codes

@@ -1,0 +1,86 @@
+"""Threads from the CPUs a process may use: affinity and the cgroup CPU quota (v2 and v1), unless
+set; and a stack pinned to one CPU runs each service on one thread and serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specsplit.serving import cpus
+
+
+def _cgroup(tmp_path: Path, lines: str) -> Path:
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(lines)
+    return proc
+
+
+def test_quota_from_cgroup_v2_is_the_tightest_of_the_process_and_its_ancestors(tmp_path):
+    root = tmp_path / "cg"
+    (root / "kubepods" / "pod1" / "c1").mkdir(parents=True)
+    (root / "cpu.max").write_text("max 100000\n")
+    (root / "kubepods" / "cpu.max").write_text("400000 100000\n")
+    (root / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")
+    (root / "kubepods" / "pod1" / "c1" / "cpu.max").write_text("max 100000\n")
+    proc = _cgroup(tmp_path, "0::/kubepods/pod1/c1\n")
+    assert cpus.quota(root, proc) == 1.5
+    (root / "kubepods" / "pod1" / "cpu.max").write_text("max 100000\n")
+    assert cpus.quota(root, proc) == 4.0
+    (root / "kubepods" / "cpu.max").write_text("max 100000\n")
+    assert cpus.quota(root, proc) is None
+
+
+def test_quota_from_cgroup_v1(tmp_path):
+    root = tmp_path / "cg"
+    (root / "cpu" / "docker" / "abc").mkdir(parents=True)
+    (root / "cpu" / "docker" / "abc" / "cpu.cfs_quota_us").write_text("50000\n")
+    (root / "cpu" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (root / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    proc = _cgroup(tmp_path, "4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n")
+    assert cpus.quota(root, proc) == 0.5
+
+
+@pytest.mark.parametrize("affinity, quota, expect", [(64, 2.0, 2), (64, 1.5, 2), (64, 0.5, 1), (2, None, 2),
+                                                     (2, 8.0, 2)])
+def test_threads_are_the_smaller_of_affinity_and_quota(monkeypatch, affinity, quota, expect):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpus, "affinity", lambda: affinity)
+    monkeypatch.setattr(cpus, "quota", lambda: quota)
+    n, why = cpus.threads(0)
+    assert n == expect and ("cgroup CPU limit" in why)
+    assert cpus.threads(3) == (3, "--threads")  # a user's choice wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert cpus.threads(0) == (5, "OMP_NUM_THREADS")
+
+
+def test_a_stack_pinned_to_one_cpu_runs_one_thread_per_service_and_serves(models, tmp_path):
+    script = textwrap.dedent(f"""
+        import os, grpc
+        os.sched_setaffinity(0, {{0}})  # as `taskset -c 0 specsplit up`
+        from specsplit.tools.launcher import Stack, StackConfig
+        from specsplit.api.gateway.v1 import gateway_pb2 as pb, gateway_pb2_grpc as pbg
+        with Stack(StackConfig(target_model={str(models["target"])!r}, draft_model={str(models["draft"])!r},
+                               dtype="float32", draft_dtype="float32", drafter="ngram", self_head="none",
+                               run_dir={str(tmp_path / "up")!r})) as stack:
+            with grpc.insecure_channel(stack.start()) as ch:
+                out = pbg.GatewayStub(ch).Generate(pb.GenerateRequest(text="def add(a, b):", max_new_tokens=8,
+                                                                      speculation=pb.SPECULATION_ON), timeout=60)
+            assert out.stats.generated_tokens == 8 and out.stats.speculation_used
+            logs = {{n: open({str(tmp_path / "up")!r} + f"/{{n}}.log").read() for n in ("verify", "draft", "gateway")}}
+        for name, log in logs.items():
+            print(name, [line.split(name + ":", 1)[1] for line in log.splitlines() if "torch thread" in line])
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SPECSPLIT_THREADS")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("verify", "draft", "gateway"):
+        line = next(line for line in done.stdout.splitlines() if line.startswith(name))
+        assert " 1 torch thread (" in line, line
+    verify = next(line for line in done.stdout.splitlines() if line.startswith("verify"))
+    assert "affinity 1 CPUs" in verify
