@@ -33,7 +33,7 @@ case "$cmd" in
     python -m specsplit.api.protogen --check
     ruff check --quiet .
     # -rs: every skip is listed with its reason (kernel paths this CPU lacks, for one)
-    exec python -m pytest -q -rs "$@"
+    exec python -m pytest -q -rs --durations=10 "$@"
     ;;
   bench)
     # --anchor: transformers in-process on the same prompts, interleaved (what users would otherwise run)

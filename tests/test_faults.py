@@ -231,11 +231,11 @@ def test_a_verify_replica_killed_mid_round_fails_its_sessions_only(models, tmp_p
         v2 = start("v2", "verify", "--target-model", target, "--dtype", "float32")
         draft = start("draft", "draft", "--self-head", "none", "--default-drafter", "ngram")
         gateway = start("gateway", "gateway", "--verify", f"{v1},{v2}", "--draft", draft, "--tokenizer", target)
-        request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=3000, speculation=pb.SPECULATION_ON,
+        request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=1200, speculation=pb.SPECULATION_ON,
                                      stop=pb.StopConditions(ignore_eos=True))
         with grpc.insecure_channel(gateway) as channel:
             stub = pb_grpc.GatewayStub(channel)
-            off = stub.Generate(pb.GenerateRequest(text=request.text, max_new_tokens=3000, stop=request.stop,
+            off = stub.Generate(pb.GenerateRequest(text=request.text, max_new_tokens=1200, stop=request.stop,
                                                    speculation=pb.SPECULATION_OFF), timeout=300)
             streams = [stub.GenerateStream(request, timeout=300) for _ in range(8)]
             firsts = [next(s) for s in streams]  # every session is decoding

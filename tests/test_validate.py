@@ -26,7 +26,7 @@ def _validate(models, tmp_path: Path, prompts: Path, *extra: str) -> subprocess.
     return subprocess.run([sys.executable, "-m", "specsplit.cli", "validate", "--target-model", str(models["target"]),
                            "--draft-model", str(models["draft"]), "--dtype", "float32", "--draft-dtype", "float32",
                            "--self-head", "none", "--drafter", "ngram", "--prompts", str(prompts),
-                           "--out", str(tmp_path / "out"), "--max-new-tokens", "24", "--run-dir", str(tmp_path / "run"),
+                           "--out", str(tmp_path / "out"), "--max-new-tokens", "12", "--run-dir", str(tmp_path / "run"),
                            *extra], capture_output=True, text=True, timeout=600)
 
 
