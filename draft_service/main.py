@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 from opentelemetry.metrics import Observation
@@ -19,6 +20,8 @@ from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable
 from specsplit.serving.settings import DraftSettings, ModelSettings
 from specsplit.serving.worker import ModelWorker
+
+log = logging.getLogger("specsplit")
 
 
 def draft_quantization(model: ModelSettings) -> str:
@@ -61,10 +64,11 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
 
 
 async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
-    runtime.configure_process(settings.server.threads, "draft")
+    threads = runtime.configure_process(settings.server.threads, "draft")
     tel = telemetry.configure("specsplit-draft", settings.server.metrics_port)
     worker = ModelWorker("draft", settings.batch_wait_ms / 1e3)
     drafters = await worker.run(build_drafters, settings)
+    log.info(threads)
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     worker.expected = lambda: len(sessions)  # every drafting session sends a Propose per round
     default = settings.default_drafter

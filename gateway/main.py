@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from gateway.access import BearerAuth
 from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
@@ -11,11 +12,13 @@ from specsplit.serving import runtime, telemetry
 from specsplit.serving.server import serve
 from specsplit.serving.settings import GatewaySettings
 
+log = logging.getLogger("specsplit")
+
 
 async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     from transformers import AutoTokenizer
 
-    runtime.configure_process(settings.server.threads, "gateway", most=1)  # no model compute here
+    threads = runtime.configure_process(settings.server.threads, "gateway", most=1)  # no model compute here
     tel = telemetry.configure("specsplit-gateway", settings.server.metrics_port)
     tokenizer_dir = catalog.resolve(settings.tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
@@ -25,6 +28,7 @@ async def run(settings: GatewaySettings, stop_event: asyncio.Event | None = None
 
     async def ready() -> None:
         await backends.connect()
+        log.info(threads)
         if settings.http_listen:  # after connect: the HTTP door serves once the backends fit together
             from gateway.openai import OpenAIFront, start
 

@@ -51,12 +51,13 @@ def _gauges(lm, sessions: SessionTable, cache: PrefixCache | None) -> None:
 
 
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
-    runtime.configure_process(settings.server.threads, "verify")
+    threads = runtime.configure_process(settings.server.threads, "verify")
     tel = telemetry.configure("specsplit-verify", settings.server.metrics_port)
     worker = ModelWorker("verify", settings.batch_wait_ms / 1e3, settings.batch_rows)
     started = time.perf_counter()
     lm = await worker.run(runtime.load, settings.model)
     log.info("target %s loaded in %.1f s; forward: %s", lm.model_id, time.perf_counter() - started, lm.kernels)
+    log.info(threads)
     freed = lm.release_transformers_weights()
     if freed:
         log.info("freed transformers' copy of the packed weights: %.0f MiB", freed / 2**20)

@@ -12,16 +12,17 @@ from specsplit.serving import cpus
 from specsplit.serving.settings import ModelSettings
 
 
-def configure_process(threads: int, role: str, most: int | None = None) -> int:
+def configure_process(threads: int, role: str, most: int | None = None) -> str:
     """Logging, and the torch threads: `threads` if > 0, else as many as the CPUs this process may
-    use (affinity, cgroup quota: specsplit.serving.cpus), at most `most`; says how many and why."""
+    use (affinity, cgroup quota: specsplit.serving.cpus), at most `most`. Returns the line saying
+    how many and why, for the service to log once it has started (a start that fails on bad input
+    says that in one line)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     n, why = cpus.threads(threads)
     if most is not None and threads <= 0 and n > most:
         n, why = most, f"{why}; at most {most} here"
     torch.set_num_threads(n)
-    logging.getLogger("specsplit").info("%s: %d torch thread%s (%s)", role, n, "s" * (n != 1), why)
-    return n
+    return f"{role}: {n} torch thread{'s' * (n != 1)} ({why})"
 
 
 def load(settings: ModelSettings, head_ids: torch.Tensor | None = None) -> LoadedModel:
