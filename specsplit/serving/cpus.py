@@ -67,7 +67,8 @@ def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
 
 def available() -> tuple[int, str]:
     """(CPUs this process may use, why)."""
-    cpus, why = affinity(), f"affinity {affinity()} CPUs"
+    cpus = affinity()
+    why = f"affinity {cpus} CPUs"
     limit = quota()
     if limit is None:
         return cpus, why + ", no cgroup CPU limit"

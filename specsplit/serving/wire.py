@@ -46,10 +46,6 @@ def logprobs(message: pb.LogprobsRequest) -> Logprobs:
     return Logprobs(generated=message.generated, top=message.top, prompt=message.prompt)
 
 
-def token_logprobs(values) -> list[pb.TokenLogprob]:
+def token_logprobs(values: list[TokenLogprob]) -> list[pb.TokenLogprob]:
     """(token, logprob, top ids, top logprobs) tuples -> messages."""
     return [pb.TokenLogprob(token_id=t, logprob=lp, top_ids=ids, top_logprobs=top) for t, lp, ids, top in values]
-
-
-def plain_logprobs(messages) -> list[TokenLogprob]:
-    return [(m.token_id, m.logprob, list(m.top_ids), list(m.top_logprobs)) for m in messages]

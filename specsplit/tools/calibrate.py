@@ -74,7 +74,7 @@ def main(args, config: StackConfig) -> int:
         first = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats
         drafter, tree = first.drafter, first.tree_budget
         walls = measure(stub, prompts, drafter, args.gamma, args.max_new_tokens, args.repeats, controller)
-        target, drafters = _describe(stack.addresses if stack else None, args)
+        target, drafters = describe(stack.addresses if stack else None, args)
     table = recommend(controller, walls, drafter, args.gamma)
     for entry in table.values():
         entry["tree_budget"] = tree  # measured with token trees of this size (0: chains)
@@ -96,7 +96,7 @@ def main(args, config: StackConfig) -> int:
     return 0
 
 
-def _describe(addresses: dict | None, args):
+def describe(addresses: dict | None, args):
     """The target's and drafters' identities for the policy file."""
     verify = addresses["verify"] if addresses else args.verify
     draft = addresses["draft"] if addresses else args.draft

@@ -20,7 +20,7 @@ from gateway import policy
 from gateway.controller import p95
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.tools.bench import gateway_stub
-from specsplit.tools.calibrate import _describe
+from specsplit.tools.calibrate import describe
 from specsplit.tools.launcher import StackConfig
 from specsplit.tools.validatereport import write_report
 from specsplit.tools.workload import Prompt, load_prompts, request, warmup
@@ -199,7 +199,7 @@ def main(args, config: StackConfig) -> int:
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         first = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats
         measured = measure(stub, prompts, args.max_new_tokens, True, lambda: progress.update())
-        target, drafters = _describe(stack.addresses if stack else None, args)
+        target, drafters = describe(stack.addresses if stack else None, args)
     verdicts = analyse(measured, args.gate, args.bucket)
     formats = quantization(config, prompts, args.max_new_tokens, measured, progress.update) if matrix else []
     progress.close()
