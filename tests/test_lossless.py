@@ -1,35 +1,38 @@
 """Speculative sampling through the real services is lossless: continuations sampled with
 speculation (rejection and coupled verification, of chains and of token trees, a model drafter
 whose q differs from p) follow the target's own distribution, and a deliberately broken variant
-of each method does not.
+of each method (tests/brokenverify.py, a verify service of its own) does not.
 
 The reference is computed here, independently of the project's sampling code: the target's
 logits from transformers, then temperature, top-k and top-p written out in plain Python. The
 decision rule is calibrated by simulation from that reference: with SAMPLES continuations per
-configuration, a total variation above THRESHOLD happens by chance with probability ALPHA, and the
-smallest error the test catches with probability >= 0.95 is computed and printed (DETECTS)."""
+configuration (BROKEN_SAMPLES for the broken controls, whose errors are several times larger), a
+total variation above THRESHOLD happens by chance with probability ALPHA, and the smallest error
+the test catches with probability >= 0.95 is computed and printed (DETECTS)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import os
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
-from conftest import running_stack
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.spec.sampling import ACCEPT, RESAMPLE, SIBLING_ACCEPT, coupled_choice, sample, uniform
-from verify_service import engine
+from specsplit.tools.launcher import Stack, StackConfig
 
 PROMPT = "Once upon a time"
 NEW = 4  # the first token comes from prefill; the next three from one or two draft/verify rounds
 TEMPERATURE, TOP_K, TOP_P = 1.5, 2, 0.95
 SAMPLES = 2400
+BROKEN_SAMPLES = 600  # the broken variants' errors are 0.2-0.5, against a threshold near 0.1 at this size
 TREE = 6  # drafts per round in the token-tree configurations (a chain of 3 and a sibling at each depth)
 ALPHA = 1e-3  # false-alarm rate of the decision rule, per configuration
 
@@ -79,15 +82,15 @@ def total_variation(counts: Counter, exact: dict) -> float:
     return sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(counts) | set(exact)) / 2
 
 
-def calibrate(exact: dict, sims: int = 4000) -> tuple[float, float]:
-    """(threshold, detects): the total variation that SAMPLES draws from `exact` exceed with
+def calibrate(exact: dict, samples: int, sims: int = 4000) -> tuple[float, float]:
+    """(threshold, detects): the total variation that `samples` draws from `exact` exceed with
     probability ALPHA, and the smallest error (mass moved from the likeliest outcome to the least
     likely one) whose draws exceed that threshold with probability >= 0.95."""
     rng = np.random.default_rng(0)
     p = np.array(sorted(exact.values(), reverse=True))
 
     def tvs(q: np.ndarray) -> np.ndarray:
-        draws = rng.multinomial(SAMPLES, q, size=sims) / SAMPLES
+        draws = rng.multinomial(samples, q, size=sims) / samples
         return np.abs(draws - p).sum(axis=1) / 2
 
     threshold = float(np.quantile(tvs(p), 1 - ALPHA))
@@ -99,42 +102,7 @@ def calibrate(exact: dict, sims: int = 4000) -> tuple[float, float]:
     raise AssertionError("no error up to 0.3 is detectable: too few samples for this distribution")
 
 
-def broken_rejection_accept(probs, draft, proposals, seed, start, parents=None):
-    """Rejection sampling with the classic mistake: every draft tested against p, and resampling
-    from p instead of the residual norm(max(0, p - q)) (over a chain or a tree's siblings)."""
-    parents = list(range(-1, len(draft) - 1)) if parents is None else parents
-    path, row = [], 0
-    while True:
-        position = start + len(path)
-        kids = [i for i, parent in enumerate(parents) if parent + 1 == row]
-        for j, child in enumerate(kids):
-            ids, q = proposals[child]
-            q_tok = float(q[ids == draft[child]].sum())
-            if uniform(seed, position, ACCEPT if j == 0 else SIBLING_ACCEPT + j) < min(
-                    1.0, float(probs[row][draft[child]]) / q_tok):
-                path.append(child)
-                row = child + 1
-                break
-        else:
-            return path, sample(probs[row], seed, position, RESAMPLE), "recovered" if kids else "bonus"
-
-
-
-def broken_coupled_accept(probs, draft, seed, start, parents=None):
-    """Coupled verification with a plausible mistake: a draft token the target could have chosen
-    (p > 0) is accepted, instead of only the one its (seed, position) noise chooses."""
-    parents = list(range(-1, len(draft) - 1)) if parents is None else parents
-    path, row = [], 0
-    while True:
-        nxt = next((i for i, parent in enumerate(parents) if parent + 1 == row and float(probs[row][draft[i]]) > 0),
-                   None)
-        if nxt is None:
-            return path, coupled_choice(probs[row], seed, start + len(path))
-        path.append(nxt)
-        row = nxt + 1
-
-
-async def continuations(gw, method: int, speculation: int, tree: int = 1) -> tuple[Counter, int]:
+async def continuations(gw, samples: int, method: int, speculation: int, tree: int = 1) -> tuple[Counter, int]:
     """tree: token trees of that many drafts (1: chains); `drafted` then counts tree rounds."""
     counts: Counter = Counter()
     drafted = 0
@@ -151,9 +119,28 @@ async def continuations(gw, method: int, speculation: int, tree: int = 1) -> tup
         records = response.stats.round_records
         drafted += sum(r.drafted > r.depth for r in records) if tree > 1 else response.stats.drafted_tokens
 
-    for first in range(0, SAMPLES, 48):
-        await asyncio.gather(*(one(seed) for seed in range(first, min(first + 48, SAMPLES))))
+    for first in range(0, samples, 48):
+        await asyncio.gather(*(one(seed) for seed in range(first, min(first + 48, samples))))
     return counts, drafted
+
+
+class BrokenStack(Stack):
+    """The services as processes, the verify service with the broken acceptance rules of
+    tests/brokenverify.py (a process of its own, so the rules cannot leak into the correct stack)."""
+
+    def _spawn(self, name: str, args: list[str], entry: tuple[str, ...] = ()) -> None:
+        super()._spawn(name, args, ("brokenverify",) if name == "verify" else entry)
+
+
+CORRECT = (("off", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_OFF, 1),
+           ("rejection", cpb.VERIFY_METHOD_REJECTION, pb.SPECULATION_ON, 1),
+           ("coupled", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_ON, 1),
+           ("rejection tree", cpb.VERIFY_METHOD_REJECTION, pb.SPECULATION_ON, TREE),
+           ("coupled tree", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_ON, TREE))
+BROKEN = (("broken rejection", cpb.VERIFY_METHOD_REJECTION, pb.SPECULATION_ON, 1),
+          ("broken rejection tree", cpb.VERIFY_METHOD_REJECTION, pb.SPECULATION_ON, TREE),
+          ("broken coupled", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_ON, 1),
+          ("broken coupled tree", cpb.VERIFY_METHOD_COUPLED, pb.SPECULATION_ON, TREE))
 
 
 async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not(models, tmp_path, monkeypatch):
@@ -162,36 +149,34 @@ async def test_sampled_continuations_follow_the_target_and_broken_methods_do_not
     prompt_ids = AutoTokenizer.from_pretrained(models["target"]).encode(PROMPT)
     exact = exact_distribution(models["target"], prompt_ids)
     assert len(exact) > 4 and max(exact.values()) < 0.6  # a spread the test can see
-    threshold, detects = calibrate(exact)
+    threshold, detects = calibrate(exact, SAMPLES)
+    broken_threshold, _ = calibrate(exact, BROKEN_SAMPLES)
     tv = {}
-    rejection, coupled = cpb.VERIFY_METHOD_REJECTION, cpb.VERIFY_METHOD_COUPLED
-    async with running_stack(tmp_path, "unix", models["target"], models["draft"], "float32") as stack:
-        async with grpc.aio.insecure_channel(stack.gateway) as ch:
-            gw = pb_grpc.GatewayStub(ch)
-            for name, method, speculation, tree in (("off", coupled, pb.SPECULATION_OFF, 1),
-                                                    ("rejection", rejection, pb.SPECULATION_ON, 1),
-                                                    ("coupled", coupled, pb.SPECULATION_ON, 1),
-                                                    ("rejection tree", rejection, pb.SPECULATION_ON, TREE),
-                                                    ("coupled tree", coupled, pb.SPECULATION_ON, TREE)):
-                counts, drafted = await continuations(gw, method, speculation, tree)
-                tv[name] = total_variation(counts, exact)
-                # Chains: every round drafted; trees: many rounds verified more than one branch.
-                assert drafted >= (0 if speculation == pb.SPECULATION_OFF else SAMPLES // 2 if tree > 1 else SAMPLES)
-            for name, method, attr, broken, tree in (
-                    ("broken rejection", rejection, "rejection_accept", broken_rejection_accept, 1),
-                    ("broken rejection tree", rejection, "rejection_accept", broken_rejection_accept, TREE),
-                    ("broken coupled", coupled, "coupled_accept", broken_coupled_accept, 1),
-                    ("broken coupled tree", coupled, "coupled_accept", broken_coupled_accept, TREE)):
-                with monkeypatch.context() as m:
-                    m.setattr(engine, attr, broken)
-                    counts, _ = await continuations(gw, method, pb.SPECULATION_ON, tree)
-                tv[name] = total_variation(counts, exact)
+    # Each service its own process, as deployed: the three share two cores instead of one GIL.
+    monkeypatch.setenv("PYTHONPATH", ":".join(filter(None, [str(Path(__file__).parent),
+                                                            os.environ.get("PYTHONPATH")])))
+    config = StackConfig(target_model=str(models["target"]), draft_model=str(models["draft"]), dtype="float32",
+                         draft_dtype="float32", draft_quantize="", drafter="model", tree_budget=0,
+                         run_dir=str(tmp_path / "correct"))
+    broken_config = dataclasses.replace(config, run_dir=str(tmp_path / "broken"))
+    for stack, configs, samples in ((Stack(config), CORRECT, SAMPLES),
+                                    (BrokenStack(broken_config), BROKEN, BROKEN_SAMPLES)):
+        with stack:
+            async with grpc.aio.insecure_channel(await asyncio.to_thread(stack.start, 120)) as ch:
+                gw = pb_grpc.GatewayStub(ch)
+                for name, method, speculation, tree in configs:
+                    counts, drafted = await continuations(gw, samples, method, speculation, tree)
+                    tv[name] = total_variation(counts, exact)
+                    # Chains: every round drafted; trees: many rounds verified more than one branch.
+                    assert drafted >= (0 if speculation == pb.SPECULATION_OFF else samples // 2 if tree > 1
+                                       else samples)
     print(f"\n{SAMPLES} continuations per configuration over {len(exact)} outcomes; at a false-alarm rate of "
           f"{ALPHA} the test flags a total variation above {threshold:.3f} and catches an error of {detects:.3f} "
-          f"or more with probability >= 0.95; measured: " + ", ".join(f"{k} {v:.3f}" for k, v in tv.items()))
+          f"or more with probability >= 0.95 ({BROKEN_SAMPLES} for the broken controls: above "
+          f"{broken_threshold:.3f}); measured: " + ", ".join(f"{k} {v:.3f}" for k, v in tv.items()))
     # spec-off is the control: it also checks the services' warp and sampler against this reference.
     for name in ("off", "rejection", "coupled", "rejection tree", "coupled tree"):
         assert tv[name] <= threshold, tv
     for name in ("broken rejection", "broken rejection tree", "broken coupled", "broken coupled tree"):
-        assert tv[name] > threshold, tv
+        assert tv[name] > broken_threshold, tv
     assert detects < 0.06  # the test is at least this sharp (the old one: ~0.07)

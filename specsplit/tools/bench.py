@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -63,6 +66,48 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                                   s.total_ms, s.prefill_compute_ms, s.prefill_ms - s.prefill_compute_ms,
                                   s.round_records)}, depth_counts(s.round_records)))
     return records
+
+
+class Neighbours:
+    """`n` busy processes (a Python spin loop each), the noisy neighbour of a shared machine: paused
+    (SIGSTOP) except inside `running()`, so each prompt runs quiet and then busy, back to back."""
+
+    def __init__(self, n: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.procs:
+            proc.send_signal(sig)
+
+    @contextlib.contextmanager
+    def running(self):
+        self._signal(signal.SIGCONT)
+        try:
+            yield
+        finally:
+            self._signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def print_neighbour(rows: list[dict], n: int) -> None:
+    """Per drafter (ALL task types): throughput with the neighbours running over quiet, same run."""
+    quiet = {r["drafter"]: r for r in rows if r["task_type"] == "ALL" and not r["drafter"].endswith(BUSY)}
+    for r in rows:
+        if r["task_type"] == "ALL" and r["drafter"].endswith(BUSY) and r["drafter"][:-len(BUSY)] in quiet:
+            q = quiet[r["drafter"][:-len(BUSY)]]
+            print(f"{r['drafter'][:-len(BUSY)]} with {n} busy neighbour{'s' * (n != 1)} "
+                  f"({n} of {len(os.sched_getaffinity(0))} CPUs taken): spec-off {r['tok_s_off']:.1f} / "
+                  f"{q['tok_s_off']:.1f} tok/s quiet = {r['tok_s_off'] / q['tok_s_off']:.2f}x, spec-on "
+                  f"{r['tok_s_on']:.1f} / {q['tok_s_on']:.1f} = {r['tok_s_on'] / q['tok_s_on']:.2f}x; on/off "
+                  f"busy {r['speedup']:.2f}x, quiet {q['speedup']:.2f}x")
+
+
+BUSY = " +busy"
 
 
 def _draft_memory(address: str) -> dict[str, int]:
@@ -234,18 +279,28 @@ def main(args, config: StackConfig) -> int:
         for d in drafters:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
         records = []
-        for i, p in enumerate(prompts, 1):
-            also = lambda: None  # noqa: E731
-            if anchor is not None:
-                anchored.append(anchoring.AnchorRecord(p.task_type))
-                also = lambda: anchor.run(anchored[-1], p.prompt, args.max_new_tokens)  # noqa: E731
-            for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters, also):
-                records.append(r)
-                print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
-                      f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
-                      f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
-                      f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
-                      file=sys.stderr, flush=True)
+        neighbours = Neighbours(args.neighbour) if args.neighbour else None
+        try:
+            for i, p in enumerate(prompts, 1):
+                also = lambda: None  # noqa: E731
+                if anchor is not None:
+                    anchored.append(anchoring.AnchorRecord(p.task_type))
+                    also = lambda: anchor.run(anchored[-1], p.prompt, args.max_new_tokens)  # noqa: E731
+                fresh = run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters, also)
+                if neighbours:
+                    with neighbours.running():
+                        fresh += [replace(r, drafter=r.drafter + BUSY)
+                                  for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters)]
+                records += fresh
+                for r in fresh:
+                    print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
+                          f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
+                          f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
+                          f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
+                          file=sys.stderr, flush=True)
+        finally:
+            if neighbours:
+                neighbours.close()
         info = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
         memory = _draft_memory(stack.addresses["draft"]) if stack else None
     rows = summarise(records)
@@ -266,6 +321,8 @@ def main(args, config: StackConfig) -> int:
                    f"{llama:.1f} tok/s; ours {ours:.1f} tok/s from the 1-row step ({ours / llama:.2f}x); "
                    f"end-to-end rows below include prefill")
     print_table(rows, header, memory)
+    if args.neighbour:
+        print_neighbour(rows, args.neighbour)
     if anchor is not None:
         anchoring.print_table(anchor, anchored, rows, records)
     if args.json_out:
