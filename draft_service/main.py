@@ -68,7 +68,8 @@ async def run(settings: DraftSettings, stop_event: asyncio.Event | None = None, 
     tel = telemetry.configure("specsplit-draft", settings.server.metrics_port)
     worker = ModelWorker("draft", settings.batch_wait_ms / 1e3)
     drafters = await worker.run(build_drafters, settings)
-    log.info(threads)
+    invariant = all(d.thread_invariant for d in drafters.values())
+    log.info(threads + runtime.tune_threads(worker, "draft", invariant, settings.server.fixed_threads))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     worker.expected = lambda: len(sessions)  # every drafting session sends a Propose per round
     default = settings.default_drafter

@@ -14,6 +14,7 @@ class Head:
 
     description = DrafterDescription(name="self", kind="self", needs_features=True)
     memory_bytes = 0
+    thread_invariant = True
 
     def __init__(self, answer):
         self.answer = answer

@@ -14,8 +14,8 @@ def test_soak_with_the_drafter_killed_now_and_then_loses_nothing(models, tmp_pat
     done = subprocess.run(
         [sys.executable, "-m", "specsplit.cli", "soak", "--target-model", str(models["target"]), "--self-head", "none",
          "--drafter", "ngram", "--dtype", "float32", "--tree-budget", "0", "--prompts",
-         str(write_prompts(tmp_path / "p.jsonl")), "--clients", "4", "--minutes", "0.5", "--max-new-tokens", "48",
-         "--chaos", "kill", "--chaos-every", "8", "--run-dir", str(tmp_path / "run")],
+         str(write_prompts(tmp_path / "p.jsonl")), "--clients", "4", "--minutes", "0.35", "--max-new-tokens", "48",
+         "--chaos", "kill", "--chaos-every", "6", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]

@@ -57,7 +57,7 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     started = time.perf_counter()
     lm = await worker.run(runtime.load, settings.model)
     log.info("target %s loaded in %.1f s; forward: %s", lm.model_id, time.perf_counter() - started, lm.kernels)
-    log.info(threads)
+    log.info(threads + runtime.tune_threads(worker, "verify", lm.native is not None, settings.server.fixed_threads))
     freed = lm.release_transformers_weights()
     if freed:
         log.info("freed transformers' copy of the packed weights: %.0f MiB", freed / 2**20)

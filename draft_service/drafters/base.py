@@ -77,6 +77,9 @@ class DraftSession:
 class Drafter(Protocol):
     description: DrafterDescription
     memory_bytes: int  # what it holds in memory (parameters, borrowed target tensors, stores)
+    # its drafts' bits do not depend on the thread count (no model, or the native kernels): the
+    # service may then tune the team size per forward (specsplit.serving.threadtune)
+    thread_invariant: bool
 
     def start(self, prompt: list[int]) -> DraftSession:
         """A new session holding the prompt. Cheap: model work waits for the first propose."""

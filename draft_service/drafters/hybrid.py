@@ -65,6 +65,7 @@ class HybridDrafter:
         """head: a drafter with steps() (SelfDrafter or ModelDrafter); its kind names its drafts."""
         self.ngram, self.head, self.min_match = ngram, head, min_match
         self.source = head.description.kind
+        self.thread_invariant = head.thread_invariant
         self._tasks: OrderedDict[str, dict] = OrderedDict()  # task type -> source -> Ewma, across sessions
         d = head.description
         self.description = DrafterDescription(

@@ -65,6 +65,7 @@ class ModelDrafter:
             name=name, kind="model", model_id=lm.model_id, tokenizer_fingerprint=lm.fingerprint,
             param_bytes=lm.param_bytes, dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device))
         self.memory_bytes = lm.param_bytes
+        self.thread_invariant = lm.native is not None
         self.runner = SequenceRunner(lm.native)
 
     def start(self, prompt: list[int]) -> ModelSession:

@@ -142,6 +142,7 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.description = DrafterDescription(name=name, kind="ngram")
+        self.thread_invariant = True  # no model
         self._min_n = min_n
         self._max_n = max_n
         self.store = store

@@ -128,6 +128,7 @@ class SelfDrafter:
         own = sum(t.numel() * t.element_size() for t in self.head.state_dict().values())
         self.memory_bytes = own + sum(t.numel() * t.element_size() for t in (self.head.embed, self.head.vocab_weight))
         self.memory_bytes += self.runner.packed_bytes
+        self.thread_invariant = isinstance(self.runner, NativeHead)
         self.description = DrafterDescription(
             name=name, kind="self", model_id=head_dir.name,
             tokenizer_fingerprint=card["target"]["tokenizer_fingerprint"],

@@ -43,13 +43,16 @@ def setting(p: argparse.ArgumentParser, flag: str, cls, field: str, help: str | 
 
 def threads_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=int(ENV("SPECSPLIT_THREADS", str(ServerSettings.threads))),
-                   help="torch intra-op threads (0: torch's default)")
+                   help="torch intra-op threads (0: the CPUs this process may use: affinity, cgroup CPU limit)")
 
 
 def server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--listen", default=default_listen, help="unix:///path.sock or host:port (port 0: any free port)")
     p.add_argument("--address-file", help="write the bound address here once SERVING")
     threads_flag(p)
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="every forward on --threads threads; by default the native kernels' team size per forward "
+                        "is measured (halving down to 1), so a busy neighbour's core is not waited for")
     p.add_argument("--grace", type=float, default=ServerSettings.grace_s,
                    help="seconds in-flight calls get on shutdown")
     p.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
@@ -64,6 +67,7 @@ def server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
 
 def server_settings(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace,
+                          fixed_threads=a.fixed_threads,
                           metrics_port=a.metrics_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
                           tls_client_ca=a.tls_client_ca, shared_memory=a.shared_memory)
 

@@ -10,6 +10,7 @@ from specsplit.model import catalog
 from specsplit.model.modeling import LoadedModel, load_model
 from specsplit.serving import cpus
 from specsplit.serving.settings import ModelSettings
+from specsplit.serving.threadtune import ThreadTuner
 
 
 def configure_process(threads: int, role: str, most: int | None = None) -> str:
@@ -28,3 +29,15 @@ def configure_process(threads: int, role: str, most: int | None = None) -> str:
 def load(settings: ModelSettings, head_ids: torch.Tensor | None = None) -> LoadedModel:
     return load_model(catalog.resolve(settings.path), settings.dtype, settings.device, settings.exact,
                       quantize=settings.quantize, head_ids=head_ids)
+
+
+def tune_threads(worker, role: str, invariant: bool, fixed: bool) -> str:
+    """Gives the worker a ThreadTuner when its forwards' bits do not depend on the team size
+    (`invariant`: the native kernels) and the user did not fix it; returns what to add to the
+    thread line."""
+    most = torch.get_num_threads()
+    if most == 1 or fixed or not invariant:
+        why = "--fixed-threads" if fixed else "transformers' forward" if not invariant else ""
+        return f"; each forward on {most}" + (f" ({why})" if why else "") if most > 1 else ""
+    worker.tuner = ThreadTuner(most, torch.set_num_threads, name=role)
+    return "; fewer per forward while the scheduler does not run them all (see --fixed-threads)"

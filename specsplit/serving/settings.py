@@ -24,7 +24,9 @@ class ModelSettings:
 class ServerSettings:
     listen: str  # unix:///path.sock or host:port (port 0 picks a free one)
     address_file: str | None = None  # where the bound address is written once SERVING
-    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    threads: int = 0  # torch intra-op threads, the most a forward uses; 0: the CPUs this process may use
+    # True: every forward on `threads`; False: the team size per forward is measured (serving.threadtune)
+    fixed_threads: bool = False
     grace_s: float = 5.0  # in-flight calls get this long on shutdown
     metrics_port: int = 0  # Prometheus scrape endpoint (0: none; see specsplit.serving.telemetry)
     # TLS: PEM files. With tls_client_ca the server also requires a client certificate signed by it (mTLS).

@@ -13,7 +13,10 @@ first item has waited `wait_s`; a plain job runs only after the batch before it,
 holds across both kinds. A runner may leave an item unfinished (`Again`: a long prefill runs in
 chunks): the item joins the next batch, beside whatever arrived meanwhile, and plain jobs (a
 Release) run between its turns. Waiting for every session keeps them in step: one that misses a forward
-would otherwise run its own, beside (and on a shared CPU, against) the others' drafting."""
+would otherwise run its own, beside (and on a shared CPU, against) the others' drafting.
+
+With a `tuner` (specsplit.serving.threadtune), each batch runs on the team size it picks, and its
+wall and CPU time go back to it."""
 
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ class ModelWorker:
         self._batch: list[tuple[Runner, Any, int, Reply, bool]] = []  # ..., True: an item's next turn
         self._batch_since = 0.0  # when the batch's first item arrived (perf_counter)
         self.expected = expected  # how many calls a batch can expect (set by the service)
+        self.tuner = None  # a ThreadTuner, set by a service whose forwards' bits do not depend on it
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -141,11 +145,16 @@ class ModelWorker:
                 rest.append(entry)
         self._batch = rest
         self._batch_since = time.perf_counter()
+        size = self.tuner.size() if self.tuner else 0
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             outcomes = runner([entry[1] for entry in taken])
         except BaseException as e:  # noqa: BLE001 -- a runner's bug fails its items, not the thread
             log.exception("batch runner failed")
             outcomes = [e] * len(taken)
+        else:
+            if self.tuner:
+                self.tuner.record(size, time.perf_counter() - started, time.thread_time() - cpu)
         for entry, outcome in zip(taken, outcomes):
             if isinstance(outcome, Again):
                 self.gather(entry[0], entry[1], outcome.rows, entry[3], again=True)

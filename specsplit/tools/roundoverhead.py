@@ -47,6 +47,7 @@ class _StubDrafter:
 
         self.description = DrafterDescription(name="stub", kind="ngram")
         self.memory_bytes = 0
+        self.thread_invariant = True
 
     def start(self, prompt: list[int]):
         from draft_service.drafters.base import DraftSession

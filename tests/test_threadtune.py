@@ -1,0 +1,92 @@
+"""The team size per forward follows the scheduler: a busy neighbour that parks the team's threads
+halves it, the CPUs coming back restore it, and a short call or a noisy forward changes nothing."""
+
+from __future__ import annotations
+
+import time
+
+from specsplit.serving.threadtune import ThreadTuner
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive(tuner: ThreadTuner, clock: Clock, share: dict[int, float], forwards: int, wall_s: float = 0.02) -> list:
+    """`forwards` forwards of wall_s each, whose leader runs share[size] of the time; the sizes used."""
+    used = []
+    for _ in range(forwards):
+        size = tuner.size()
+        tuner.record(size, wall_s, share[size] * wall_s)
+        clock.now += wall_s
+        used.append(size)
+    return used
+
+
+def test_sizes_halve_from_the_most():
+    assert ThreadTuner(8, lambda n: None).sizes == [8, 4, 2, 1]
+    assert ThreadTuner(6, lambda n: None).sizes == [6, 3, 1]
+    assert ThreadTuner(1, lambda n: None).sizes == [1]
+
+
+def test_a_busy_neighbour_halves_the_team_and_its_leaving_restores_it():
+    clock, applied = Clock(), []
+    tuner = ThreadTuner(2, applied.append, clock=clock)
+    quiet, busy = {2: 1.0, 1: 1.0}, {2: 0.5, 1: 1.0}
+    assert drive(tuner, clock, quiet, 100) == [2] * 100  # quiet: every forward on all, no tries
+    used = drive(tuner, clock, busy, 200)  # 4 s busy
+    assert used[:2] == [2, 2] and tuner.current == 1  # halved after two starved forwards
+    tries = used[2:].count(2)
+    assert 1 <= tries <= 3  # tries 1 s, then 2 s apart: each costs one slow forward
+    used = drive(tuner, clock, quiet, 250)  # 5 s quiet: the next try (<= 4 s away) succeeds
+    assert tuner.current == 2 and used[-1] == 2
+    assert (tuner.halvings, tuner.raises) == (1, 1)
+    assert applied == [1, 2, 1, 2, 1, 2][:len(applied)] and applied[-1] == 2  # set on changes only
+
+
+def test_short_calls_and_a_lone_slow_forward_change_nothing():
+    clock = Clock()
+    tuner = ThreadTuner(4, lambda n: None, clock=clock)
+    drive(tuner, clock, {4: 0.1}, 50, wall_s=0.0005)  # no model work in these calls
+    assert tuner.current == 4
+    for share in (0.5, 1.0, 1.0, 0.5, 1.0, 1.0):  # one starved forward in three: noise
+        tuner.record(tuner.size(), 0.02, share * 0.02)
+    assert tuner.current == 4
+    drive(tuner, clock, {4: 0.5, 2: 0.5, 1: 1.0}, 6)  # starved at 4, then at 2: down the ladder
+    assert tuner.current == 1
+
+
+def test_the_worker_runs_each_batch_on_the_tuners_size_and_reports_back():
+    """Through the worker: a batch runs on the size the tuner set (torch's own thread count in the
+    worker thread, which the native kernels' team takes), and its wall and CPU time go back."""
+    import asyncio
+
+    import torch
+
+    from specsplit.serving.worker import ModelWorker
+
+    tuner = ThreadTuner(2, torch.set_num_threads, first_probe_s=0)
+    for _ in range(2):
+        tuner.record(tuner.size(), 0.02, 0.01)  # two starved forwards: halved, a try at 2 due at once
+    assert tuner.current == 1
+    worker = ModelWorker("test")
+    worker.tuner = tuner
+
+    def runner(items):
+        deadline = time.perf_counter() + 0.01  # 10 ms of leader CPU: a forward, not a short call
+        while time.perf_counter() < deadline:
+            pass
+        return [torch.get_num_threads() for _ in items]
+
+    async def one():
+        return await worker.run_gathered(runner, 0)
+
+    try:
+        assert asyncio.run(one()) == 2  # the try ran on two threads
+        assert tuner.current == 2 and tuner.raises == 1  # and its leader's full share came back
+    finally:
+        worker.shutdown()
