@@ -6,6 +6,7 @@ request (docs/controller.md)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from specsplit.serving.settings import ControllerSettings
 from specsplit.spec.ewma import Ewma
 from specsplit.spec.tokentree import verify_ms
+
+log = logging.getLogger("specsplit")
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
 LOAD_PROBE_FACTOR = 4  # under load, one decision in probe_every x this runs the other mode
@@ -52,6 +55,22 @@ def load_bucket(clients: int) -> int:
     return 1 if clients <= 1 else 1 << (clients - 1).bit_length()
 
 
+SHIFT = 1.6  # the last SHIFT_RECENT requests' median ms per token this far from the earlier ones': rebase
+SHIFT_RECENT = 3
+REBASE_CONTROL = 5  # after a rebase, one AUTO request in this many is a control until the baseline is back
+
+
+def shift(times, min_requests: int) -> float | None:
+    """How far the latest requests' ms per token moved from the earlier ones' (the ratio of
+    medians) when beyond SHIFT either way: a slower or faster machine (one request in
+    SHIFT_RECENT could be a long prompt; all of them are not); else None."""
+    if len(times) < min_requests + SHIFT_RECENT:
+        return None
+    values = list(times)
+    ratio = statistics.median(values[-SHIFT_RECENT:]) / statistics.median(values[:-SHIFT_RECENT])
+    return ratio if ratio > SHIFT or ratio * SHIFT < 1 else None
+
+
 def expected_length(alpha: float, gamma: int) -> float:
     """Tokens per round when each draft token is accepted with probability alpha (independently):
     1 + alpha + ... + alpha^gamma."""
@@ -79,6 +98,7 @@ class TypeState:
         self.since_probe = 0
         self.auto_requests = 0  # AUTO requests decided while enabled (the control share counts them)
         self.history: list[tuple[int, bool, str]] = []  # (request number, enabled, reason)
+        self.rebasing, self.rebases = False, 0  # times forgotten after the machine changed speed (rebase)
         # Pre-drafting, an A/B within speculation: decode ms per token of spec-on requests by arm.
         self.predraft_ms: dict[bool, deque[float]] = {arm: deque(maxlen=settings.window) for arm in (True, False)}
         self.predraft_turns = 0
@@ -179,6 +199,21 @@ class TypeState:
         off = verify_ms(cost_curve, clients) + (self.network_off.value or 0.0)
         return tokens * off / on
 
+    def rebase(self, why: str) -> None:
+        """The machine changed speed (a busy neighbour came or went): times measured before say
+        nothing of now, and comparing fresh spec-on times with an old spec-off baseline (controls are
+        one request in 20) would judge the neighbour, not speculation. Forget every time, keep what
+        the drafter earns (acceptance), and judge again on fresh runs of both (one AUTO request in
+        REBASE_CONTROL a control until the baseline is back)."""
+        log.info("controller: %s; measuring spec-on and spec-off afresh", why)
+        self.on_ms_per_token.clear()
+        self.off_ms_per_token.clear()
+        self.verify_ms.clear()
+        d = self.settings.decay
+        self.draft_ms_per_token, self.network_on, self.network_off = Ewma(d), Ewma(d), Ewma(d)
+        self.since_change, self.rebasing = 0, True
+        self.rebases += 1
+
     def threshold(self) -> float | None:
         """The acceptance length below which speculation is switched off."""
         if self.settings.min_acceptance > 0:
@@ -254,6 +289,10 @@ class Controller:
                 return Decision(True, gamma, "probe", clients)
             return Decision(False, 0, "disabled", clients)
         st.auto_requests += 1
+        st.rebasing = st.rebasing and len(st.off_ms_per_token) < s.min_requests
+        if st.rebasing:  # a fresh baseline, beside fresh spec-on runs
+            return Decision(False, 0, "control", clients) if st.auto_requests % REBASE_CONTROL == 0 \
+                else Decision(True, gamma, "on", clients)
         if s.control_share > 0 and st.auto_requests % max(1, round(1 / s.control_share)) == 0:
             return Decision(False, 0, "control", clients)  # every n-th request: deterministic, spread evenly
         return Decision(True, gamma, "on", clients)
@@ -297,7 +336,12 @@ class Controller:
             on, off = st.loaded.setdefault(load_bucket(decision.clients), (deque(maxlen=window), deque(maxlen=window)))
             (on if stats.speculation_used else off).append(per_token)
             return
-        (st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token).append(per_token)
+        times = st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token
+        times.append(per_token)
+        moved = shift(times, self.settings.min_requests)
+        if moved is not None:
+            st.rebase(f"{'spec-on' if stats.speculation_used else 'spec-off'} ms per token moved {moved:.2f}x")
+            return
         if stats.speculation_used:
             st.predraft_ms[predraft].append(per_token)
         if decision.reason in ("on", "probe", "disabled", "control"):

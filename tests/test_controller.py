@@ -15,27 +15,29 @@ class Workload:
     """Target step 50 ms, +1.5 ms per drafted token to verify, 3 ms to draft a token, 4 ms of network
     per round: the orders of magnitude measured on the default model (docs/metrics.md)."""
 
-    def __init__(self, alpha: float, noise: float = 0.1, seed: int = 0, tokens: int = 64):
-        self.alpha, self.noise, self.tokens = alpha, noise, tokens
+    def __init__(self, alpha: float, noise: float = 0.1, seed: int = 0, tokens: int = 64, slow: float = 1.0,
+                 draft_slow: float = 1.0):
+        """slow, draft_slow: every time, and drafting's on top, that many times longer (a busy neighbour)."""
+        self.alpha, self.noise, self.tokens, self.slow, self.draft_slow = alpha, noise, tokens, slow, draft_slow
         self.rng = random.Random(seed)
 
     def _jitter(self, ms: float) -> float:
-        return ms * (1 + self.rng.uniform(-self.noise, self.noise))
+        return self.slow * ms * (1 + self.rng.uniform(-self.noise, self.noise))
 
     def run(self, speculate: bool, gamma: int) -> pb.GenerationStats:
-        rounds, generated, total = [], 1, 60.0  # prefill
+        rounds, generated, total = [], 1, 60.0 * self.slow  # prefill
         while generated < self.tokens:
             drafted = min(gamma, self.tokens - generated - 1) if speculate else 0
             accepted = 0
             while accepted < drafted and self.rng.random() < self.alpha:
                 accepted += 1
-            record = pb.RoundRecord(drafted=drafted, accepted=accepted, draft_ms=self._jitter(3.0 * drafted),
+            record = pb.RoundRecord(drafted=drafted, accepted=accepted, draft_ms=self._jitter(3.0 * drafted * self.draft_slow),
                                     verify_ms=self._jitter(50 + 1.5 * drafted), network_ms=self._jitter(4.0 if drafted
                                                                                                       else 1.6))
             rounds.append(record)
             total += record.draft_ms + record.verify_ms + record.network_ms
             generated += accepted + 1
-        return pb.GenerationStats(generated_tokens=generated, total_ms=total, decode_ms=total - 60.0,
+        return pb.GenerationStats(generated_tokens=generated, total_ms=total, decode_ms=total - 60.0 * self.slow,
                                   round_records=rounds,
                                   rounds=len(rounds), speculation_used=speculate)
 
@@ -194,3 +196,25 @@ def test_under_load_what_was_measured_at_that_load_decides_over_the_prediction()
     assert c.decide("code", "hybrid", AUTO, 0, inflight=7).speculate  # 8 in flight: not measured, predicted
     assert c.decide("code", "hybrid", AUTO, 0, inflight=0).reason == "on"  # alone: its own state
     assert c.state("code", "hybrid").enabled
+
+
+def test_a_busy_spell_is_followed_while_it_lasts_and_forgotten_after():
+    """A neighbour slows everything (x3, noisier): speculation still wins there and stays on, and
+    after the spell 8 of 10 requests speculate. A neighbour that slows drafting enough to lose
+    turns it off while it lasts, and speculation comes back once it has gone."""
+    c = Controller(ControllerSettings(control_share=0.1))
+    serve(c, Workload(alpha=0.75, seed=1), 60)
+    st = c.state("code", "hybrid")
+    assert st.enabled
+    spell = serve(c, Workload(alpha=0.75, seed=2, slow=3.0, noise=0.3), 100)
+    assert sum(d.speculate for d in spell) >= 80 and st.enabled, st.history
+    after = serve(c, Workload(alpha=0.75, seed=3), 10)
+    assert sum(d.speculate for d in after) >= 8
+
+    # Drafting 12x slower (3 ms -> 36 ms a token, against a 50 ms step): speculation loses.
+    losing = serve(c, Workload(alpha=0.75, seed=4, slow=1.5, draft_slow=12.0, noise=0.3), 150)
+    assert not st.enabled, st.history  # by P95 or by the acceptance its costs now need
+    assert sum(d.speculate for d in losing[-50:]) <= 50 // c.settings.probe_every + 5 + 1  # probes and controls
+    back = serve(c, Workload(alpha=0.75, seed=5), 200)
+    assert st.enabled and "recovered" in st.history[-1][2]
+    assert sum(d.speculate for d in back[-10:]) >= 8
