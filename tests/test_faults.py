@@ -192,6 +192,7 @@ def test_up_serves_each_services_metrics_on_its_own_port(up, capsys):
     assert 'specsplit_request_duration' in gateway and 'speculation="on"' in gateway
     assert "specsplit_spec_decode_accepted_tokens" in gateway and "specsplit_request_time_to_first_token" in gateway
     assert "specsplit_verify_forward_seconds_count" in verify and 'call="prefill"' in verify
+    assert re.search(r"specsplit_verify_threads\{[^}]*\} [1-9]\d*\.0", verify)  # the team size now
     # Each backend replica the gateway pins sessions to is gauged: here one of each, both available.
     for service in ("verify", "draft"):
         assert re.search(r'specsplit_replica_available\{[^}]*service="%s"[^}]*\} 1\.0' % service, gateway), service

@@ -43,7 +43,8 @@ def add(sub) -> None:
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--neighbour", type=int, default=0, metavar="N",
                        help="also run every prompt beside N busy processes (a noisy neighbour on a shared machine), "
-                            "right after its quiet runs; rows marked +busy, and busy over quiet per drafter")
+                            "right after its quiet runs; rows marked +busy, and busy over quiet per drafter (with "
+                            "--controlled: then 30 s of AUTO code requests beside them, and 10 after)")
     bench.add_argument("--json-out", help="also write every record and the summary here")
     bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 samples (seeded)")
     bench.add_argument("--seed", type=int, default=0, help="sampler seed at temperature > 0")

@@ -35,7 +35,14 @@ def tune_threads(worker, role: str, invariant: bool, fixed: bool) -> str:
     """Gives the worker a ThreadTuner when its forwards' bits do not depend on the team size
     (`invariant`: the native kernels) and the user did not fix it; returns what to add to the
     thread line."""
+    from opentelemetry.metrics import Observation
+
+    from specsplit.serving import telemetry
+
     most = torch.get_num_threads()
+    telemetry.meter().create_observable_gauge(
+        f"specsplit.{role}.threads", unit="{thread}", description="the team size of the model's forwards now",
+        callbacks=[lambda _: [Observation(worker.tuner.current if worker.tuner else most)]])
     if most == 1 or fixed or not invariant:
         why = "--fixed-threads" if fixed else "transformers' forward" if not invariant else ""
         return f"; each forward on {most}" + (f" ({why})" if why else "") if most > 1 else ""

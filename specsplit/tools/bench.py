@@ -192,6 +192,36 @@ def controlled(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, l
     return 0
 
 
+SPELL_S, AFTER = 30.0, 10
+
+
+def busy_spell(stub, prompts: list[Prompt], max_new_tokens: int, n: int) -> None:
+    """The controller under a neighbour: AUTO requests of one task type for SPELL_S seconds beside
+    `n` busy processes, then AFTER more with the machine quiet; how many speculated in each."""
+    task = next((p.task_type for p in prompts if p.task_type == "code"), prompts[0].task_type)
+    mine = [p for p in prompts if p.task_type == task]
+    neighbours = Neighbours(n)
+    seen: dict[str, list] = {"busy": [], "after": []}
+    try:
+        with neighbours.running():
+            end = time.monotonic() + SPELL_S
+            while time.monotonic() < end:
+                p = mine[len(seen["busy"]) % len(mine)]
+                seen["busy"].append(stub.Generate(request(p, pb.SPECULATION_AUTO, max_new_tokens), timeout=600).stats)
+    finally:
+        neighbours.close()
+    for i in range(AFTER):
+        seen["after"].append(stub.Generate(request(mine[i % len(mine)], pb.SPECULATION_AUTO, max_new_tokens),
+                                           timeout=600).stats)
+    for phase, stats in seen.items():
+        reasons = defaultdict(int)
+        for st in stats:
+            reasons[st.speculation_reason] += 1
+        when = f"beside {n} busy for {SPELL_S:.0f} s" if phase == "busy" else "after it"
+        print(f"{task} AUTO {when}: {sum(st.speculation_used for st in stats)}/{len(stats)} speculated ("
+              + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
+
+
 @contextlib.contextmanager
 def gateway_stub(address: str | None, config: StackConfig, token_file: str | None = None):
     """(stub, stack): a stub for the gateway at `address` (sending the bearer token in `token_file`,
@@ -231,7 +261,10 @@ def main(args, config: StackConfig) -> int:
         return 0
     if args.controlled:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
-            return controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+            code = controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+            if args.neighbour:
+                busy_spell(stub, prompts, args.max_new_tokens, args.neighbour)
+            return code
     if args.long_context:
         from specsplit.model import catalog
         from specsplit.model.fastllama import kernel_name
