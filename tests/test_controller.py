@@ -31,9 +31,10 @@ class Workload:
             accepted = 0
             while accepted < drafted and self.rng.random() < self.alpha:
                 accepted += 1
-            record = pb.RoundRecord(drafted=drafted, accepted=accepted, draft_ms=self._jitter(3.0 * drafted * self.draft_slow),
-                                    verify_ms=self._jitter(50 + 1.5 * drafted), network_ms=self._jitter(4.0 if drafted
-                                                                                                      else 1.6))
+            record = pb.RoundRecord(drafted=drafted, accepted=accepted,
+                                    draft_ms=self._jitter(3.0 * drafted * self.draft_slow),
+                                    verify_ms=self._jitter(50 + 1.5 * drafted),
+                                    network_ms=self._jitter(4.0 if drafted else 1.6))
             rounds.append(record)
             total += record.draft_ms + record.verify_ms + record.network_ms
             generated += accepted + 1
