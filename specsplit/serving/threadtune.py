@@ -34,7 +34,8 @@ class ThreadTuner:
                  clock: Callable[[], float] = time.monotonic):
         self.sizes = sorted({most >> k for k in range(max(1, most).bit_length())} - {0}, reverse=True)
         self.current = self.sizes[0]
-        self._set, self._applied, self.name, self._clock = set_threads, self.sizes[0], name, clock
+        # None: the first forward sets its size (the thread it runs on may have started with another)
+        self._set, self._applied, self.name, self._clock = set_threads, None, name, clock
         self.low, self.high, self.min_wall_s = low, high, min_wall_s
         self.first_probe_s, self.max_probe_s = first_probe_s, max_probe_s
         self._wait_s, self._probe_at = first_probe_s, 0.0
