@@ -22,6 +22,23 @@ PROMPTS = [{"task_type": "code", "prompt": "def add(a, b):", "id": 1, "source": 
            {"task_type": "chat", "prompt": "The quick brown fox", "id": 4}]
 
 
+def reference_perplexity(model_dir: Path) -> float:
+    """The fixed text's perplexity under transformers' float32 forward (tokens after the first),
+    cut to the model's context as validate cuts it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specsplit.tools.validate import perplexity_text
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = perplexity_text(tokenizer, model.config.max_position_embeddings)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    return float(torch.exp(-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean()))
+
+
 def _validate(models, tmp_path: Path, prompts: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specsplit.cli", "validate", "--target-model", str(models["target"]),
                            "--draft-model", str(models["draft"]), "--dtype", "float32", "--draft-dtype", "float32",
@@ -45,6 +62,11 @@ def test_validate_writes_the_report_and_a_policy_the_gateway_starts_from(models,
     assert "| code | **off** | acceptance length" in report and "| chat | **off** |" in report
     for weights in ("| float32 |", "| q8_0 |", "| q4_0 |"):
         assert weights in report
+    # Each format's perplexity on the fixed text; the float32 row's is transformers' own.
+    ppl = {line.split("|")[1].strip(): float(line.split("|")[-2]) for line in report.splitlines()
+           if line.startswith(("| float32 |", "| q8_0 |", "| q4_0 |"))}
+    assert abs(ppl["float32"] - reference_perplexity(models["target"])) < 0.01 * ppl["float32"], ppl
+    assert all(1 < p < 1e6 for p in ppl.values()) and ppl["q4_0"] != ppl["float32"], ppl
     assert "| code | 2 |" in report and "2/2 | 2/2 |" in report  # greedy and seeded: on equals off
     for plot in ("acceptance_by_position.png", "latency.png", "quantization.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")

@@ -9,6 +9,7 @@ weights. Writes report.md (+ PNG plots) and policy.json, which `up --policy` / `
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from gateway import policy
 from gateway.controller import p95
+from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.tools.bench import gateway_stub
 from specsplit.tools.calibrate import describe
@@ -27,6 +29,9 @@ from specsplit.tools.workload import Prompt, load_prompts, request, warmup
 
 SAMPLED = {"temperature": 0.8, "seed": 1}  # the seeded-sampling consistency check
 FORMATS = ("q8_0", "q4_0")  # the quantization matrix beside the stack's own weights
+# Each format's perplexity is measured on this fixed text (specsplit/data): the first paragraph of
+# Dickens' A Tale of Two Cities and Lincoln's Gettysburg Address, both public domain.
+PERPLEXITY_TEXT = "perplexity.txt"
 
 
 @dataclass
@@ -73,6 +78,7 @@ class FormatRow:
     identical: int  # greedy spec-off outputs equal to the stack's own weights' (quality)
     common_prefix: float  # mean tokens the outputs share with them before diverging
     n: int
+    perplexity: float  # on PERPLEXITY_TEXT, from the verifier's prompt log-probabilities
 
 
 def _timed(stub, req: pb.GenerateRequest) -> Run:
@@ -159,11 +165,29 @@ def decide(v: TaskVerdict, gate: float) -> tuple[str, str]:
                  f"<= {v.p95_off:.2f} s"
 
 
+def perplexity_text(tokenizer, max_context: int) -> str:
+    """PERPLEXITY_TEXT, cut to the tokens that fit a context of max_context (less a margin for the
+    one generated token and for re-tokenizing the cut text)."""
+    from importlib import resources
+
+    text = resources.files("specsplit.data").joinpath(PERPLEXITY_TEXT).read_text()
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return text if len(ids) < max_context - 16 else tokenizer.decode(ids[:max_context - 16])
+
+
+def perplexity(stub, text: str) -> float:
+    """exp(mean negative log-likelihood) of the text's tokens after the first, under the target's own
+    distribution (the log-softmax of its logits: LogprobsRequest.prompt), as raw text."""
+    out = stub.Generate(pb.GenerateRequest(text=text, max_new_tokens=1, speculation=pb.SPECULATION_OFF,
+                                           logprobs=cpb.LogprobsRequest(prompt=True)), timeout=600)
+    return math.exp(-statistics.fmean(t.logprob for t in out.prompt_logprobs))
+
+
 def quantization(config: StackConfig, prompts: list[Prompt], max_new_tokens: int, baseline: list[PromptRuns],
-                 tick) -> list[FormatRow]:
-    """The stack's own weights and each FORMATS one: tok/s off and on, and greedy agreement with the
-    own weights' spec-off output (each format's quality cost)."""
-    rows = [_format_row(config.quantize or config.dtype, baseline, baseline)]
+                 text: str, own_perplexity: float, tick) -> list[FormatRow]:
+    """The stack's own weights and each FORMATS one: tok/s off and on, greedy agreement with the
+    own weights' spec-off output, and perplexity on a fixed text (each format's quality cost)."""
+    rows = [_format_row(config.quantize or config.dtype, baseline, baseline, own_perplexity)]
     for name in FORMATS:
         if name == config.quantize:
             continue
@@ -171,11 +195,11 @@ def quantization(config: StackConfig, prompts: list[Prompt], max_new_tokens: int
         with gateway_stub(None, dataclasses.replace(config, quantize=name, run_dir=run_dir)) as (stub, _):
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600)
             runs = measure(stub, prompts, max_new_tokens, False, tick)
-        rows.append(_format_row(name, runs, baseline))
+            rows.append(_format_row(name, runs, baseline, perplexity(stub, text)))
     return rows
 
 
-def _format_row(name: str, runs: list[PromptRuns], baseline: list[PromptRuns]) -> FormatRow:
+def _format_row(name: str, runs: list[PromptRuns], baseline: list[PromptRuns], ppl: float) -> FormatRow:
     def tps(key: str) -> float:
         return sum(len(m.runs[key].tokens) for m in runs) / sum(m.runs[key].wall_s for m in runs)
 
@@ -184,7 +208,7 @@ def _format_row(name: str, runs: list[PromptRuns], baseline: list[PromptRuns]) -
         a, b = m.runs["off"].tokens, base.runs["off"].tokens
         prefixes.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
     identical = sum(m.runs["off"].tokens == b.runs["off"].tokens for m, b in zip(runs, baseline))
-    return FormatRow(name, tps("off"), tps("on"), identical, statistics.fmean(prefixes), len(runs))
+    return FormatRow(name, tps("off"), tps("on"), identical, statistics.fmean(prefixes), len(runs), ppl)
 
 
 def main(args, config: StackConfig) -> int:
@@ -200,8 +224,17 @@ def main(args, config: StackConfig) -> int:
         first = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16), timeout=600).stats
         measured = measure(stub, prompts, args.max_new_tokens, True, lambda: progress.update())
         target, drafters = describe(stack.addresses if stack else None, args)
+        if matrix:
+            from transformers import AutoTokenizer
+
+            from specsplit.model import catalog
+
+            tokenizer = AutoTokenizer.from_pretrained(catalog.resolve(config.target_model))
+            text = perplexity_text(tokenizer, target.max_context if target is not None else 2048)
+            own_perplexity = perplexity(stub, text)
     verdicts = analyse(measured, args.gate, args.bucket)
-    formats = quantization(config, prompts, args.max_new_tokens, measured, progress.update) if matrix else []
+    formats = quantization(config, prompts, args.max_new_tokens, measured, text, own_perplexity,
+                           progress.update) if matrix else []
     progress.close()
     draft_memory = {name: d.memory_bytes for name, d in drafters.items()}
     written = []

@@ -51,14 +51,16 @@ def write_report(out: Path, verdicts, formats, first, args, draft_memory: dict[s
             "",
             "## Quantization and speculation",
             "",
-            f"Each format's greedy spec-off output compared with the {base.name} weights' (its quality cost).",
+            f"Each format's greedy spec-off output compared with the {base.name} weights' (its quality cost), and "
+            "its perplexity on a fixed text (the first paragraph of A Tale of Two Cities and the Gettysburg "
+            "Address: specsplit/data/perplexity.txt).",
             "",
             "| weights | off tok/s | on tok/s | on/off | vs " + base.name + " off | identical outputs | "
-            "mean common prefix |",
-            "|---|---|---|---|---|---|---|",
+            "mean common prefix | perplexity |",
+            "|---|---|---|---|---|---|---|---|",
             *(f"| {f.name} | {f.off_tps:.1f} | {f.on_tps:.1f} | {f.on_tps / f.off_tps:.2f}x | "
-              f"{f.on_tps / base.off_tps:.2f}x | {f.identical}/{f.n} | {f.common_prefix:.1f} tokens |"
-              for f in formats),
+              f"{f.on_tps / base.off_tps:.2f}x | {f.identical}/{f.n} | {f.common_prefix:.1f} tokens | "
+              f"{f.perplexity:.2f} |" for f in formats),
         ]
     if plots:
         lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
