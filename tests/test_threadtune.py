@@ -49,6 +49,23 @@ def test_a_busy_neighbour_halves_the_team_and_its_leaving_restores_it():
     assert all(a != b for a, b in zip(applied, applied[1:]))
 
 
+def test_contention_that_comes_and_goes_is_tried_less_and_less_often():
+    """Each try succeeds (a quiet moment) and the team is starved again at once: the waits grow
+    to max_probe_s instead of a round trip every first_probe_s."""
+    clock = Clock()
+    tuner = ThreadTuner(2, lambda n: None, clock=clock)
+    raised_at = []
+    for _ in range(4000):  # 80 s of forwards: a try runs quiet, the rest starved
+        size = tuner.size()
+        tuner.record(size, 0.02, 0.02 if size == 2 and tuner.current == 1 else 0.01 if size == 2 else 0.02)
+        if tuner.raises > len(raised_at):
+            raised_at.append(clock.now)
+        clock.now += 0.02
+    gaps = [b - a for a, b in zip(raised_at, raised_at[1:])]
+    assert len(raised_at) <= 24 and gaps[-1] >= tuner.max_probe_s, raised_at  # not every second or two
+    assert tuner.halvings in (len(raised_at), len(raised_at) + 1)
+
+
 def test_short_calls_and_a_lone_slow_forward_change_nothing():
     clock = Clock()
     tuner = ThreadTuner(4, lambda n: None, clock=clock)

@@ -11,8 +11,10 @@ spins or computes) and about 0.5 when it sleeps at barriers waiting for a parked
 So: after two of three forwards with that share below `low`, the team halves (8, 4, 2, 1); a
 smaller team tries one forward at the next size up after `first_probe_s`, and moves up if that
 forward's share is at least `high` (the CPUs are back), else waits twice as long (at most
-`max_probe_s`) before the next try. Co-located services that compute at once (the drafter and the
-verifier under many sessions) see the same sign and split the cores between them.
+`max_probe_s`) before the next try. A size that halves again within `stable_s` of moving up
+doubles the wait too: contention that comes and goes costs one round trip per `max_probe_s`.
+Co-located services that compute at once (the drafter and the verifier under many sessions) see
+the same sign and split the cores between them.
 
 Only where results do not depend on the team size (the native kernels: tests/test_modeling.py
 checks 1, 2 and 3 threads bit for bit) does the size change; elsewhere it stays at `most`. With
@@ -30,15 +32,15 @@ log = logging.getLogger("specsplit")
 
 class ThreadTuner:
     def __init__(self, most: int, set_threads: Callable[[int], None], name: str = "", low: float = 0.75,
-                 high: float = 0.9, first_probe_s: float = 1.0, max_probe_s: float = 4.0, min_wall_s: float = 1e-3,
-                 clock: Callable[[], float] = time.monotonic):
+                 high: float = 0.9, first_probe_s: float = 1.0, max_probe_s: float = 4.0, stable_s: float = 10.0,
+                 min_wall_s: float = 1e-3, clock: Callable[[], float] = time.monotonic):
         self.sizes = sorted({most >> k for k in range(max(1, most).bit_length())} - {0}, reverse=True)
         self.current = self.sizes[0]
         # None: the first forward sets its size (the thread it runs on may have started with another)
         self._set, self._applied, self.name, self._clock = set_threads, None, name, clock
         self.low, self.high, self.min_wall_s = low, high, min_wall_s
-        self.first_probe_s, self.max_probe_s = first_probe_s, max_probe_s
-        self._wait_s, self._probe_at = first_probe_s, 0.0
+        self.first_probe_s, self.max_probe_s, self.stable_s = first_probe_s, max_probe_s, stable_s
+        self._wait_s, self._probe_at, self._raised_at = first_probe_s, 0.0, float("-inf")
         self._starved: deque[bool] = deque(maxlen=3)  # the last forwards at the current size: share < low
         self.halvings = self.raises = 0
 
@@ -61,7 +63,7 @@ class ThreadTuner:
         if size != self.current:  # a try at the next size up
             if share >= self.high:
                 self._move(size, f"a forward on {size} ran its leader {share:.0%} of the time")
-                self._wait_s = self.first_probe_s
+                self._raised_at = self._clock()
             else:
                 self._wait_s = min(self.max_probe_s, 2 * self._wait_s)
                 self._probe_at = self._clock() + self._wait_s
@@ -70,7 +72,10 @@ class ThreadTuner:
         if self.current != self.sizes[-1] and sum(self._starved) >= 2:
             smaller = self.sizes[self.sizes.index(self.current) + 1]
             self._move(smaller, f"the team's leader ran {share:.0%} of the forward: waiting for parked threads")
-            self._probe_at = self._clock() + self._wait_s
+            now = self._clock()
+            flapping = now - self._raised_at < self.stable_s
+            self._wait_s = min(self.max_probe_s, 2 * self._wait_s) if flapping else self.first_probe_s
+            self._probe_at = now + self._wait_s
 
     def _move(self, size: int, why: str) -> None:
         log.info("%s: %d -> %d threads per forward (%s)", self.name, self.current, size, why)

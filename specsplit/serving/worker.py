@@ -145,7 +145,8 @@ class ModelWorker:
                 rest.append(entry)
         self._batch = rest
         self._batch_since = time.perf_counter()
-        size = self.tuner.size() if self.tuner else 0
+        tuner = self.tuner
+        size = tuner.size() if tuner else 0
         started, cpu = time.perf_counter(), time.thread_time()
         try:
             outcomes = runner([entry[1] for entry in taken])
@@ -153,8 +154,8 @@ class ModelWorker:
             log.exception("batch runner failed")
             outcomes = [e] * len(taken)
         else:
-            if self.tuner:
-                self.tuner.record(size, time.perf_counter() - started, time.thread_time() - cpu)
+            if tuner:
+                tuner.record(size, time.perf_counter() - started, time.thread_time() - cpu)
         for entry, outcome in zip(taken, outcomes):
             if isinstance(outcome, Again):
                 self.gather(entry[0], entry[1], outcome.rows, entry[3], again=True)
