@@ -85,3 +85,15 @@ def test_acceptance_by_draft_position_counts_chains_and_trees():
     b = record("code", 2.0, 1.0, 20, 2, 3)
     a.by_depth, b.by_depth = [[2, 2], [2, 1]], [[1, 1]]
     assert summarise([a, b])[0]["by_depth"] == [[3, 3], [2, 1]]
+
+
+@pytest.mark.parametrize("transport, shared_memory", [("unix", True), ("tcp", False)])
+def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, shared_memory):
+    """`bench --round-overhead` (a README command): stub verify and draft services that cost nothing,
+    the real gateway, every drafted token accepted; the fast path where shared memory is on."""
+    from specsplit.tools import roundoverhead
+
+    row = roundoverhead.measure(transport, shared_memory, requests=2, tokens=24, gamma=4)
+    assert row["rounds"] == 2 * 5  # 23 tokens after the first, 4 drafts + 1 per round (the last round shorter)
+    assert row["fast_path"] == ("2/2" if shared_memory else "0/2")
+    assert 0 < row["median"] < 1000 and row["network"] > 0

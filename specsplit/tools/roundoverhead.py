@@ -54,7 +54,7 @@ class _StubDrafter:
 
         return DraftSession(prompt)
 
-    def propose(self, session, gamma: int):
+    def propose(self, session, gamma: int, budget: int = 0):
         from specsplit.spec.drafting import Proposal
 
         return Proposal([TOKEN] * gamma, "stub")
@@ -85,7 +85,7 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
         lm = SimpleNamespace(model_id="stub", vocab_size=vocab, fingerprint=tokenizer_fingerprint(tokenizer),
                              max_context=1 << 16, dtype=torch.bfloat16, device=torch.device("cpu"), exact=True,
                              eos_token_ids=[], param_bytes=0, model_fingerprint="", hidden_size=576,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, native=None)
         servicer = VerifierServicer(lm, sessions, worker, shared_memory,
                                     Target(lm, new_sequence=lambda: _StubSequence(vocab)))
     else:
