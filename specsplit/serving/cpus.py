@@ -77,13 +77,11 @@ def available() -> tuple[int, str]:
     return cpus, why + f", cgroup CPU limit {limit:g}"
 
 
-def threads(requested: int, share: float = 1.0) -> tuple[int, str]:
-    """The torch threads to use: `requested` if > 0, else OMP_NUM_THREADS if set, else the share of
-    the available CPUs (at least 1); and why."""
+def threads(requested: int) -> tuple[int, str]:
+    """The torch threads to use: `requested` if > 0, else OMP_NUM_THREADS if set, else the
+    available CPUs; and why."""
     if requested > 0:
         return requested, "--threads"
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
-    cpus, why = available()
-    n = max(1, int(cpus * share))
-    return n, why + (f", share {share:g}" if share != 1.0 else "")
+    return available()

@@ -43,8 +43,10 @@ def tune_threads(worker, role: str, invariant: bool, fixed: bool) -> str:
     telemetry.meter().create_observable_gauge(
         f"specsplit.{role}.threads", unit="{thread}", description="the team size of the model's forwards now",
         callbacks=[lambda _: [Observation(worker.tuner.current if worker.tuner else most)]])
-    if most == 1 or fixed or not invariant:
-        why = "--fixed-threads" if fixed else "transformers' forward" if not invariant else ""
-        return f"; each forward on {most}" + (f" ({why})" if why else "") if most > 1 else ""
+    if most == 1:
+        return ""
+    if fixed or not invariant:
+        why = "--fixed-threads" if fixed else "transformers' forward"
+        return f"; each forward on {most} ({why})"
     worker.tuner = ThreadTuner(most, torch.set_num_threads, name=role)
     return "; fewer per forward while the scheduler does not run them all (see --fixed-threads)"

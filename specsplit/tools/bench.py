@@ -68,6 +68,9 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
     return records
 
 
+BUSY = " +busy"  # the drafter label of records measured beside the neighbours
+
+
 class Neighbours:
     """`n` busy processes (a Python spin loop each), the noisy neighbour of a shared machine: paused
     (SIGSTOP) except inside `running()`, so each prompt runs quiet and then busy, back to back."""
@@ -105,9 +108,6 @@ def print_neighbour(rows: list[dict], n: int) -> None:
                   f"{q['tok_s_off']:.1f} tok/s quiet = {r['tok_s_off'] / q['tok_s_off']:.2f}x, spec-on "
                   f"{r['tok_s_on']:.1f} / {q['tok_s_on']:.1f} = {r['tok_s_on'] / q['tok_s_on']:.2f}x; on/off "
                   f"busy {r['speedup']:.2f}x, quiet {q['speedup']:.2f}x")
-
-
-BUSY = " +busy"
 
 
 def _draft_memory(address: str) -> dict[str, int]:

@@ -230,7 +230,7 @@ def main(args, config: StackConfig) -> int:
             from specsplit.model import catalog
 
             tokenizer = AutoTokenizer.from_pretrained(catalog.resolve(config.target_model))
-            text = perplexity_text(tokenizer, target.max_context if target is not None else 2048)
+            text = perplexity_text(tokenizer, target.max_context)  # the matrix runs on a stack started here
             own_perplexity = perplexity(stub, text)
     verdicts = analyse(measured, args.gate, args.bucket)
     formats = quantization(config, prompts, args.max_new_tokens, measured, text, own_perplexity,
