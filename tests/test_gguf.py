@@ -73,3 +73,108 @@ def test_a_directory_without_its_gguf_file_is_refused_with_the_reason(tmp_path, 
             (tmp_path / f.name).symlink_to(f)
     with pytest.raises(FileNotFoundError, match="model.gguf"):
         load_model(tmp_path, "bfloat16", quantize="gguf")
+
+
+# Every GGUF type the kernels serve, on a tiny llama whose model.gguf holds random blocks of each
+# (hidden 256: K-quants need rows of whole 256-value super-blocks; the down projection's 128 inputs
+# take the 32-value types). The HF directory's weights are the file's, dequantized by gguf itself.
+# Layer 0 stacks a Q6_K v beside Q4_K q and k (as Q4_K_M files do): the widened mix.
+LAYOUT = {"attn_q": ("Q4_K", "Q6_K"), "attn_k": ("Q4_K", "Q6_K"), "attn_v": "Q6_K",
+          "attn_output": ("Q6_K", "Q4_K"), "ffn_gate": ("Q4_K", "Q6_K"), "ffn_up": ("Q4_K", "Q6_K"),
+          "ffn_down": ("Q5_0", "Q8_0")}
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+SCALE = {"Q4_0": 0.02, "Q4_1": 0.02, "Q8_0": 0.002, "Q5_0": 0.01, "Q4_K": 0.0015, "Q6_K": 0.0002}
+
+
+def _random_blocks(rng, kind: str, rows: int, inputs: int):
+    """Random bytes as `rows` rows of GGUF type `kind` (every byte pattern is a valid block), with
+    float16 scales of a sane size."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from specsplit.model.ggufweights import SIZES
+
+    per = inputs // GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+    raw = rng.integers(0, 256, size=(rows, per, SIZES[kind]), dtype=np.uint8)
+    for at in SCALE_AT[kind]:
+        raw[:, :, at:at + 2] = (rng.random((rows, per, 1)) * SCALE[kind]).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def every_type_dir(tmp_path_factory):
+    import numpy as np
+    from conftest import make_model_dir, make_tokenizer
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from specsplit.model.ggufweights import GGUFWeights, dequantize
+
+    path = make_model_dir(tmp_path_factory.mktemp("gguf") / "every", make_tokenizer(300), seed=7, hidden=256)
+    config = AutoConfig.from_pretrained(path)
+    hf = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(7)
+    writer = GGUFWriter(str(path / "model.gguf"), "llama")
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name, kinds in LAYOUT.items():
+            kind = kinds if isinstance(kinds, str) else kinds[layer]
+            shape = hf[f"model.layers.{layer}.{HF_NAMES[name]}.weight"].shape
+            tensors[f"blk.{layer}.{name}.weight"] = (kind, _random_blocks(rng, kind, *shape))
+    tensors["output.weight"] = ("Q6_K", _random_blocks(rng, "Q6_K", *hf["lm_head.weight"].shape))
+    for name, (kind, raw) in tensors.items():
+        writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = GGUFWeights(path / "model.gguf", config)
+    for name, hf_name in [*((f"blk.{i}.{n}.weight", f"model.layers.{i}.{h}.weight") for i in range(2)
+                            for n, h in HF_NAMES.items()), ("output.weight", "lm_head.weight")]:
+        hf[hf_name] = dequantize(*weights.blocks(name)).to(hf[hf_name].dtype)
+    save_file(hf, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_every_served_type_unpacks_to_the_values_gguf_itself_reads():
+    """Each type's unpacking into the kernels' layouts gives gguf's own dequantization bit for bit
+    (random blocks: every bit pattern of a block is a valid one)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from specsplit.model.ggufweights import SERVED, dequantize, unpack
+
+    rng = np.random.default_rng(3)
+    for kind in SERVED:
+        raw = _random_blocks(rng, kind, 5, 512)
+        layout, parts = unpack(kind, torch.from_numpy(raw.copy()))
+        expected = quants.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32)
+        assert torch.equal(dequantize(layout, parts), torch.from_numpy(expected)), kind
+
+
+def test_a_model_of_every_served_type_runs_as_shipped_exactly(every_type_dir, caplog):
+    """Q4_K, Q5_0, Q6_K (and Q8_0) served from the file: nothing re-quantized, a 5-row verify
+    bit-identical to single steps, and the logits those of the dequantized weights (int8 activations
+    aside). A kernel that read Q6_K's two scales of a block as one fails the last check."""
+    _needs_vnni()
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specsplit"):
+        lm = load_model(every_type_dir, "bfloat16", quantize="gguf")
+    assert "re-quantized to q8_0 (type not served): none" in caplog.text
+    assert all(k in caplog.text for k in ("Q4_K x", "Q5_0 x", "Q6_K x", "Q8_0 x"))
+    prompt, tokens = list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99]
+    one, many = KVSequence(lm.model), KVSequence(lm.model)
+    one.forward(prompt)
+    many.forward(prompt)
+    singles = torch.stack([one.forward([t])[0] for t in tokens])
+    assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
+    reference = KVSequence(load_model(every_type_dir, "float32").model)
+    reference.forward(prompt)
+    expected = reference.forward(tokens)
+    assert (singles.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
+    assert (singles - expected).abs().max() < 0.1 * expected.abs().max()

@@ -1,6 +1,14 @@
-"""A GGUF file's own quantized blocks for the native kernels (`--quantize gguf`): Q4_0, Q4_1 and
-Q8_0 tensors are served as shipped, block for block (their quality is exactly the file's); a tensor
-of another type is re-quantized to q8_0 from the model directory's weights (which are that tensor
+"""A GGUF file's own quantized blocks for the native kernels (`--quantize gguf`): Q4_0, Q4_1,
+Q4_K, Q5_0, Q6_K and Q8_0 tensors are served with the file's values exactly (their quality is the
+file's), unpacked once into one of the kernels' block layouts:
+- Q4_0, Q4_1, Q8_0 as they are;
+- Q4_K (super-blocks of 256: 8 blocks of 32 with 6-bit scales and mins) as Q4_1 blocks, d = d * sc
+  and m = -dmin * min (both products exact in float32);
+- Q5_0 (5-bit values) as Q8_0 blocks of int8 values, the same d;
+- Q6_K (super-blocks of 256: 16 groups of 16 with int8 scales) as Q8_16: int8 values with a scale
+  per 16 inputs, d * sc (exact).
+The 5- and 6-bit values then stream as 8 bits: the same numbers, more bytes. A tensor of another
+type is re-quantized to q8_0 from the model directory's weights (which are that tensor
 dequantized), and the loader says which.
 
 The file is the model directory's `model.gguf` (the catalog links it for the embedded default;
@@ -19,7 +27,8 @@ log = logging.getLogger("specsplit")
 
 GGUF_FILE = "model.gguf"
 BLOCK = 32
-SERVED = ("Q4_0", "Q4_1", "Q8_0")  # block formats the kernels multiply as they are
+SIZES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}  # bytes a (super-)block
+SERVED = tuple(SIZES)  # file types served with their own values
 
 
 def gguf_path(model_dir: str | Path) -> Path:
@@ -53,24 +62,15 @@ class GGUFWeights:
         return counts
 
     def blocks(self, name: str) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """(type, its parts as [rows, blocks, ...] tensors, rows in transformers' order), or None
-        when the file has no such tensor or not in a served type."""
+        """(layout, its parts as [rows, blocks, ...] tensors, rows in transformers' order), or None
+        when the file has no such tensor or not in a served type; the layout is the kernels' (Q4_0,
+        Q4_1, Q8_0 or Q8_16), which the file's type was unpacked into."""
         t = self.tensors.get(name)
         if t is None or t.tensor_type.name not in SERVED:
             return None
-        kind = t.tensor_type.name
         raw = np.asarray(t.data)  # [rows, bytes per row]
-        rows = raw.shape[0]
-        size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-        b = torch.from_numpy(raw.reshape(rows, -1, size).copy())
-        half = lambda lo: b[:, :, lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()  # noqa: E731
-        if kind == "Q4_0":
-            parts = {"d": half(0), "nibbles": b[:, :, 2:18].contiguous()}
-        elif kind == "Q4_1":
-            parts = {"d": half(0), "m": half(2), "nibbles": b[:, :, 4:20].contiguous()}
-        else:
-            parts = {"d": half(0), "q": b[:, :, 2:34].contiguous().view(torch.int8)}
-        order = self._row_order(name, rows)
+        kind, parts = unpack(t.tensor_type.name, torch.from_numpy(raw.reshape(raw.shape[0], -1).copy()))
+        order = self._row_order(name, raw.shape[0])
         if order is not None:
             parts = {k: v[order] for k, v in parts.items()}
         return kind, parts
@@ -92,11 +92,12 @@ class GGUFWeights:
         if rows is not None:
             hf = hf[rows]
         found = [self.blocks(n) for n in names]
-        kinds = {f[0] for f in found if f is not None}
-        if None in found or len(kinds) != 1:
+        if None in found:
             self.requantized += names
-            return native.Weight.dense(hf.detach(), 2)
-        kind = kinds.pop()
+            return native.Weight.dense(hf.detach(), 2, False)
+        if len({f[0] for f in found}) > 1:  # mixed types stacked (a Q6_K v beside Q4_K q and k): widened
+            found = [widen(*f) for f in found]
+        kind = found[0][0]
         parts = {k: [f[1][k] for f in found] for k in found[0][1]}
         if interleave is not None:
             merged = {k: interleave(*v) for k, v in parts.items()}
@@ -107,16 +108,75 @@ class GGUFWeights:
         inputs = hf.shape[1]
         if kind == "Q8_0":
             return native.Weight.q8_0(merged["q"], merged["d"], inputs)
+        if kind == "Q8_16":
+            return native.Weight.q8_h(merged["q"], merged["d"], merged.get("m"), inputs)
         if kind == "Q4_0":
             return native.Weight.q4_0(merged["nibbles"], merged["d"], inputs)
         return native.Weight.q4_1(merged["nibbles"], merged["d"], merged["m"], inputs)
 
 
+def unpack(kind: str, b: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
+    """A tensor's raw bytes [rows, bytes per row] of GGUF type `kind` as (layout, parts) in one of
+    the kernels' block layouts, with the file's values exactly (the bit layouts are ggml's)."""
+    rows = b.shape[0]
+    b = b.reshape(rows, -1, SIZES[kind])
+    half = lambda lo: b[:, :, lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()  # noqa: E731
+    if kind == "Q4_0":
+        return kind, {"d": half(0), "nibbles": b[:, :, 2:18].contiguous()}
+    if kind == "Q4_1":
+        return kind, {"d": half(0), "m": half(2), "nibbles": b[:, :, 4:20].contiguous()}
+    if kind == "Q8_0":
+        return kind, {"d": half(0), "q": b[:, :, 2:34].contiguous().view(torch.int8)}
+    if kind == "Q5_0":  # d, 32 high bits (input j: bit j), 16 bytes of low nibbles (inputs j, j + 16)
+        high = b[:, :, 2:6].to(torch.int64)
+        bits = (high[..., 0] | high[..., 1] << 8 | high[..., 2] << 16 | high[..., 3] << 24).unsqueeze(2)
+        bits = (bits >> torch.arange(32)) & 1
+        qs = b[:, :, 6:22]
+        low = torch.cat([qs & 15, qs >> 4], 2).to(torch.int64)
+        return "Q8_0", {"d": half(0), "q": (low | bits << 4).sub(16).to(torch.int8)}
+    if kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit scales and mins, 4 x 32 bytes (blocks 2g, 2g + 1: nibbles)
+        sc = b[:, :, 4:16].to(torch.int64)
+        lo, hi, mix = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+        scales = torch.cat([lo & 63, (mix & 15) | (lo >> 2 & 48)], 2)
+        mins = torch.cat([hi & 63, (mix >> 4) | (hi >> 2 & 48)], 2)
+        qs = b[:, :, 16:144].reshape(rows, -1, 4, 1, 32)
+        u = torch.cat([qs & 15, qs >> 4], 3).reshape(rows, -1, 32)  # [rows, blocks, 32]
+        return "Q4_1", {"d": (half(0).unsqueeze(2) * scales).reshape(rows, -1),
+                        "m": (-(half(2).unsqueeze(2) * mins)).reshape(rows, -1),
+                        "nibbles": (u[..., :16] | u[..., 16:] << 4).contiguous()}
+    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16), d
+    ql = b[:, :, 0:128].reshape(rows, -1, 2, 1, 64)
+    ql = torch.cat([ql & 15, ql >> 4], 3).reshape(rows, -1, 8, 32)
+    qh = b[:, :, 128:192].reshape(rows, -1, 2, 1, 32)
+    qh = torch.cat([qh & 3, qh >> 2 & 3, qh >> 4 & 3, qh >> 6 & 3], 3).reshape(rows, -1, 8, 32)
+    q = (ql.to(torch.int16) | qh.to(torch.int16) << 4).sub(32).to(torch.int8).reshape(rows, -1, 32)
+    scales = b[:, :, 192:208].contiguous().view(torch.int8).float()
+    return "Q8_16", {"d": (half(208).unsqueeze(2) * scales).reshape(rows, -1, 2), "q": q}
+
+
+def widen(kind: str, parts: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
+    """Any layout as Q8_16 with mins (int8 values, a scale per 16 inputs, m per block), the same
+    values: what tensors of different types stacked in one matrix share."""
+    if kind == "Q8_16":
+        q, d, m = parts["q"], parts["d"], parts.get("m")
+    elif kind == "Q8_0":
+        q, d, m = parts["q"], parts["d"].unsqueeze(2).expand(-1, -1, 2), None
+    else:
+        n = parts["nibbles"].to(torch.int16)
+        q = torch.cat([n & 15, n >> 4], 2) - (8 if kind == "Q4_0" else 0)
+        q, d, m = q.to(torch.int8), parts["d"].unsqueeze(2).expand(-1, -1, 2), parts.get("m")
+    return "Q8_16", {"q": q, "d": d.contiguous(), "m": torch.zeros(q.shape[:2]) if m is None else m}
+
+
 def dequantize(kind: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The float weights [rows, inputs] that blocks stand for (tests compare them with the model
-    directory's, which transformers dequantized from the same file)."""
+    directory's, which transformers dequantized from the same file, and with gguf's own)."""
     if kind == "Q8_0":
         return (parts["q"].float() * parts["d"].unsqueeze(2)).flatten(1)
+    if kind == "Q8_16":
+        q = parts["q"].float().unflatten(2, (2, 16))
+        w = (q * parts["d"].unsqueeze(3)).flatten(2)
+        return (w + parts["m"].unsqueeze(2) if "m" in parts else w).flatten(1)
     n = parts["nibbles"].to(torch.int32)
     u = torch.cat([n & 15, n >> 4], 2).float()  # inputs 0..15, then 16..31 of each block
     if kind == "Q4_0":

@@ -385,6 +385,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Weight>(m, "Weight")
       .def_static("dense", &Weight::dense)
       .def_static("q8_0", &Weight::q8_0)
+      .def_static("q8_h", &Weight::q8_h)
       .def_static("q4_0", &Weight::q4_0)
       .def_static("q4_1", &Weight::q4_1)
       .def_property_readonly("outputs", &Weight::outputs)

@@ -151,19 +151,22 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
 // q8_0 weights by q8 activations: per block, two int32 chains of vpdpbusd (even and odd quads),
 // summed, corrected for the +128 offset, converted to float and scaled into the row's float
 // accumulator, block after block in input order (the same for every row count).
-// FMT: 0 q8_0, 1 q4_0, 2 q4_1 (q4_1 adds m * qs * sum(q) per block, after the block's product).
+// FMT: 0 q8_0, 1 q4_0, 2 q4_1 (q4_1 adds m * qs * sum(q) per block, after the block's product),
+// 3 q8_h (the chains are the block's halves, quads 0-3 and 4-7, each scaled and added in turn; then
+// m * qs * sum(q) where the matrix has mins).
 template <int R, int FMT>
 void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, const float* xsum, int64_t stride,
               float* y, int64_t ldy) {
-  constexpr bool Q4 = FMT > 0;
+  constexpr bool Q4 = FMT == 1 || FMT == 2, HALVES = FMT == 3;
+  constexpr int64_t kParts = HALVES ? 2 : 1;  // scales a block
   const int64_t blocks = w.k2 / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : kBlock * kLanes;  // 256 or 512 bytes a block
   const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * blocks * kBlockBytes;
-  const float* sp = w.scale_ptr + panel * blocks * kLanes;
-  const int32_t* cp = w.corr_ptr + panel * blocks * kLanes;
-  const float* mp = FMT == 2 ? w.min_ptr + panel * blocks * kLanes : nullptr;
+  const float* sp = w.scale_ptr + panel * blocks * kParts * kLanes;
+  const int32_t* cp = w.corr_ptr + panel * blocks * kParts * kLanes;
+  const float* mp = w.min_ptr ? w.min_ptr + panel * blocks * kLanes : nullptr;  // q4_1, q8_h with mins
   constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs
   const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(FMT == 1 ? 8 : 0);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -181,6 +184,28 @@ void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs,
         wq[j] = _mm512_loadu_si512(wb + j * 4 * kLanes);
         _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
       }
+    }
+    if constexpr (HALVES) {
+      const __m512 ws0 = _mm512_loadu_ps(sp + 2 * b * kLanes), ws1 = _mm512_loadu_ps(sp + (2 * b + 1) * kLanes);
+      const __m512i c0 = _mm512_loadu_si512(cp + 2 * b * kLanes), c1 = _mm512_loadu_si512(cp + (2 * b + 1) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* xb = x + r * stride + b * kBlock;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < kQuads / 2; ++j) {
+          int32_t q0, q1;
+          std::memcpy(&q0, xb + 4 * j, 4);
+          std::memcpy(&q1, xb + 4 * j + kBlock / 2, 4);
+          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(q0), wq[j]);
+          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(q1), wq[j + kQuads / 2]);
+        }
+        const __m512 xsv = _mm512_set1_ps(xs[r * (stride / kBlock) + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0)), _mm512_mul_ps(ws0, xsv), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1)), _mm512_mul_ps(ws1, xsv), acc[r]);
+        if (mp)
+          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kLanes), _mm512_set1_ps(xsum[r * (stride / kBlock) + b]),
+                                   acc[r]);
+      }
+      continue;
     }
     const __m512 ws = _mm512_loadu_ps(sp + b * kLanes);
     const __m512i corr = _mm512_loadu_si512(cp + b * kLanes);
@@ -220,6 +245,7 @@ void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float
     case Kind::kQ8: panel_q<R, 0>(w, panel, x, row, y, ldy); break;
     case Kind::kQ4: panel_q<R, 1>(w, panel, x, row, y, ldy); break;
     case Kind::kQ41: panel_q<R, 2>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ8H: panel_q<R, 3>(w, panel, x, row, y, ldy); break;
     case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;

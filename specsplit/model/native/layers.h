@@ -40,7 +40,13 @@ struct Weight {
     return out;
   }
   bool on_amx() const { return p.amx; }
-  static Weight q8_0(const torch::Tensor& q, const torch::Tensor& d, int64_t k) { return Weight{blocks_q8(q, d, k)}; }
+  static Weight q8_0(const torch::Tensor& q, const torch::Tensor& d, int64_t k) {
+    return Weight{blocks_q8(q, d, torch::Tensor(), k)};
+  }
+  // d [n, blocks, 2]: a scale per 16 inputs; m [n, blocks] or None: w = d q + m.
+  static Weight q8_h(const torch::Tensor& q, const torch::Tensor& d, const std::optional<torch::Tensor>& m, int64_t k) {
+    return Weight{blocks_q8(q, d, m.value_or(torch::Tensor()), k)};
+  }
   static Weight q4_0(const torch::Tensor& nibbles, const torch::Tensor& d, int64_t k) {
     return Weight{blocks_q4(nibbles, d, torch::Tensor(), k)};
   }
@@ -53,7 +59,7 @@ struct Weight {
 
 Act act_of(Kind kind) {
   switch (kind) {
-    case Kind::kQ8: case Kind::kQ4: case Kind::kQ41: return Act::kQ8;
+    case Kind::kQ8: case Kind::kQ4: case Kind::kQ41: case Kind::kQ8H: return Act::kQ8;
     case Kind::kF32: return Act::kF32;
     default: return Act::kBF16;
   }

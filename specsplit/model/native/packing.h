@@ -13,7 +13,7 @@
 #pragma once
 
 // A packed weight matrix and how to multiply rows by it.
-enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41 };
+enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41, kQ8H };
 // What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, q8_0 (int8 weights and
 // activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
 enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
@@ -21,8 +21,8 @@ constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
 
 struct Packed {
   torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
-  torch::Tensor scale;  // int8: float32 per output (w = q * scale); q8_0: per panel, block and output
-  torch::Tensor corr;  // q8_0: 128 * the sum of each block's weights, per panel, block and output (int32)
+  torch::Tensor scale;  // int8: float32 per output (w = q * scale); q8_0: per panel, block and output (q8_h: half-block)
+  torch::Tensor corr;  // q8_0: 128 * the sum of each block's (q8_h: half-block's) weights, per panel, block and output
   torch::Tensor mins;  // q4_1: m per panel, block and output
   const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
   const float* scale_ptr = nullptr;
@@ -65,15 +65,19 @@ Packed pack_int8(const torch::Tensor& weight) {
 // - q4_0: w = d (u - 8), u a nibble; q4_1: w = d u + m. Nibbles as GGUF keeps them (byte j of a
 //   block: input j in the low nibble, input j + 16 in the high), [panels][blocks][4][16][4]: so
 //   vector v of a block holds quad v (low nibbles) and quad v + 4 (high), widened in registers.
+// - q8_h: q8_0's quads with a scale per 16 inputs and optionally q4_1's m per block: GGUF's Q6_K
+//   (6-bit values, a scale per 16), and any mix of block formats stacked in one matrix (q, k, v).
 void finish_blocks(Packed& p, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
   const int64_t blocks = p.k2 / kBlock, panels = p.panels();
-  auto by_panel = [&](const torch::Tensor& t) {  // [outputs, blocks] -> [panels][blocks][16], padded
-    auto padded = torch::zeros({panels * kLanes, blocks}, t.scalar_type());
-    padded.narrow(0, 0, p.n).copy_(t);
-    return padded.view({panels, kLanes, blocks}).permute({0, 2, 1}).contiguous().view({-1});
+  // [outputs, blocks (x parts)] -> [panels][blocks * parts][16], padded; parts: values a block (q8_h scales: 2)
+  auto by_panel = [&](const torch::Tensor& t) {
+    const int64_t cols = t.numel() / p.n;
+    auto padded = torch::zeros({panels * kLanes, cols}, t.scalar_type());
+    padded.narrow(0, 0, p.n).copy_(t.reshape({p.n, cols}));
+    return padded.view({panels, kLanes, cols}).permute({0, 2, 1}).contiguous().view({-1});
   };
   p.scale = by_panel(d.to(torch::kFloat32));
-  p.corr = by_panel(q.to(torch::kInt32).sum(2).to(torch::kInt32) * 128);
+  p.corr = by_panel(q.to(torch::kInt32).reshape({p.n, d.numel() / p.n, -1}).sum(2).to(torch::kInt32) * 128);
   p.scale_ptr = p.scale.data_ptr<float>();
   p.corr_ptr = p.corr.data_ptr<int32_t>();
   if (m.defined()) {
@@ -83,10 +87,13 @@ void finish_blocks(Packed& p, const torch::Tensor& q, const torch::Tensor& d, co
   p.ptr = p.data.data_ptr();
 }
 
-// q [n, blocks, 32] int8, d [n, blocks].
-Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, int64_t k) {
+// q [n, blocks, 32] int8, d [n, blocks] (q8_0) or [n, blocks, 2] (q8_h: a scale per 16 inputs, and
+// m [n, blocks] or undefined).
+Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
   Packed p;
-  p.kind = Kind::kQ8;
+  p.kind = d.dim() == 3 ? Kind::kQ8H : Kind::kQ8;
+  TORCH_CHECK(d.dim() == 2 || d.size(2) == 2, "q8_h scales must be [n, blocks, 2]");
+  TORCH_CHECK(!m.defined() || d.dim() == 3, "only q8_h blocks take mins");
   p.n = q.size(0);
   p.k = k;
   p.k2 = q.size(1) * kBlock;
@@ -94,7 +101,7 @@ Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, int64_t k) {
   auto padded = torch::zeros({p.panels() * kLanes, p.k2}, torch::kInt8);
   padded.narrow(0, 0, p.n).copy_(q.reshape({p.n, p.k2}));
   p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
-  finish_blocks(p, q, d, torch::Tensor());
+  finish_blocks(p, q, d, m);
   return p;
 }
 
@@ -127,7 +134,7 @@ Packed pack_blocks(const torch::Tensor& weight, Quant quant) {
   if (quant == Quant::kQ8) {
     auto d = wb.abs().amax({2}) / 127.0;
     auto q = (wb / d.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
-    return blocks_q8(q, d, k);
+    return blocks_q8(q, d, torch::Tensor(), k);
   }
   auto d = wb.gather(2, wb.abs().argmax(2, true)).squeeze(2) / -8.0;  // llama.cpp's Q4_0 rounding
   auto inv = torch::where(d == 0, torch::zeros_like(d), 1.0 / d);
