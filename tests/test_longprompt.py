@@ -96,6 +96,25 @@ def test_prefix_cache_only_uses_room_the_sessions_leave_and_evicts_least_recentl
         pool.budget_bytes = 1 << 62
 
 
+def test_a_prefill_takes_its_whole_prompts_room_before_its_first_chunk(models):
+    """Cold or from the prefix cache, a prefill reserves the prompt (and some room to decode) at
+    its start: grown chunk by chunk, its cache would be copied at every doubling, inside the
+    forwards that decoding sessions share."""
+    from verify_service.engine import DECODE_ROOM
+
+    lm = load_model(models["long"], "bfloat16")
+    if lm.native is None:
+        pytest.skip(lm.kernels)
+    for target in (Target(lm), Target(lm, prefix_cache=PrefixCache(lm.native.pool))):
+        prompt = _prompt(1500, lm.vocab_size, 9)
+        state = target.start_prefill(prompt, use_cache=False)
+        capacity = state.session.kv.capacity
+        assert capacity >= len(prompt) + DECODE_ROOM
+        while not state.finished:
+            target.run_one(target.plan_prefill(state, 64))
+        assert state.session.kv.capacity == capacity  # never grown (copied) on the way
+
+
 async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_plain_jobs_between():
     from specsplit.serving.worker import Again, ModelWorker
 
@@ -124,6 +143,34 @@ async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_pl
         assert batches == [["long"], ["long", "short"], ["long"]]
     finally:
         worker.shutdown()
+
+
+async def test_an_unfinished_item_alone_waits_its_own_time_for_a_round_to_share_its_turn():
+    """A chunk's next turn, alone in the batch, waits up to its Again.wait_s for a session's round
+    (it then runs beside it, not ahead of it); without a wait of its own it runs at once."""
+    from specsplit.serving.worker import Again, ModelWorker
+
+    for wait, expected in ((0.5, [["long"], ["long", "round"], ["long"]]),
+                           (None, [["long"], ["long"], ["long"], ["round"]])):
+        worker = ModelWorker("test", wait_s=0.0, expected=lambda: 2)
+        batches: list[list] = []
+        turns = {"long": 3}
+
+        def runner(items, batches=batches, turns=turns, wait=wait):
+            batches.append(list(items))
+            out = []
+            for item in items:
+                turns[item] = turns.get(item, 1) - 1
+                out.append(Again(1, wait) if turns[item] > 0 else item.upper())
+            return out
+
+        try:
+            long = worker.run_gathered(runner, "long")
+            await asyncio.sleep(0.1)  # the round comes back from its gateway after the first turn
+            assert await asyncio.gather(long, worker.run_gathered(runner, "round")) == ["LONG", "ROUND"]
+            assert batches == expected, wait
+        finally:
+            worker.shutdown()
 
 
 def _long_text(sentences: int) -> str:

@@ -33,9 +33,9 @@ WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds),
 MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
 # A prompt is fed in chunks: PREFILL_CHUNK tokens while no other session is live (so a Release can
 # stop it between chunks); beside other sessions, chunks sized so that a forward takes about
-# PREFILL_SLICE times a 1-row step, so their decoding stalls for a few steps' time, not the prefill's
-# (in multiples of CHUNK_ROUND rows: late in a long prompt a few rows' attention costs a step).
-PREFILL_CHUNK, PREFILL_SLICE, CHUNK_ROUND = 512, 2.5, 8
+# PREFILL_SLICE times a 1-row step, so their decoding stalls for about a step, not the prefill's time
+# (down to one row: late in a long prompt, each row's attention costs about half a step).
+PREFILL_CHUNK, PREFILL_SLICE = 512, 1.75
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -49,7 +49,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._target = target or Target(lm)
         self._sessions = sessions
         self._worker = worker
-        self.prefilling = 0  # prefills in progress (begun, not finished): they join every batch too
+        # Prefills arrived (counted by the event loop) and done or failed (by the worker thread): one
+        # writer each. One in progress joins every batch, and a batch waits for it from its arrival.
+        self._prefills_in = self._prefills_out = 0
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -96,8 +98,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         call = _Prefill(request.session_id, prompt, request.return_features, sampling, method,
                         trace.get_current_span(), request.skip_prefix_cache, logprobs)
+        self._prefills_in += 1
         try:
-            session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK))
+            session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK),
+                                                              self._company_wait())
         except SessionEnded:
             await context.abort(grpc.StatusCode.ABORTED, f"session {request.session_id} was released before its "
                                                          "prefill ran (its caller gave up on it)")
@@ -121,6 +125,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                   cached_tokens=result.cached, chunks=call.chunks,
                                   logprobs=wire.token_logprobs(result.logprobs),
                                   prompt_logprobs=wire.token_logprobs(result.prompt_logprobs))
+
+    @property
+    def prefilling(self) -> int:
+        """Prefills arrived and not finished."""
+        return self._prefills_in - self._prefills_out
 
     def expected(self) -> int:
         """Calls a batch can expect: a round from every live session and a chunk from every prefill."""
@@ -160,9 +169,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
                 outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
         for i, call in enumerate(calls):
-            if isinstance(call, _Prefill) and call.state is not None and not isinstance(outcomes[i], Again):
+            if isinstance(call, _Prefill) and not isinstance(outcomes[i], Again):
                 call.state = None  # finished or failed: its cache now lives in the session, or is freed
-                self.prefilling -= 1
+                self._prefills_out += 1
         return outcomes
 
     def _plan_prefill(self, call: _Prefill, calls: list):
@@ -171,10 +180,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if call.state is None:
             call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling, call.method,
                                                     use_cache=not call.skip_cache, logprobs=call.logprobs)
-            self.prefilling += 1
         elif self._sessions.ended(call.session_id):
             raise SessionEnded(call.session_id)
         return self._target.plan_prefill(call.state, self._chunk(call, len(calls) > 1))
+
+    def _company_wait(self) -> float | None:
+        """How long a prefill's chunk waits for live sessions' rounds (coming back from their
+        gateways) to share its forward: a step, rather than run alone and hold up whichever
+        arrives meanwhile for the whole chunk. None (the worker's wait) when no session is live."""
+        return (self.forward_ms_by_rows or [10.0])[0] / 1e3 if len(self._sessions) else None
 
     def _chunk(self, call: _Prefill, shared: bool) -> int | None:
         """Tokens in the prefill's next chunk: all of them where the kernels do not batch; PREFILL_CHUNK
@@ -187,11 +201,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         curve = self.forward_ms_by_rows or [10.0]
         budget_ms = PREFILL_SLICE * curve[0]
         if call.last is None:
-            rows = max([w for w, ms in enumerate(curve, 1) if ms <= budget_ms], default=CHUNK_ROUND)
+            rows = max([w for w, ms in enumerate(curve, 1) if ms <= budget_ms], default=1)
         else:
             rows, ms = call.last
             rows = int(rows * budget_ms / max(ms, 1e-3))
-        return max(CHUNK_ROUND, min(PREFILL_CHUNK, rows // CHUNK_ROUND * CHUNK_ROUND))
+        return max(1, min(PREFILL_CHUNK, rows))
 
     def _prefilled(self, call: _Prefill, step, result):
         """A chunk done: Again (the next chunk's rows) until the prompt is in; then the session."""
@@ -204,7 +218,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                                   "specsplit.prefill.tokens": len(call.prompt),
                                                   "specsplit.rows": len(step.ids), "rpc.batch_rows": result.batch_rows})
         if not state.finished:  # the next chunk's rows, about (the worker packs batches by them)
-            return Again(min(len(call.prompt) - state.done, len(step.ids)))
+            return Again(min(len(call.prompt) - state.done, len(step.ids)), self._company_wait())
         self._sessions.put(call.session_id, state.session)
         return state.session, dataclasses.replace(result, forward_ns=call.forward_ns)
 

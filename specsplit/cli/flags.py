@@ -89,10 +89,11 @@ def draft_model_flags(p: argparse.ArgumentParser) -> None:
                    help="a local HF causal LM dir or catalog name for the 'model' drafter ('default': the embedded "
                         "model)")
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
-    p.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0"],
+    p.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0", "gguf"],
                    default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
-                   help="the draft model's GEMM weights: q8_0, q4_0, int8, '' (its dtype) or auto (q8_0 where the "
-                        "native kernels run and the CPU has VNNI, else int8 for a bf16 draft, else its dtype)")
+                   help="the draft model's GEMM weights: q8_0, q4_0, int8, gguf (its model.gguf's blocks), '' (its "
+                        "dtype) or auto (q8_0 where the native kernels run and the CPU has VNNI, else int8 for a bf16 "
+                        "draft, else its dtype)")
     p.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", str(DraftSettings.draft_vocab))),
                    help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
                         "else the first N ids and the special tokens; 0: all)")

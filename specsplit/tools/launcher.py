@@ -50,7 +50,7 @@ class StackConfig:
     draft_model: str | None = None
     dtype: str = "bfloat16"
     draft_dtype: str = "bfloat16"
-    draft_quantize: str = "auto"  # the draft model's weights: "auto", "" (its dtype) or "int8"
+    draft_quantize: str = "auto"  # the draft model's weights: as serve draft's --draft-quantize
     draft_vocab: int = DraftSettings.draft_vocab  # the model drafter's draft vocabulary (0: all)
     device: str = "cpu"
     exact: bool = True
@@ -172,6 +172,17 @@ class Stack:
     def tail(self, name: str, lines: int = 20) -> str:
         path = self.run_dir / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def rss_mib(self, name: str) -> float:
+        """A service's resident memory now (MiB; 0 where the process is gone)."""
+        try:
+            with open(f"/proc/{self.procs[name].pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
 
     def start(self, timeout_s: float = 600.0, draft_via=None) -> str:
         """Returns the gateway address once all three report SERVING. draft_via(address) -> address

@@ -40,14 +40,6 @@ class Tally:
     faults: int = 0  # chaos events
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def segments() -> set[str]:
     """The shared-memory segments present now (specsplit's naming)."""
     return {p.name for p in shm.shm_dir().glob(f"{shm.PREFIX}*") if shm.is_segment_name(p.name)}
@@ -121,7 +113,7 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
         for p in prompts:  # the spec-off answers (greedy: speculation must reproduce them)
             out = await stub.Generate(request(p, pb.SPECULATION_OFF, max_new_tokens), timeout=300)
             references[p.prompt] = list(out.token_ids)
-        rss_start = {name: rss_mib(proc.pid) for name, proc in stack.procs.items()}
+        rss_start = {name: stack.rss_mib(name) for name in stack.procs}
         stop = asyncio.Event()
         supervisor = asyncio.ensure_future(_supervise(stack, stop))
         deadline = time.monotonic() + minutes * 60
@@ -136,7 +128,7 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
         stop.set()
         await supervisor
         await asyncio.to_thread(wait_serving, stack.addresses["draft"], 120)
-    rss_end = {name: rss_mib(proc.pid) for name, proc in stack.procs.items()}
+    rss_end = {name: stack.rss_mib(name) for name in stack.procs}
     sessions = await _left(stack)
     lat = sorted(tally.latencies)
     return {"clients": clients, "seconds": elapsed, "requests": len(lat), "errors": dict(tally.errors),
