@@ -2,21 +2,24 @@
 // (AVX-512 bf16/fp32/int8 weight-only, VNNI block formats, AMX tiles).
 #pragma once
 
-// Activation rows as the GEMM reads them: bf16 pairs, fp32, or q8 blocks (x + 128 as bytes and a
-// scale per block), `stride` elements apart.
+// Activation rows as the GEMM reads them: bf16 pairs, fp32, or q8 blocks (signed bytes and a scale
+// per block), `stride` elements apart.
 struct Rows {
   std::vector<uint16_t> h;
   std::vector<float> f;
-  std::vector<uint8_t> q;
-  std::vector<float> qs;  // q8: per row and block, x = (q - 128) * qs
-  std::vector<float> qsum;  // q8: per row and block, qs * sum(q - 128): what q4_1's m multiplies
+  std::vector<int8_t> q;
+  std::vector<float> qs;  // q8: per row and block, x = q * qs
+  std::vector<int32_t> qi;  // q8: per row and half-block (16 inputs), sum(q): what the weights' offsets multiply
+  std::vector<float> qsum;  // q8: per row and block, qs * sum(q): what q4_1's m multiplies
   int64_t stride = 0;
 };
 
 enum class Act { kF32, kBF16, kQ8 };
 
-// One row quantized per block of 32: s = max|x| / 127, q = round-to-nearest-even(x / s) + 128.
-void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, float* scales, float* sums) {
+// One row quantized per block of 32: s = max|x| / 127, q = round-to-nearest-even(x / s) in
+// [-127, 127]; the integer sum of q per half-block and s * sum(q) per block (exact conversions).
+void quantize_row_q8(const float* src, int64_t k, int64_t stride, int8_t* dst, float* scales, int32_t* isums,
+                     float* sums) {
   alignas(64) float tmp[kBlock];
   for (int64_t b = 0; b * kBlock < stride; ++b) {
     const int64_t n = std::min<int64_t>(kBlock, std::max<int64_t>(0, k - b * kBlock));
@@ -26,13 +29,13 @@ void quantize_row_q8(const float* src, int64_t k, int64_t stride, uint8_t* dst, 
     const float s = amax / 127.0f;
     scales[b] = s;
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m512i off = _mm512_set1_epi32(128);
-    const __m512i qlo = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), off);
-    const __m512i qhi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)), off);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock), _mm512_cvtusepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock + kLanes), _mm512_cvtusepi32_epi8(qhi));
-    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)) - 128 * kBlock;  // exact
-    sums[b] = s * static_cast<float>(total);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock + kLanes), _mm512_cvtsepi32_epi8(qhi));
+    isums[2 * b] = _mm512_reduce_add_epi32(qlo);
+    isums[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
+    sums[b] = s * static_cast<float>(isums[2 * b] + isums[2 * b + 1]);  // exact: |sum| < 2^24
   }
 }
 
@@ -42,6 +45,7 @@ void shape_rows(int64_t rows, int64_t k, Act act, Rows& out) {
     out.stride = (k + kBlock - 1) / kBlock * kBlock;
     out.q.resize(rows * out.stride);
     out.qs.resize(rows * out.stride / kBlock);
+    out.qi.resize(rows * out.stride / kBlock * 2);
     out.qsum.resize(rows * out.stride / kBlock);
   } else if (act == Act::kF32) {
     out.stride = k;
@@ -58,7 +62,7 @@ void row_to(const float* src, int64_t r, int64_t k, Act act, Rows& out) {
   if (act == Act::kQ8) {
     const int64_t blocks = out.stride / kBlock;
     quantize_row_q8(src, k, out.stride, out.q.data() + r * out.stride, out.qs.data() + r * blocks,
-                    out.qsum.data() + r * blocks);
+                    out.qi.data() + r * blocks * 2, out.qsum.data() + r * blocks);
     return;
   }
   if (act == Act::kF32) {
@@ -148,36 +152,45 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
-// q8_0 weights by q8 activations: per block, two int32 chains of vpdpbusd (even and odd quads),
-// summed, corrected for the +128 offset, converted to float and scaled into the row's float
-// accumulator, block after block in input order (the same for every row count).
-// FMT: 0 q8_0, 1 q4_0, 2 q4_1 (q4_1 adds m * qs * sum(q) per block, after the block's product),
-// 3 q8_h (the chains are the block's halves, quads 0-3 and 4-7, each scaled and added in turn; then
-// m * qs * sum(q) where the matrix has mins).
-template <int R, int FMT>
-void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs, const float* xsum, int64_t stride,
-              float* y, int64_t ldy) {
+// Block formats by q8 activations. vpdpbusd multiplies unsigned by signed bytes: the weights are
+// stored unsigned (q8: q + 128; q4: the nibble u) and the activations signed, so a block's integer
+// sum is corrected by the weights' offset times the activations' own integer sum (computed once per
+// row when it was quantized; no per-weight correction is stored). Per block, two int32 chains of
+// vpdpbusd, summed, corrected, converted to float and scaled into the row's float accumulator,
+// block after block in input order (the same for every row count).
+// FMT: 0 q8_0, 1 q4_0 (offset 8), 2 q4_1 (no offset; adds m * qs * sum(q) per block, after the
+// block's product), 3 q8_h (the chains are the block's halves, quads 0-3 and 4-7, each scaled and
+// added in turn; then m * qs * sum(q) where the matrix has mins). HALF: scales (and mins) stored as
+// float16 (every one exactly so), else float32.
+template <int R, int FMT, bool HALF>
+void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, const int32_t* xi, const float* xsum,
+              int64_t stride, float* y, int64_t ldy) {
   constexpr bool Q4 = FMT == 1 || FMT == 2, HALVES = FMT == 3;
   constexpr int64_t kParts = HALVES ? 2 : 1;  // scales a block
-  const int64_t blocks = w.k2 / kBlock;
+  constexpr int32_t kOffset = FMT == 1 ? 8 : FMT == 2 ? 0 : 128;  // stored weight - q
+  const int64_t blocks = w.k2 / kBlock, xblocks = stride / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : kBlock * kLanes;  // 256 or 512 bytes a block
-  const int8_t* wp = static_cast<const int8_t*>(w.ptr) + panel * blocks * kBlockBytes;
-  const float* sp = w.scale_ptr + panel * blocks * kParts * kLanes;
-  const int32_t* cp = w.corr_ptr + panel * blocks * kParts * kLanes;
-  const float* mp = w.min_ptr ? w.min_ptr + panel * blocks * kLanes : nullptr;  // q4_1, q8_h with mins
+  const uint8_t* wp = static_cast<const uint8_t*>(w.ptr) + panel * blocks * kBlockBytes;
+  using Meta = std::conditional_t<HALF, uint16_t, float>;
+  const Meta* sp = static_cast<const Meta*>(w.block_scale) + panel * blocks * kParts * kLanes;
+  const Meta* mp = w.block_min ? static_cast<const Meta*>(w.block_min) + panel * blocks * kLanes : nullptr;
+  auto load = [](const Meta* p) {
+    if constexpr (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    else return _mm512_loadu_ps(p);
+  };
   constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs
-  const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(FMT == 1 ? 8 : 0);
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* wb = wp + b * kBlockBytes;
+    const uint8_t* wb = wp + b * kBlockBytes;
     __m512i wq[kQuads];
     if constexpr (Q4) {
       for (int v = 0; v < kQuads / 2; ++v) {
         const __m512i packed = _mm512_loadu_si512(wb + v * 4 * kLanes);
         _mm_prefetch(reinterpret_cast<const char*>(wb + v * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
-        wq[v] = _mm512_sub_epi8(_mm512_and_si512(packed, nibble), eight);
-        wq[v + kQuads / 2] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), eight);
+        wq[v] = _mm512_and_si512(packed, nibble);
+        wq[v + kQuads / 2] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       }
     } else {
       for (int j = 0; j < kQuads; ++j) {
@@ -185,46 +198,46 @@ void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs,
         _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
       }
     }
+    const __m512 mins = mp ? load(mp + b * kLanes) : _mm512_setzero_ps();
     if constexpr (HALVES) {
-      const __m512 ws0 = _mm512_loadu_ps(sp + 2 * b * kLanes), ws1 = _mm512_loadu_ps(sp + (2 * b + 1) * kLanes);
-      const __m512i c0 = _mm512_loadu_si512(cp + 2 * b * kLanes), c1 = _mm512_loadu_si512(cp + (2 * b + 1) * kLanes);
+      const __m512 ws0 = load(sp + 2 * b * kLanes), ws1 = load(sp + (2 * b + 1) * kLanes);
       for (int r = 0; r < R; ++r) {
-        const uint8_t* xb = x + r * stride + b * kBlock;
+        const int8_t* xb = x + r * stride + b * kBlock;
+        const int32_t* xir = xi + (r * xblocks + b) * 2;
         __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
         for (int j = 0; j < kQuads / 2; ++j) {
           int32_t q0, q1;
           std::memcpy(&q0, xb + 4 * j, 4);
           std::memcpy(&q1, xb + 4 * j + kBlock / 2, 4);
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(q0), wq[j]);
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(q1), wq[j + kQuads / 2]);
+          s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(q0));
+          s1 = _mm512_dpbusd_epi32(s1, wq[j + kQuads / 2], _mm512_set1_epi32(q1));
         }
-        const __m512 xsv = _mm512_set1_ps(xs[r * (stride / kBlock) + b]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0, c0)), _mm512_mul_ps(ws0, xsv), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1, c1)), _mm512_mul_ps(ws1, xsv), acc[r]);
-        if (mp)
-          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kLanes), _mm512_set1_ps(xsum[r * (stride / kBlock) + b]),
-                                   acc[r]);
+        s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(kOffset * xir[0]));
+        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(kOffset * xir[1]));
+        const __m512 xsv = _mm512_set1_ps(xs[r * xblocks + b]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(ws0, xsv), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(ws1, xsv), acc[r]);
+        if (mp) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[r * xblocks + b]), acc[r]);
       }
       continue;
     }
-    const __m512 ws = _mm512_loadu_ps(sp + b * kLanes);
-    const __m512i corr = _mm512_loadu_si512(cp + b * kLanes);
+    const __m512 ws = load(sp + b * kLanes);
     for (int r = 0; r < R; ++r) {
-      const uint8_t* xb = x + r * stride + b * kBlock;
+      const int8_t* xb = x + r * stride + b * kBlock;
+      const int32_t* xir = xi + (r * xblocks + b) * 2;
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int j = 0; j < kQuads; j += 2) {
         int32_t q0, q1;
         std::memcpy(&q0, xb + 4 * j, 4);
         std::memcpy(&q1, xb + 4 * j + 4, 4);
-        s0 = _mm512_dpbusd_epi32(s0, _mm512_set1_epi32(q0), wq[j]);
-        s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(q1), wq[j + 1]);
+        s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(q0));
+        s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(q1));
       }
-      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr);
-      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * (stride / kBlock) + b]));
+      __m512i sum = _mm512_add_epi32(s0, s1);
+      if constexpr (kOffset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kOffset * (xir[0] + xir[1])));
+      const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * xblocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-      if constexpr (FMT == 2)
-        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kLanes), _mm512_set1_ps(xsum[r * (stride / kBlock) + b]),
-                                 acc[r]);
+      if constexpr (FMT == 2) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[r * xblocks + b]), acc[r]);
     }
   }
   const int64_t o = panel * kLanes;
@@ -235,8 +248,9 @@ void panel_q8(const Packed& w, int64_t panel, const uint8_t* x, const float* xs,
 template <int R, int FMT>
 void panel_q(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   const int64_t blocks = x.stride / kBlock;
-  panel_q8<R, FMT>(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * blocks, x.qsum.data() + row * blocks,
-                   x.stride, y + row * ldy, ldy);
+  auto run = w.half ? panel_q8<R, FMT, true> : panel_q8<R, FMT, false>;
+  run(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * blocks, x.qi.data() + row * blocks * 2,
+      x.qsum.data() + row * blocks, x.stride, y + row * ldy, ldy);
 }
 
 template <int R>

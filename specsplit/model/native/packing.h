@@ -21,13 +21,13 @@ constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
 
 struct Packed {
   torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
-  torch::Tensor scale;  // int8: float32 per output (w = q * scale); q8_0: per panel, block and output (q8_h: half-block)
-  torch::Tensor corr;  // q8_0: 128 * the sum of each block's (q8_h: half-block's) weights, per panel, block and output
-  torch::Tensor mins;  // q4_1: m per panel, block and output
+  torch::Tensor scale;  // int8: float32 per output (w = q * scale); blocks: per panel, block and output (q8_h: half-block)
+  torch::Tensor mins;  // q4_1 (and q8_h with mins): m per panel, block and output
   const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
-  const float* scale_ptr = nullptr;
-  const int32_t* corr_ptr = nullptr;
-  const float* min_ptr = nullptr;
+  const float* scale_ptr = nullptr;  // int8
+  const void* block_scale = nullptr;  // blocks: float16 where `half`, else float32
+  const void* block_min = nullptr;
+  bool half = false;  // block scales and mins as float16: each one is exactly a float16
   bool amx = false;  // bf16 on AMX tiles (tdpbf16ps) for every row count
   int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
   Kind kind = Kind::kBF16;
@@ -59,16 +59,19 @@ Packed pack_int8(const torch::Tensor& weight) {
 }
 
 // Block formats (llama.cpp's, one scale d per output and block of 32 inputs), packed as 16-output
-// panels for vpdpbusd, which multiplies unsigned by signed bytes: activations travel as x + 128
-// and each block's sum is corrected by 128 * sum(q).
-// - q8_0: q in [-127, 127], w = d q; quads [panels][k2/4][16][4] (quad j: inputs 4j..4j+3).
+// panels for vpdpbusd, which multiplies unsigned by signed bytes: the weights are stored unsigned
+// and the activations signed, and the GEMM takes the weights' offset out through the activations'
+// integer sums (gemm.h), so nothing per weight but its scale (and q4_1's m) travels beside it.
+// - q8_0: q in [-127, 127], w = d q, stored as q + 128; quads [panels][k2/4][16][4] (quad j: inputs 4j..4j+3).
 // - q4_0: w = d (u - 8), u a nibble; q4_1: w = d u + m. Nibbles as GGUF keeps them (byte j of a
 //   block: input j in the low nibble, input j + 16 in the high), [panels][blocks][4][16][4]: so
 //   vector v of a block holds quad v (low nibbles) and quad v + 4 (high), widened in registers.
 // - q8_h: q8_0's quads with a scale per 16 inputs and optionally q4_1's m per block: GGUF's Q6_K
 //   (6-bit values, a scale per 16), and any mix of block formats stacked in one matrix (q, k, v).
-void finish_blocks(Packed& p, const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m) {
-  const int64_t blocks = p.k2 / kBlock, panels = p.panels();
+// Scales and mins are float16 when every one of them is exactly a float16 (GGUF's own d and m;
+// re-quantized blocks round d to float16 as llama.cpp does), else float32 (Q4_K's d * sc).
+void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m) {
+  const int64_t panels = p.panels();
   // [outputs, blocks (x parts)] -> [panels][blocks * parts][16], padded; parts: values a block (q8_h scales: 2)
   auto by_panel = [&](const torch::Tensor& t) {
     const int64_t cols = t.numel() / p.n;
@@ -76,13 +79,17 @@ void finish_blocks(Packed& p, const torch::Tensor& q, const torch::Tensor& d, co
     padded.narrow(0, 0, p.n).copy_(t.reshape({p.n, cols}));
     return padded.view({panels, kLanes, cols}).permute({0, 2, 1}).contiguous().view({-1});
   };
-  p.scale = by_panel(d.to(torch::kFloat32));
-  p.corr = by_panel(q.to(torch::kInt32).reshape({p.n, d.numel() / p.n, -1}).sum(2).to(torch::kInt32) * 128);
-  p.scale_ptr = p.scale.data_ptr<float>();
-  p.corr_ptr = p.corr.data_ptr<int32_t>();
+  auto exact_half = [](const torch::Tensor& t) {
+    auto f = t.to(torch::kFloat32);
+    return torch::equal(f.to(torch::kHalf).to(torch::kFloat32), f);
+  };
+  p.half = exact_half(d) && (!m.defined() || exact_half(m));
+  const auto meta = p.half ? torch::kHalf : torch::kFloat32;
+  p.scale = by_panel(d.to(torch::kFloat32).to(meta));
+  p.block_scale = p.scale.data_ptr();
   if (m.defined()) {
-    p.mins = by_panel(m.to(torch::kFloat32));
-    p.min_ptr = p.mins.data_ptr<float>();
+    p.mins = by_panel(m.to(torch::kFloat32).to(meta));
+    p.block_min = p.mins.data_ptr();
   }
   p.ptr = p.data.data_ptr();
 }
@@ -98,10 +105,10 @@ Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Te
   p.k = k;
   p.k2 = q.size(1) * kBlock;
   TORCH_CHECK(q.size(2) == kBlock && p.k2 >= k && p.k2 - k < kBlock, "q8_0 blocks must be [n, ceil(k / 32), 32]");
-  auto padded = torch::zeros({p.panels() * kLanes, p.k2}, torch::kInt8);
-  padded.narrow(0, 0, p.n).copy_(q.reshape({p.n, p.k2}));
+  auto padded = torch::full({p.panels() * kLanes, p.k2}, 128, torch::kUInt8);
+  padded.narrow(0, 0, p.n).copy_((q.reshape({p.n, p.k2}).to(torch::kInt16) + 128).to(torch::kUInt8));
   p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
-  finish_blocks(p, q, d, m);
+  finish_blocks(p, d, m);
   return p;
 }
 
@@ -119,9 +126,7 @@ Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const tor
   if (!m.defined()) padded.fill_(0x88);  // padding outputs: nibbles 8 are zeros in q4_0
   padded.narrow(0, 0, p.n).copy_(nibbles);
   p.data = padded.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({-1});
-  auto u = nibbles.to(torch::kInt32);
-  auto q = torch::cat({u.bitwise_and(15), u.bitwise_right_shift(4)}, 2);  // [n, blocks, 32]: inputs 0..15, 16..31
-  finish_blocks(p, m.defined() ? q : q - 8, d, m);
+  finish_blocks(p, d, m);
   return p;
 }
 
@@ -131,16 +136,18 @@ Packed pack_blocks(const torch::Tensor& weight, Quant quant) {
   auto w = torch::zeros({n, k2}, torch::kFloat32);
   w.narrow(1, 0, k).copy_(weight.to(torch::kFloat32));
   auto wb = w.view({n, k2 / kBlock, kBlock});
+  // As llama.cpp quantizes: the values from d, and d kept as float16.
+  auto as_half = [](const torch::Tensor& d) { return d.to(torch::kHalf).to(torch::kFloat32); };
   if (quant == Quant::kQ8) {
     auto d = wb.abs().amax({2}) / 127.0;
     auto q = (wb / d.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
-    return blocks_q8(q, d, torch::Tensor(), k);
+    return blocks_q8(q, as_half(d), torch::Tensor(), k);
   }
   auto d = wb.gather(2, wb.abs().argmax(2, true)).squeeze(2) / -8.0;  // llama.cpp's Q4_0 rounding
   auto inv = torch::where(d == 0, torch::zeros_like(d), 1.0 / d);
   auto u = ((wb * inv.unsqueeze(2)).round().clamp(-8, 7) + 8).to(torch::kInt32);
   auto nibbles = (u.narrow(2, 0, kBlock / 2) + u.narrow(2, kBlock / 2, kBlock / 2) * 16).to(torch::kUInt8);
-  return blocks_q4(nibbles, d, torch::Tensor(), k);
+  return blocks_q4(nibbles, as_half(d), torch::Tensor(), k);
 }
 
 Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
