@@ -51,17 +51,22 @@ def test_gguf_weights_verify_exactly_and_agree_with_the_dequantized_model(defaul
     _needs_vnni()
     lm = load_model(default_dir, "bfloat16", quantize="gguf")
     assert lm.kernels == "native gguf"
-    prompt = [1, 504, 3303, 314, 260, 1789, 28, 216, 7437, 253, 6591]
-    tokens = [4536, 436, 2386, 30, 378, 260, 1789, 282]
+    _exact_and_like_the_dequantized_model(lm, default_dir, [1, 504, 3303, 314, 260, 1789, 28, 216, 7437, 253, 6591],
+                                          [4536, 436, 2386, 30, 378, 260, 1789, 282])
+
+
+def _exact_and_like_the_dequantized_model(lm, model_dir, prompt: list[int], tokens: list[int]) -> None:
+    """A 5-row verify (and a 3-row one) bit-identical to single steps, and logits close to the
+    float32 model's of the dequantized weights: the weights are the file's exactly; what differs
+    is the int8 activations and bf16 caches."""
     one, many = KVSequence(lm.model), KVSequence(lm.model)
     one.forward(prompt)
     many.forward(prompt)
     singles = torch.stack([one.forward([t])[0] for t in tokens])
     assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
-    reference = KVSequence(load_model(default_dir, "float32").model)
+    reference = KVSequence(load_model(model_dir, "float32").model)
     reference.forward(prompt)
     expected = reference.forward(tokens)
-    # The weights are the file's exactly; what differs is the int8 activations and bf16 caches.
     assert (singles.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
     assert (singles - expected).abs().max() < 0.1 * expected.abs().max()
 
@@ -167,14 +172,4 @@ def test_a_model_of_every_served_type_runs_as_shipped_exactly(every_type_dir, ca
         lm = load_model(every_type_dir, "bfloat16", quantize="gguf")
     assert "re-quantized to q8_0 (type not served): none" in caplog.text
     assert all(k in caplog.text for k in ("Q4_K x", "Q5_0 x", "Q6_K x", "Q8_0 x"))
-    prompt, tokens = list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99]
-    one, many = KVSequence(lm.model), KVSequence(lm.model)
-    one.forward(prompt)
-    many.forward(prompt)
-    singles = torch.stack([one.forward([t])[0] for t in tokens])
-    assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
-    reference = KVSequence(load_model(every_type_dir, "float32").model)
-    reference.forward(prompt)
-    expected = reference.forward(tokens)
-    assert (singles.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
-    assert (singles - expected).abs().max() < 0.1 * expected.abs().max()
+    _exact_and_like_the_dequantized_model(lm, every_type_dir, list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99])
