@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from specsplit.model.prefixcache import PrefixCache
 
 METHODS = ("coupled", "rejection")
-DECODE_ROOM = 256  # positions reserved past a prompt when its prefill starts
 
 
 class ContextFull(ValueError):
@@ -168,10 +167,9 @@ class Target:
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, method=method, logprobs=logprobs)
         prefilling = Prefilling(session, list(prompt))
-        # The whole prompt's room at once, and some to decode into: grown chunk by chunk, the cache
-        # would be copied at every doubling (tens of ms at thousands of tokens: a stall for every
-        # session sharing that forward).
-        self._reserve(session, min(len(prompt) + DECODE_ROOM, self.lm.max_context))
+        # The whole prompt's room at once: grown chunk by chunk, the cache would be copied at every
+        # doubling (tens of ms at thousands of tokens: a stall for every session sharing that forward).
+        self._reserve(session, len(prompt))
         if self.prefix_cache is not None and use_cache and not logprobs.prompt:
             features = self.prefix_cache.load(prompt, session.kv)
             if features is not None:

@@ -45,8 +45,8 @@ Reply = Callable[[Any], None]
 @dataclass(frozen=True)
 class Again:
     """A runner's outcome for an item it has not finished (a prefill in chunks): the item joins the
-    next batch with `rows` rows, and its reply waits; a batch of such items alone may wait `wait_s`
-    for others (None: the worker's wait)."""
+    next batch with `rows` rows, and its reply waits; that turn may wait up to `wait_s` for other
+    items (None: the worker's wait)."""
 
     rows: int
     wait_s: float | None = None
