@@ -210,6 +210,8 @@ async def test_a_long_prefill_runs_in_chunks_beside_a_decoding_session_and_chang
             assert (await v.Info(vpb.InfoRequest())).active_prefills == 0
             # The prefix cache: a cold prefill (skipping it) and a warm one answer as b did.
             cold = await v.Prefill(vpb.PrefillRequest(session_id="c", prompt_token_ids=long, skip_prefix_cache=True))
+            for held in ("a", "b", "c"):  # alone, a prefill runs in chunks of 512: the new part in one
+                await v.Release(vpb.ReleaseRequest(session_id=held))
             warm = await v.Prefill(vpb.PrefillRequest(session_id="d", prompt_token_ids=long))
             assert (cold.cached_tokens, warm.cached_tokens) == (0, len(long) // BLOCK * BLOCK)
             assert cold.next_token_id == warm.next_token_id == one_call
