@@ -185,8 +185,7 @@ class Target:
         cache and logits (the kernels are exact by construction)."""
         session, prompt, start = prefilling.session, prefilling.prompt, prefilling.done
         end = len(prompt) if chunk is None else min(len(prompt), start + max(1, chunk))
-        last = end == len(prompt)
-        self._reserve(session, end - start)
+        last = end == len(prompt)  # the room: reserved for the whole prompt by start_prefill
         asked = session.logprobs
 
         def finish(logits: torch.Tensor | None, features) -> VerifyResult:

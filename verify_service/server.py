@@ -188,7 +188,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """How long a prefill's chunk waits for live sessions' rounds (coming back from their
         gateways) to share its forward: a step, rather than run alone and hold up whichever
         arrives meanwhile for the whole chunk. None (the worker's wait) when no session is live."""
-        return (self.forward_ms_by_rows or [10.0])[0] / 1e3 if len(self._sessions) else None
+        return self._curve()[0] / 1e3 if len(self._sessions) else None
+
+    def _curve(self) -> list[float]:
+        """forward_ms_by_rows, or a guess of 10 ms a step before the warm-up measured it."""
+        return self.forward_ms_by_rows or [10.0]
 
     def _chunk(self, call: _Prefill, shared: bool) -> int | None:
         """Tokens in the prefill's next chunk: all of them where the kernels do not batch; PREFILL_CHUNK
@@ -198,7 +202,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             return None
         if not (shared or len(self._sessions) or self.prefilling > 1):
             return PREFILL_CHUNK
-        curve = self.forward_ms_by_rows or [10.0]
+        curve = self._curve()
         budget_ms = PREFILL_SLICE * curve[0]
         if call.last is None:
             rows = max([w for w, ms in enumerate(curve, 1) if ms <= budget_ms], default=1)

@@ -70,6 +70,10 @@ Packed pack_int8(const torch::Tensor& weight) {
 //   (6-bit values, a scale per 16), and any mix of block formats stacked in one matrix (q, k, v).
 // Scales and mins are float16 when every one of them is exactly a float16 (GGUF's own d and m;
 // re-quantized blocks round d to float16 as llama.cpp does), else float32 (Q4_K's d * sc).
+torch::Tensor as_half(const torch::Tensor& t) {  // float32, rounded through float16
+  return t.to(torch::kFloat32).to(torch::kHalf).to(torch::kFloat32);
+}
+
 void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m) {
   const int64_t panels = p.panels();
   // [outputs, blocks (x parts)] -> [panels][blocks * parts][16], padded; parts: values a block (q8_h scales: 2)
@@ -79,10 +83,7 @@ void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m) {
     padded.narrow(0, 0, p.n).copy_(t.reshape({p.n, cols}));
     return padded.view({panels, kLanes, cols}).permute({0, 2, 1}).contiguous().view({-1});
   };
-  auto exact_half = [](const torch::Tensor& t) {
-    auto f = t.to(torch::kFloat32);
-    return torch::equal(f.to(torch::kHalf).to(torch::kFloat32), f);
-  };
+  auto exact_half = [](const torch::Tensor& t) { return torch::equal(as_half(t), t.to(torch::kFloat32)); };
   p.half = exact_half(d) && (!m.defined() || exact_half(m));
   const auto meta = p.half ? torch::kHalf : torch::kFloat32;
   p.scale = by_panel(d.to(torch::kFloat32).to(meta));
@@ -136,8 +137,7 @@ Packed pack_blocks(const torch::Tensor& weight, Quant quant) {
   auto w = torch::zeros({n, k2}, torch::kFloat32);
   w.narrow(1, 0, k).copy_(weight.to(torch::kFloat32));
   auto wb = w.view({n, k2 / kBlock, kBlock});
-  // As llama.cpp quantizes: the values from d, and d kept as float16.
-  auto as_half = [](const torch::Tensor& d) { return d.to(torch::kHalf).to(torch::kFloat32); };
+  // As llama.cpp quantizes: the values from d, and d kept as float16 (as_half).
   if (quant == Quant::kQ8) {
     auto d = wb.abs().amax({2}) / 127.0;
     auto q = (wb / d.clamp_min(1e-30).unsqueeze(2)).round().clamp(-127, 127).to(torch::kInt8);
