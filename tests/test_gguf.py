@@ -173,3 +173,53 @@ def test_a_model_of_every_served_type_runs_as_shipped_exactly(every_type_dir, ca
     assert "re-quantized to q8_0 (type not served): none" in caplog.text
     assert all(k in caplog.text for k in ("Q4_K x", "Q5_0 x", "Q6_K x", "Q8_0 x"))
     _exact_and_like_the_dequantized_model(lm, every_type_dir, list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99])
+
+
+def test_the_gemm_weights_are_held_once_as_the_files_blocks(every_type_dir):
+    """transformers' copy of the projections and head is never read (meta: no memory), so only the
+    norms are left to release; the input embedding and norms are the checkpoint's."""
+    _needs_vnni()
+    from safetensors.torch import load_file
+
+    lm = load_model(every_type_dir, "bfloat16", quantize="gguf")
+    layer = lm.model.model.layers[1]
+    assert layer.mlp.down_proj.weight.is_meta and layer.self_attn.q_proj.weight.is_meta
+    assert lm.model.lm_head.weight.is_meta
+    hf = load_file(every_type_dir / "model.safetensors")
+    assert torch.equal(lm.model.model.embed_tokens.weight, hf["model.embed_tokens.weight"].bfloat16())
+    assert torch.equal(layer.input_layernorm.weight, hf["model.layers.1.input_layernorm.weight"].bfloat16())
+    assert not lm.model.model.rotary_emb.inv_freq.is_meta
+    norms = sum(p.numel() * p.element_size() for n, p in lm.model.named_parameters() if "norm" in n)
+    assert lm.release_transformers_weights() == norms  # all there is to free: the kernels copied them
+
+
+def test_a_type_not_served_is_requantized_from_the_files_own_values(every_type_dir, tmp_path, caplog):
+    """A float16 tensor in the file (no block kernel for it) is dequantized from the file and
+    re-quantized to q8_0; the loader names it, and the logits stay those of the file's weights."""
+    _needs_vnni()
+    import logging
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from transformers import AutoConfig
+
+    from specsplit.model.ggufweights import GGUFWeights
+
+    for f in every_type_dir.iterdir():
+        if f.name != "model.gguf":
+            (tmp_path / f.name).symlink_to(f)
+    source = GGUFWeights(every_type_dir / "model.gguf", AutoConfig.from_pretrained(every_type_dir))
+    writer = GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    for t in GGUFReader(every_type_dir / "model.gguf").tensors:
+        if t.name == "blk.1.ffn_down.weight":  # stored as float16: these values, exactly
+            writer.add_tensor(t.name, source._dequantized(t.name).numpy().astype(np.float16))
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=GGMLQuantizationType[t.tensor_type.name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.INFO, logger="specsplit"):
+        lm = load_model(tmp_path, "bfloat16", quantize="gguf")
+    assert "re-quantized to q8_0 (type not served): blk.1.ffn_down.weight" in caplog.text
+    _exact_and_like_the_dequantized_model(lm, tmp_path, list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99])

@@ -74,7 +74,7 @@ def _packer(quantize: str, config, model_dir: str | None):
     def from_file(names, weight, merge=None, rows=None):
         if names[0] == "output.weight":  # a tied head is the file's token embedding
             names = [names[0] if names[0] in weights.tensors else names[1]]
-        return weights.weight(names, weight.detach(), native.module(), merge, rows)
+        return weights.weight(names, native.module(), merge, rows)
 
     from_file.served = weights
     return from_file

@@ -8,8 +8,8 @@ file's), unpacked once into one of the kernels' block layouts:
 - Q6_K (super-blocks of 256: 16 groups of 16 with int8 scales) as Q8_16: int8 values with a scale
   per 16 inputs, d * sc (exact).
 The 5- and 6-bit values then stream as 8 bits: the same numbers, more bytes. A tensor of another
-type is re-quantized to q8_0 from the model directory's weights (which are that tensor
-dequantized), and the loader says which.
+type is dequantized and re-quantized to q8_0, and the loader says which. The model directory's
+copy of these weights is never read (modeling loads it without them).
 
 The file is the model directory's `model.gguf` (the catalog links it for the embedded default;
 any directory may hold one). llama.cpp stores a llama model's q and k rows permuted for its rotary
@@ -84,17 +84,20 @@ class GGUFWeights:
         index = torch.arange(rows)
         return index.reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
-    def weight(self, names: list[str], hf: torch.Tensor, native, interleave=None, rows: torch.Tensor | None = None):
+    def weight(self, names: list[str], native, interleave=None, rows: torch.Tensor | None = None):
         """One packed matrix from the file's tensors `names` stacked by rows (q, k, v) or, with
         `interleave`, gate and up interleaved by panel, optionally only `rows` of it (a draft
-        vocabulary); `hf` is the same matrix from the model directory, re-quantized to q8_0 where
-        the file's type is not served."""
-        if rows is not None:
-            hf = hf[rows]
+        vocabulary). A tensor of a type the kernels do not serve is dequantized and re-quantized to
+        q8_0 (the loader says which)."""
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise ValueError(f"the GGUF file has no tensor {', '.join(missing)}")
         found = [self.blocks(n) for n in names]
         if None in found:
             self.requantized += names
-            return native.Weight.dense(hf.detach(), 2, False)
+            values = [self._dequantized(n) for n in names]
+            merged = interleave(*values) if interleave is not None else torch.cat(values)
+            return native.Weight.dense(merged if rows is None else merged[rows].contiguous(), 2, False)
         if len({f[0] for f in found}) > 1:  # mixed types stacked (a Q6_K v beside Q4_K q and k): widened
             found = [widen(*f) for f in found]
         kind = found[0][0]
@@ -105,7 +108,7 @@ class GGUFWeights:
             merged = {k: torch.cat(v) for k, v in parts.items()}
         if rows is not None:
             merged = {k: v[rows].contiguous() for k, v in merged.items()}
-        inputs = hf.shape[1]
+        inputs = int(self.tensors[names[0]].shape[0])  # ggml's ne[0]: the inputs
         if kind == "Q8_0":
             return native.Weight.q8_0(merged["q"], merged["d"], inputs)
         if kind == "Q8_16":
@@ -113,6 +116,16 @@ class GGUFWeights:
         if kind == "Q4_0":
             return native.Weight.q4_0(merged["nibbles"], merged["d"], inputs)
         return native.Weight.q4_1(merged["nibbles"], merged["d"], merged["m"], inputs)
+
+    def _dequantized(self, name: str) -> torch.Tensor:
+        """A tensor's float32 values [rows, inputs], rows in transformers' order."""
+        from gguf import quants
+
+        t = self.tensors[name]
+        values = torch.from_numpy(np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type), np.float32))
+        values = values.reshape(-1, int(t.shape[0]))
+        order = self._row_order(name, values.shape[0])
+        return values if order is None else values[order]
 
 
 def unpack(kind: str, b: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:

@@ -215,7 +215,7 @@ class LoadedModel:
         freed = 0
         for module in self.model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
-                if id(param) in keep or not param.numel():
+                if id(param) in keep or not param.numel() or param.is_meta:
                     continue
                 freed += param.numel() * param.element_size()
                 setattr(module, name, nn.Parameter(param.new_empty(0), requires_grad=False))
@@ -261,10 +261,18 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         raise FileNotFoundError(f"{path} is not a HF model directory (no config.json)")
     torch_dtype = parse_dtype(dtype)
     _register_rowwise_attention()
+    attention = attention_for(torch_dtype, exact)
     with _LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attention_for(torch_dtype, exact), local_files_only=True)
-        model.to(device).eval()
+        if quantize == "gguf" and native and torch.device(device).type == "cpu":  # the file has the GEMM weights
+            from specsplit.model.ggufweights import gguf_path
+
+            gguf_path(path)  # refused with the reason before anything is read
+            model = _without_gemm_weights(path, torch_dtype, attention)  # on the CPU, as the kernels
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch_dtype, attn_implementation=attention, local_files_only=True)
+            model.to(device)
+        model.eval()
     model.requires_grad_(False)
     swap_linears(model, RowInvariantLinear if exact else FlatLinear)
     native, kernels = _native(model, quantize, head_ids, path) if native else (None, "transformers (native off)")
@@ -289,6 +297,42 @@ def load_model(path: str | Path, dtype: str = "bfloat16", device: str = "cpu", e
         native=native,
         kernels=kernels,
     )
+
+
+def _gemm_weight(key: str) -> bool:
+    """A checkpoint key the native kernels pack (a decoder projection's or the head's weight)."""
+    return key == "lm_head.weight" or (".layers." in key and key.endswith("_proj.weight"))
+
+
+def _without_gemm_weights(path: Path, dtype: torch.dtype, attention: str) -> nn.Module:
+    """The model of `path` with every tensor of its checkpoint but the GEMM weights, which stay on
+    the meta device (no memory): for --quantize gguf, whose kernels pack them from model.gguf. The
+    1.5B target otherwise read 3 GB of bf16 weights only to free them (and glibc kept most of it:
+    RSS 3.96 GB against 1.3 GB)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            state.update({k: f.get_tensor(k).to(dtype) for k in f.keys() if not _gemm_weight(k)})
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not _gemm_weight(k)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{path}: checkpoint keys do not fit the model: missing {missing[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    for name, module in list(model.named_modules()):  # computed buffers (rotary inv_freq) were made on meta
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, type(module)(config=config))
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    return model
 
 
 def _return_free_memory() -> None:
