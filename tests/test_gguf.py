@@ -82,7 +82,8 @@ def test_a_directory_without_its_gguf_file_is_refused_with_the_reason(tmp_path, 
 
 # Every GGUF type the kernels serve, on a tiny llama whose model.gguf holds random blocks of each
 # (hidden 256: K-quants need rows of whole 256-value super-blocks; the down projection's 128 inputs
-# take the 32-value types). The HF directory's weights are the file's, dequantized by gguf itself.
+# take the 32-value types; hidden 512, two super-blocks a row, for the factored scales). The HF
+# directory's weights are the file's, dequantized by gguf itself.
 # Layer 0 stacks a Q6_K v beside Q4_K q and k (as Q4_K_M files do): the widened mix.
 LAYOUT = {"attn_q": ("Q4_K", "Q6_K"), "attn_k": ("Q4_K", "Q6_K"), "attn_v": "Q6_K",
           "attn_output": ("Q6_K", "Q4_K"), "ffn_gate": ("Q4_K", "Q6_K"), "ffn_up": ("Q4_K", "Q6_K"),
@@ -111,6 +112,15 @@ def _random_blocks(rng, kind: str, rows: int, inputs: int):
 
 @pytest.fixture(scope="module")
 def every_type_dir(tmp_path_factory):
+    return _every_type_model(tmp_path_factory.mktemp("gguf") / "every", 256)
+
+
+@pytest.fixture(scope="module")
+def wider_every_type_dir(tmp_path_factory):
+    return _every_type_model(tmp_path_factory.mktemp("gguf") / "wider", 512)
+
+
+def _every_type_model(path, hidden: int):
     import numpy as np
     from conftest import make_model_dir, make_tokenizer
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -119,7 +129,7 @@ def every_type_dir(tmp_path_factory):
 
     from specsplit.model.ggufweights import GGUFWeights, dequantize
 
-    path = make_model_dir(tmp_path_factory.mktemp("gguf") / "every", make_tokenizer(300), seed=7, hidden=256)
+    path = make_model_dir(path, make_tokenizer(300), seed=7, hidden=hidden)
     config = AutoConfig.from_pretrained(path)
     hf = load_file(path / "model.safetensors")
     rng = np.random.default_rng(7)
@@ -223,3 +233,19 @@ def test_a_type_not_served_is_requantized_from_the_files_own_values(every_type_d
         lm = load_model(tmp_path, "bfloat16", quantize="gguf")
     assert "re-quantized to q8_0 (type not served): blk.1.ffn_down.weight" in caplog.text
     _exact_and_like_the_dequantized_model(lm, tmp_path, list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99])
+
+
+def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_every_type_dir, monkeypatch):
+    """Q4_K's and Q6_K's scales travel as the file keeps them (int8 factors of a float16 base per
+    256 inputs) and are multiplied out in the GEMM: every logit is bit for bit what float32
+    products give (an off-by-one super-block, or a wrong base, fails)."""
+    _needs_vnni()
+    from functools import partialmethod
+
+    from specsplit.model.ggufweights import GGUFWeights
+
+    tokens = list(range(3, 40, 3))
+    factored = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf").model).forward(tokens)
+    monkeypatch.setattr(GGUFWeights, "__init__", partialmethod(GGUFWeights.__init__, factored=False))
+    products = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf").model).forward(tokens)
+    assert torch.equal(factored, products)

@@ -3,10 +3,11 @@ Q4_K, Q5_0, Q6_K and Q8_0 tensors are served with the file's values exactly (the
 file's), unpacked once into one of the kernels' block layouts:
 - Q4_0, Q4_1, Q8_0 as they are;
 - Q4_K (super-blocks of 256: 8 blocks of 32 with 6-bit scales and mins) as Q4_1 blocks, d = d * sc
-  and m = -dmin * min (both products exact in float32);
+  and m = -dmin * min, kept factored (sc and min as int8, d and -dmin as float16 per 256 inputs) and
+  multiplied out in the GEMM (exact in float32): 4.6 bits a weight;
 - Q5_0 (5-bit values) as Q8_0 blocks of int8 values, the same d;
 - Q6_K (super-blocks of 256: 16 groups of 16 with int8 scales) as Q8_16: int8 values with a scale
-  per 16 inputs, d * sc (exact).
+  per 16 inputs, d * sc (exact; factored as Q4_K's).
 The 5- and 6-bit values then stream as 8 bits: the same numbers, more bytes. A tensor of another
 type is dequantized and re-quantized to q8_0, and the loader says which. The model directory's
 copy of these weights is never read (modeling loads it without them).
@@ -45,8 +46,11 @@ class GGUFWeights:
     """The packed weights of one model from its GGUF file; `weight(name, hf_weight)` packs one
     matrix (rows in transformers' order) as the file has it."""
 
-    def __init__(self, path: Path, config):
+    def __init__(self, path: Path, config, factored: bool = True):
+        """factored: K-quant scales travel as the file keeps them (int8 factors of a float16 base per
+        256 inputs), else as their float32 products (the same values: tests compare the two)."""
         self.arch, self.tensors = read(path)
+        self.factored = factored
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.requantized: list[str] = []
@@ -108,11 +112,15 @@ class GGUFWeights:
         inputs = self.tensors[names[0]].inputs
         if kind == "Q8_0":
             return native.Weight.q8_0(merged["q"], merged["d"], inputs)
-        if kind == "Q8_16":
-            return native.Weight.q8_h(merged["q"], merged["d"], merged.get("m"), inputs)
         if kind == "Q4_0":
             return native.Weight.q4_0(merged["nibbles"], merged["d"], inputs)
-        return native.Weight.q4_1(merged["nibbles"], merged["d"], merged["m"], inputs)
+        d, m, bases = merged["d"], merged.get("m"), {}
+        if self.factored and "d_base" in merged:  # K-quants: int8 factors of a float16 base, as the file has them
+            d, m = merged["d_factor"], merged.get("m_factor")
+            bases = {"d_base": merged["d_base"], "m_base": merged.get("m_base")}
+        if kind == "Q8_16":
+            return native.Weight.q8_h(merged["q"], d, m, inputs, **bases)
+        return native.Weight.q4_1(merged["nibbles"], d, m, inputs, **bases)
 
     def _dequantized(self, name: str) -> torch.Tensor:
         """A tensor's float32 values [rows, inputs], rows in transformers' order."""
@@ -226,15 +234,18 @@ def unpack(kind: str, b: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
         u = torch.cat([qs & 15, qs >> 4], 3).reshape(rows, -1, 32)  # [rows, blocks, 32]
         return "Q4_1", {"d": (half(0).unsqueeze(2) * scales).reshape(rows, -1),
                         "m": (-(half(2).unsqueeze(2) * mins)).reshape(rows, -1),
-                        "nibbles": (u[..., :16] | u[..., 16:] << 4).contiguous()}
+                        "nibbles": (u[..., :16] | u[..., 16:] << 4).contiguous(),
+                        "d_factor": scales.reshape(rows, -1).to(torch.int8), "d_base": half(0).half(),
+                        "m_factor": mins.reshape(rows, -1).to(torch.int8), "m_base": -half(2).half()}
     # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16), d
     ql = b[:, :, 0:128].reshape(rows, -1, 2, 1, 64)
     ql = torch.cat([ql & 15, ql >> 4], 3).reshape(rows, -1, 8, 32)
     qh = b[:, :, 128:192].reshape(rows, -1, 2, 1, 32)
     qh = torch.cat([qh & 3, qh >> 2 & 3, qh >> 4 & 3, qh >> 6 & 3], 3).reshape(rows, -1, 8, 32)
     q = (ql.to(torch.int16) | qh.to(torch.int16) << 4).sub(32).to(torch.int8).reshape(rows, -1, 32)
-    scales = b[:, :, 192:208].contiguous().view(torch.int8).float()
-    return "Q8_16", {"d": (half(208).unsqueeze(2) * scales).reshape(rows, -1, 2), "q": q}
+    scales = b[:, :, 192:208].contiguous().view(torch.int8)
+    return "Q8_16", {"d": (half(208).unsqueeze(2) * scales.float()).reshape(rows, -1, 2), "q": q,
+                     "d_factor": scales.reshape(rows, -1, 2), "d_base": half(208).half()}
 
 
 def widen(kind: str, parts: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:

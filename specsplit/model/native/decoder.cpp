@@ -385,9 +385,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Weight>(m, "Weight")
       .def_static("dense", &Weight::dense)
       .def_static("q8_0", &Weight::q8_0)
-      .def_static("q8_h", &Weight::q8_h)
+      .def_static("q8_h", &Weight::q8_h, pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m"),
+                  pybind11::arg("k"), pybind11::arg("d_base") = pybind11::none(),
+                  pybind11::arg("m_base") = pybind11::none())
       .def_static("q4_0", &Weight::q4_0)
-      .def_static("q4_1", &Weight::q4_1)
+      .def_static("q4_1", &Weight::q4_1, pybind11::arg("nibbles"), pybind11::arg("d"), pybind11::arg("m"),
+                  pybind11::arg("k"), pybind11::arg("d_base") = pybind11::none(),
+                  pybind11::arg("m_base") = pybind11::none())
       .def_property_readonly("outputs", &Weight::outputs)
       .def_property_readonly("amx", &Weight::on_amx)
       .def_property_readonly("inputs", &Weight::inputs);

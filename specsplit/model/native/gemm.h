@@ -152,6 +152,13 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
+// acc + dot(w's unsigned bytes, the 4 signed bytes at p broadcast): vpdpbusd with its broadcast
+// folded into the instruction (one uop fewer per product than a separate vpbroadcastd, which GCC emits).
+inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
 // Block formats by q8 activations. vpdpbusd multiplies unsigned by signed bytes: the weights are
 // stored unsigned (q8: q + 128; q4: the nibble u) and the activations signed, so a block's integer
 // sum is corrected by the weights' offset times the activations' own integer sum (computed once per
@@ -160,16 +167,9 @@ void panel_f32(const Packed& w, int64_t panel, const float* x, int64_t stride, f
 // block after block in input order (the same for every row count).
 // FMT: 0 q8_0, 1 q4_0 (offset 8), 2 q4_1 (no offset; adds m * qs * sum(q) per block, after the
 // block's product), 3 q8_h (the chains are the block's halves, quads 0-3 and 4-7, each scaled and
-// added in turn; then m * qs * sum(q) where the matrix has mins). HALF: scales (and mins) stored as
-// float16 (every one exactly so), else float32.
-// acc + dot(w's unsigned bytes, the 4 signed bytes at p broadcast): vpdpbusd with its broadcast
-// folded into the instruction (one uop fewer per product than a separate vpbroadcastd, which GCC emits).
-inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-}
-
-template <int R, int FMT, bool HALF>
+// added in turn; then m * qs * sum(q) where the matrix has mins). META: how scales and mins are
+// stored (packing.h); factored ones are multiplied out here, exactly.
+template <int R, int FMT, Meta META>
 void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, const int32_t* xi, const float* xsum,
               int64_t stride, float* y, int64_t ldy) {
   constexpr bool Q4 = FMT == 1 || FMT == 2, HALVES = FMT == 3;
@@ -180,16 +180,26 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : kBlock * kLanes;  // 256 or 512 bytes a block
   const uint8_t* wp = static_cast<const uint8_t*>(w.ptr) + panel * blocks * kBlockBytes;
-  using Meta = std::conditional_t<HALF, uint16_t, float>;
-  const Meta* sp = static_cast<const Meta*>(w.block_scale) + panel * blocks * kParts * kLanes;
-  const Meta* mp = w.block_min ? static_cast<const Meta*>(w.block_min) + panel * blocks * kLanes : nullptr;
-  auto load = [](const Meta* p) {
-    if constexpr (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    else return _mm512_loadu_ps(p);
+  using Stored = std::conditional_t<META == Meta::kF32, float, std::conditional_t<META == Meta::kF16, uint16_t, int8_t>>;
+  const Stored* sp = static_cast<const Stored*>(w.block_scale) + panel * blocks * kParts * kLanes;
+  const Stored* mp = w.block_min ? static_cast<const Stored*>(w.block_min) + panel * blocks * kLanes : nullptr;
+  const int64_t supers = blocks / kSuperBlocks;
+  const uint16_t* sbp = META == Meta::kFactored ? w.scale_base_ptr + panel * supers * kLanes : nullptr;
+  const uint16_t* mbp = META == Meta::kFactored && mp ? w.min_base_ptr + panel * supers * kLanes : nullptr;
+  __m512 scale_base = _mm512_setzero_ps(), min_base = _mm512_setzero_ps();  // kFactored: this super-block's
+  auto half16 = [](const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); };
+  auto load = [&](const Stored* p, __m512 base) {
+    if constexpr (META == Meta::kF32) return _mm512_loadu_ps(p);
+    else if constexpr (META == Meta::kF16) return half16(p);
+    else return _mm512_mul_ps(base, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
   };
   constexpr int kQuads = kBlock / 4;  // 8 quads of 16 outputs
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < blocks; ++b) {
+    if (META == Meta::kFactored && b % kSuperBlocks == 0) {
+      scale_base = half16(sbp + b / kSuperBlocks * kLanes);
+      if (mbp) min_base = half16(mbp + b / kSuperBlocks * kLanes);
+    }
     const uint8_t* wb = wp + b * kBlockBytes;
     __m512i wq[kQuads];
     if constexpr (Q4) {
@@ -205,9 +215,9 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
         _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
       }
     }
-    const __m512 mins = mp ? load(mp + b * kLanes) : _mm512_setzero_ps();
+    const __m512 mins = mp ? load(mp + b * kLanes, min_base) : _mm512_setzero_ps();
     if constexpr (HALVES) {
-      const __m512 ws0 = load(sp + 2 * b * kLanes), ws1 = load(sp + (2 * b + 1) * kLanes);
+      const __m512 ws0 = load(sp + 2 * b * kLanes, scale_base), ws1 = load(sp + (2 * b + 1) * kLanes, scale_base);
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = x + r * stride + b * kBlock;
         const int32_t* xir = xi + (r * xblocks + b) * 2;
@@ -225,7 +235,7 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
       }
       continue;
     }
-    const __m512 ws = load(sp + b * kLanes);
+    const __m512 ws = load(sp + b * kLanes, scale_base);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = x + r * stride + b * kBlock;
       const int32_t* xir = xi + (r * xblocks + b) * 2;
@@ -255,7 +265,8 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
 template <int R, int FMT>
 void panel_q(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   const int64_t blocks = x.stride / kBlock;
-  auto run = w.half ? panel_q8<R, FMT, true> : panel_q8<R, FMT, false>;
+  auto run = w.meta == Meta::kF16 ? panel_q8<R, FMT, Meta::kF16>
+             : w.meta == Meta::kFactored ? panel_q8<R, FMT, Meta::kFactored> : panel_q8<R, FMT, Meta::kF32>;
   run(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * blocks, x.qi.data() + row * blocks * 2,
       x.qsum.data() + row * blocks, x.stride, y + row * ldy, ldy);
 }

@@ -43,15 +43,19 @@ struct Weight {
   static Weight q8_0(const torch::Tensor& q, const torch::Tensor& d, int64_t k) {
     return Weight{blocks_q8(q, d, torch::Tensor(), k)};
   }
-  // d [n, blocks, 2]: a scale per 16 inputs; m [n, blocks] or None: w = d q + m.
-  static Weight q8_h(const torch::Tensor& q, const torch::Tensor& d, const std::optional<torch::Tensor>& m, int64_t k) {
-    return Weight{blocks_q8(q, d, m.value_or(torch::Tensor()), k)};
+  // d [n, blocks, 2]: a scale per 16 inputs; m [n, blocks] or None: w = d q + m. With d_base (and
+  // m_base for m), float16 [n, blocks / 8], d and m are int8 factors of it (packing.h, Meta).
+  static Weight q8_h(const torch::Tensor& q, const torch::Tensor& d, const std::optional<torch::Tensor>& m, int64_t k,
+                     const std::optional<torch::Tensor>& d_base, const std::optional<torch::Tensor>& m_base) {
+    return Weight{blocks_q8(q, d, m.value_or(torch::Tensor()), k, d_base.value_or(torch::Tensor()),
+                            m_base.value_or(torch::Tensor()))};
   }
   static Weight q4_0(const torch::Tensor& nibbles, const torch::Tensor& d, int64_t k) {
     return Weight{blocks_q4(nibbles, d, torch::Tensor(), k)};
   }
-  static Weight q4_1(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
-    return Weight{blocks_q4(nibbles, d, m, k)};
+  static Weight q4_1(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k,
+                     const std::optional<torch::Tensor>& d_base, const std::optional<torch::Tensor>& m_base) {
+    return Weight{blocks_q4(nibbles, d, m, k, d_base.value_or(torch::Tensor()), m_base.value_or(torch::Tensor()))};
   }
   int64_t outputs() const { return p.n; }
   int64_t inputs() const { return p.k; }

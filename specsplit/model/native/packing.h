@@ -18,6 +18,12 @@ enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41, kQ8H };
 // activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
 enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
 constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
+constexpr int64_t kSuperBlocks = 8;  // factored scales: blocks per float16 base (GGUF's K-quant super-block)
+// How a block format's scales (and mins) are stored: float32; float16 (each one exactly so); or
+// factored as GGUF's K-quants keep them, an int8 per block (or half-block) times a float16 base per
+// super-block of 256 inputs (the products exact in float32, so the GEMM's bits are those of float32
+// scales, from a quarter of the bytes).
+enum class Meta { kF32, kF16, kFactored };
 
 struct Packed {
   torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
@@ -25,9 +31,12 @@ struct Packed {
   torch::Tensor mins;  // q4_1 (and q8_h with mins): m per panel, block and output
   const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
   const float* scale_ptr = nullptr;  // int8
-  const void* block_scale = nullptr;  // blocks: float16 where `half`, else float32
+  torch::Tensor scale_base, min_base;  // kFactored: float16 per panel, super-block (8 blocks) and output
+  const void* block_scale = nullptr;  // blocks: as `meta` says
   const void* block_min = nullptr;
-  bool half = false;  // block scales and mins as float16: each one is exactly a float16
+  const uint16_t* scale_base_ptr = nullptr;
+  const uint16_t* min_base_ptr = nullptr;
+  Meta meta = Meta::kF32;
   bool amx = false;  // bf16 on AMX tiles (tdpbf16ps) for every row count
   int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
   Kind kind = Kind::kBF16;
@@ -69,12 +78,16 @@ Packed pack_int8(const torch::Tensor& weight) {
 // - q8_h: q8_0's quads with a scale per 16 inputs and optionally q4_1's m per block: GGUF's Q6_K
 //   (6-bit values, a scale per 16), and any mix of block formats stacked in one matrix (q, k, v).
 // Scales and mins are float16 when every one of them is exactly a float16 (GGUF's own d and m;
-// re-quantized blocks round d to float16 as llama.cpp does), else float32 (Q4_K's d * sc).
+// re-quantized blocks round d to float16 as llama.cpp does), factored where they come so (Q4_K's
+// d * sc and dmin * min, Q6_K's d * sc), else float32.
 torch::Tensor as_half(const torch::Tensor& t) {  // float32, rounded through float16
   return t.to(torch::kFloat32).to(torch::kHalf).to(torch::kFloat32);
 }
 
-void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m) {
+// d and m: float scales and mins [n, blocks (x parts)], or with d_base (and m_base) defined their
+// int8 factors, the bases float16 [n, blocks / 8].
+void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m,
+                   const torch::Tensor& d_base = torch::Tensor(), const torch::Tensor& m_base = torch::Tensor()) {
   const int64_t panels = p.panels();
   // [outputs, blocks (x parts)] -> [panels][blocks * parts][16], padded; parts: values a block (q8_h scales: 2)
   auto by_panel = [&](const torch::Tensor& t) {
@@ -83,21 +96,42 @@ void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m) {
     padded.narrow(0, 0, p.n).copy_(t.reshape({p.n, cols}));
     return padded.view({panels, kLanes, cols}).permute({0, 2, 1}).contiguous().view({-1});
   };
+  p.ptr = p.data.data_ptr();
+  if (d_base.defined()) {
+    const int64_t blocks = p.k2 / kBlock;
+    TORCH_CHECK(blocks % kSuperBlocks == 0 && d_base.numel() == p.n * blocks / kSuperBlocks &&
+                    m.defined() == m_base.defined() && (!m_base.defined() || m_base.sizes() == d_base.sizes()),
+                "factored scales need whole super-blocks of 256 inputs and a float16 base per super-block");
+    TORCH_CHECK(d.scalar_type() == torch::kInt8 && (!m.defined() || m.scalar_type() == torch::kInt8),
+                "factored scales and mins are int8");
+    p.meta = Meta::kFactored;
+    p.scale = by_panel(d);
+    p.scale_base = by_panel(d_base.to(torch::kHalf));
+    p.block_scale = p.scale.data_ptr();
+    p.scale_base_ptr = reinterpret_cast<const uint16_t*>(p.scale_base.data_ptr());
+    if (m.defined()) {
+      p.mins = by_panel(m);
+      p.min_base = by_panel(m_base.to(torch::kHalf));
+      p.block_min = p.mins.data_ptr();
+      p.min_base_ptr = reinterpret_cast<const uint16_t*>(p.min_base.data_ptr());
+    }
+    return;
+  }
   auto exact_half = [](const torch::Tensor& t) { return torch::equal(as_half(t), t.to(torch::kFloat32)); };
-  p.half = exact_half(d) && (!m.defined() || exact_half(m));
-  const auto meta = p.half ? torch::kHalf : torch::kFloat32;
-  p.scale = by_panel(d.to(torch::kFloat32).to(meta));
+  p.meta = exact_half(d) && (!m.defined() || exact_half(m)) ? Meta::kF16 : Meta::kF32;
+  const auto type = p.meta == Meta::kF16 ? torch::kHalf : torch::kFloat32;
+  p.scale = by_panel(d.to(torch::kFloat32).to(type));
   p.block_scale = p.scale.data_ptr();
   if (m.defined()) {
-    p.mins = by_panel(m.to(torch::kFloat32).to(meta));
+    p.mins = by_panel(m.to(torch::kFloat32).to(type));
     p.block_min = p.mins.data_ptr();
   }
-  p.ptr = p.data.data_ptr();
 }
 
 // q [n, blocks, 32] int8, d [n, blocks] (q8_0) or [n, blocks, 2] (q8_h: a scale per 16 inputs, and
 // m [n, blocks] or undefined).
-Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t k,
+                 const torch::Tensor& d_base = torch::Tensor(), const torch::Tensor& m_base = torch::Tensor()) {
   Packed p;
   p.kind = d.dim() == 3 ? Kind::kQ8H : Kind::kQ8;
   TORCH_CHECK(d.dim() == 2 || d.size(2) == 2, "q8_h scales must be [n, blocks, 2]");
@@ -109,12 +143,13 @@ Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Te
   auto padded = torch::full({p.panels() * kLanes, p.k2}, 128, torch::kUInt8);
   padded.narrow(0, 0, p.n).copy_((q.reshape({p.n, p.k2}).to(torch::kInt16) + 128).to(torch::kUInt8));
   p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
-  finish_blocks(p, d, m);
+  finish_blocks(p, d, m, d_base, m_base);
   return p;
 }
 
 // nibbles [n, blocks, 16] uint8 as GGUF stores them; d [n, blocks]; m [n, blocks] (q4_1) or undefined (q4_0).
-Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, int64_t k,
+                 const torch::Tensor& d_base = torch::Tensor(), const torch::Tensor& m_base = torch::Tensor()) {
   Packed p;
   p.kind = m.defined() ? Kind::kQ41 : Kind::kQ4;
   p.n = nibbles.size(0);
@@ -127,7 +162,7 @@ Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const tor
   if (!m.defined()) padded.fill_(0x88);  // padding outputs: nibbles 8 are zeros in q4_0
   padded.narrow(0, 0, p.n).copy_(nibbles);
   p.data = padded.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({-1});
-  finish_blocks(p, d, m);
+  finish_blocks(p, d, m, d_base, m_base);
   return p;
 }
 
