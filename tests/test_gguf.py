@@ -78,6 +78,9 @@ def test_a_directory_without_its_gguf_file_is_refused_with_the_reason(tmp_path, 
             (tmp_path / f.name).symlink_to(f)
     with pytest.raises(FileNotFoundError, match="model.gguf"):
         load_model(tmp_path, "bfloat16", quantize="gguf")
+    (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 not a gguf file")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(tmp_path, "bfloat16", quantize="gguf")
 
 
 # Every GGUF type the kernels serve, on a tiny llama whose model.gguf holds random blocks of each
