@@ -171,6 +171,36 @@ async def test_an_unfinished_item_alone_waits_its_own_time_for_a_round_to_share_
             worker.shutdown()
 
 
+async def test_an_item_counts_as_joined_once_and_never_if_cancelled_while_queued():
+    """What a prefill's count rests on (the verify service counts a prefill in when it joins a
+    batch, out when it finishes): an item cancelled while queued behind a busy worker never joins,
+    so nothing is counted that nothing would count out; one that runs joins once, whatever its turns."""
+    from specsplit.serving.worker import Again, ModelWorker
+
+    worker = ModelWorker("test", wait_s=0.0)
+    joined: list[str] = []
+    turns = {"kept": 3}
+
+    def runner(items):
+        out = []
+        for item in items:
+            turns[item] = turns.get(item, 1) - 1
+            out.append(Again(1) if turns[item] > 0 else item.upper())
+        return out
+
+    try:
+        busy = worker.run(time.sleep, 0.3)
+        dropped = worker.run_gathered(runner, "dropped", joined=lambda: joined.append("dropped"))
+        kept = worker.run_gathered(runner, "kept", joined=lambda: joined.append("kept"))
+        await asyncio.sleep(0.05)
+        dropped.cancel()  # its caller gave up while the worker was busy
+        await busy
+        assert await kept == "KEPT"
+        assert joined == ["kept"] and turns["kept"] == 0
+    finally:
+        worker.shutdown()
+
+
 def _long_text(sentences: int) -> str:
     return " ".join(["The quick brown fox jumps over the lazy dog."] * sentences)
 

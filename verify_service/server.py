@@ -49,9 +49,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._target = target or Target(lm)
         self._sessions = sessions
         self._worker = worker
-        # Prefills arrived (counted by the event loop) and done or failed (by the worker thread): one
-        # writer each. One in progress joins every batch, and a batch waits for it from its arrival.
-        self._prefills_in = self._prefills_out = 0
+        # Prefills that joined the worker's batch and are not finished (both counted on the worker
+        # thread): one in progress joins every batch, and a batch waits for it from its arrival.
+        self.prefilling = 0
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -98,10 +98,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         call = _Prefill(request.session_id, prompt, request.return_features, sampling, method,
                         trace.get_current_span(), request.skip_prefix_cache, logprobs)
-        self._prefills_in += 1
         try:
             session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK),
-                                                              self._company_wait())
+                                                              self._company_wait(), self._prefill_joined)
         except SessionEnded:
             await context.abort(grpc.StatusCode.ABORTED, f"session {request.session_id} was released before its "
                                                          "prefill ran (its caller gave up on it)")
@@ -126,10 +125,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                   logprobs=wire.token_logprobs(result.logprobs),
                                   prompt_logprobs=wire.token_logprobs(result.prompt_logprobs))
 
-    @property
-    def prefilling(self) -> int:
-        """Prefills arrived and not finished."""
-        return self._prefills_in - self._prefills_out
+    def _prefill_joined(self) -> None:
+        self.prefilling += 1
 
     def expected(self) -> int:
         """Calls a batch can expect: a round from every live session and a chunk from every prefill."""
@@ -171,7 +168,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         for i, call in enumerate(calls):
             if isinstance(call, _Prefill) and not isinstance(outcomes[i], Again):
                 call.state = None  # finished or failed: its cache now lives in the session, or is freed
-                self._prefills_out += 1
+                self.prefilling -= 1
         return outcomes
 
     def _plan_prefill(self, call: _Prefill, calls: list):

@@ -79,11 +79,13 @@ class ModelWorker:
         """From an event loop: fn(*args) on the worker thread, queued now, awaitable."""
         return asyncio.wrap_future(self.submit(fn, *args))
 
-    def run_gathered(self, runner: Runner, item: Any, rows: int = 1, wait_s: float | None = None) -> asyncio.Future:
+    def run_gathered(self, runner: Runner, item: Any, rows: int = 1, wait_s: float | None = None,
+                     joined: Callable[[], None] | None = None) -> asyncio.Future:
         """From an event loop: runner's outcome for `item`, queued now and run in a batch with
         whatever else is gathered (waiting up to wait_s for it, None: the worker's); awaiting it
-        raises the item's exception."""
-        return asyncio.wrap_future(self._enqueue(runner, item, (rows, wait_s)))
+        raises the item's exception. joined(), on the worker thread, when the item joins a batch
+        (once; never for an item cancelled while still queued)."""
+        return asyncio.wrap_future(self._enqueue(runner, item, (rows, wait_s, joined)))
 
     def gather(self, runner: Runner, item: Any, rows: int, reply: Reply, wait_s: float | None = None,
                again: bool = False) -> None:
@@ -184,7 +186,10 @@ class ModelWorker:
             if not future.set_running_or_notify_cancel():
                 continue
             if runner is not None:
-                self.gather(runner, fn, args[0], lambda outcome, f=future: _settle(f, outcome), args[1])
+                rows, wait_s, joined = args
+                if joined is not None:
+                    joined()
+                self.gather(runner, fn, rows, lambda outcome, f=future: _settle(f, outcome), wait_s)
                 continue
             while any(not entry[5] for entry in self._batch):  # what arrived before this job runs
                 self._flush()  # before it (an unfinished item's next turn may come after it)
