@@ -104,10 +104,9 @@ def _random_blocks(rng, kind: str, rows: int, inputs: int):
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from specsplit.model.ggufweights import SIZES
-
-    per = inputs // GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
-    raw = rng.integers(0, 256, size=(rows, per, SIZES[kind]), dtype=np.uint8)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    per = inputs // block
+    raw = rng.integers(0, 256, size=(rows, per, size), dtype=np.uint8)
     for at in SCALE_AT[kind]:
         raw[:, :, at:at + 2] = (rng.random((rows, per, 1)) * SCALE[kind]).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)

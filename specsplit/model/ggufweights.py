@@ -30,8 +30,7 @@ log = logging.getLogger("specsplit")
 
 GGUF_FILE = "model.gguf"
 BLOCK = 32
-SIZES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}  # bytes a (super-)block
-SERVED = tuple(SIZES)  # file types served with their own values
+SERVED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")  # file types served with their own values
 
 
 def gguf_path(model_dir: str | Path) -> Path:
@@ -209,8 +208,10 @@ def read(path: Path) -> tuple[str, dict[str, Tensor]]:
 def unpack(kind: str, b: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
     """A tensor's raw bytes [rows, bytes per row] of GGUF type `kind` as (layout, parts) in one of
     the kernels' block layouts, with the file's values exactly (the bit layouts are ggml's)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     rows = b.shape[0]
-    b = b.reshape(rows, -1, SIZES[kind])
+    b = b.reshape(rows, -1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])  # bytes a (super-)block
     half = lambda lo: b[:, :, lo:lo + 2].contiguous().view(torch.float16)[..., 0].float()  # noqa: E731
     if kind == "Q4_0":
         return kind, {"d": half(0), "nibbles": b[:, :, 2:18].contiguous()}

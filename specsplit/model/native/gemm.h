@@ -162,8 +162,9 @@ inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t* p) {
 // Block formats by q8 activations. vpdpbusd multiplies unsigned by signed bytes: the weights are
 // stored unsigned (q8: q + 128; q4: the nibble u) and the activations signed, so a block's integer
 // sum is corrected by the weights' offset times the activations' own integer sum (computed once per
-// row when it was quantized; no per-weight correction is stored). Per block, two int32 chains of
-// vpdpbusd, summed, corrected, converted to float and scaled into the row's float accumulator,
+// row when it was quantized; no per-weight correction is stored). Per block and row, vpdpbusd in
+// int32 (two chains summed for 1-2 rows, whose latency they hide; one from 3 rows on: the same
+// integer either way), corrected, converted to float and scaled into the row's float accumulator,
 // block after block in input order (the same for every row count).
 // FMT: 0 q8_0, 1 q4_0 (offset 8), 2 q4_1 (no offset; adds m * qs * sum(q) per block, after the
 // block's product), 3 q8_h (the chains are the block's halves, quads 0-3 and 4-7, each scaled and
