@@ -282,7 +282,7 @@ def main(args, config: StackConfig) -> int:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
             return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant,
                                    args.requests)
-    anchor, anchored, profile, llama = None, [], None, None
+    anchor, anchored, profile, llama, lookups = None, [], None, None, None
     if args.anchor_llama_cpp or args.anchor and args.temperature <= 0:
         from specsplit.model import catalog
         from specsplit.tools import anchor as anchoring
@@ -291,10 +291,18 @@ def main(args, config: StackConfig) -> int:
         print("measuring the target step ...", file=sys.stderr, flush=True)
         profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
     if args.anchor_llama_cpp:
+        from transformers import AutoTokenizer
+
+        from specsplit.model.modeling import chat_prompt_ids
         from specsplit.tools import llamacpp
 
-        print("running llama.cpp's llama-bench on the same GGUF file ...", file=sys.stderr, flush=True)
-        llama = llamacpp.decode_tok_s(args.anchor_llama_cpp, Path(model_dir) / "model.gguf")
+        gguf = Path(model_dir) / "model.gguf"
+        print("running llama.cpp's llama-bench and llama-lookup on the same GGUF file ...", file=sys.stderr,
+              flush=True)
+        llama = llamacpp.decode_tok_s(args.anchor_llama_cpp, gguf)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        chat = lambda text: tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))  # noqa: E731
+        lookups = llamacpp.lookup_by_task(args.anchor_llama_cpp, gguf, prompts, chat, args.max_new_tokens)
     if args.anchor and args.temperature > 0:
         print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
     elif args.anchor:
@@ -357,6 +365,8 @@ def main(args, config: StackConfig) -> int:
                    f"{llama:.1f} tok/s; ours {ours:.1f} tok/s from the 1-row step ({ours / llama:.2f}x); "
                    f"end-to-end rows below include prefill")
     print_table(rows, header, memory)
+    if lookups:
+        llamacpp.print_lookup(lookups, rows)
     if args.neighbour:
         print_neighbour(rows, args.neighbour)
     if anchor is not None:

@@ -1,0 +1,75 @@
+"""`bench --anchor-llama-cpp DIR`'s llama-lookup anchor: a build's tool run per prompt, its summary
+read, summed per task type and set beside our drafters' rates. CI has no llama.cpp build, so DIR
+here holds a script that prints llama-lookup's summary lines as llama.cpp's build does (the lines
+below are copied from a real run) and checks what it was asked."""
+
+from __future__ import annotations
+
+import stat
+from types import SimpleNamespace
+
+import pytest
+
+from specsplit.errors import UsageError
+from specsplit.tools import llamacpp
+
+REAL_LOG = """\
+0.01.573.159 I encoded   27 tokens in    0.175 seconds, speed:  359.751 t/s
+0.01.573.206 I decoded   36 tokens in    0.471 seconds, speed:   76.510 t/s
+0.01.573.278 I n_draft      = 3
+0.01.573.314 I n_predict    = 36
+0.01.573.350 I n_drafted    = 3
+0.01.573.458 I n_accept     = 0
+0.01.573.494 I accept       = 0.000%
+"""
+
+
+def test_llama_lookups_summary_is_read_as_it_prints_it():
+    run = llamacpp.parse_lookup(REAL_LOG)
+    assert (run.tokens, run.drafted, run.accepted) == (36, 3, 0)
+    assert run.seconds == pytest.approx(0.175 + 0.471)
+    with pytest.raises(RuntimeError, match="no summary"):
+        llamacpp.parse_lookup("main: error: failed to load model\n")
+
+
+def _fake_build(tmp_path, body: str):
+    tool = tmp_path / "bin" / "llama-lookup"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n" + body)
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return str(tmp_path)
+
+
+def test_lookups_are_summed_per_task_type_and_set_beside_each_drafter(tmp_path, capsys):
+    # Greedy, no repacking, the budget asked: else it fails. Each prompt's text is echoed in the
+    # token count (its length), so the sums show every prompt ran once with its own text.
+    build = _fake_build(tmp_path, """
+case "$*" in *"--temp 0 --no-repack"*) ;; *) exit 3 ;; esac
+while [ $# -gt 0 ]; do case "$1" in -p) p="$2"; shift ;; -n) n="$2"; shift ;; esac; shift; done
+[ "$n" = 64 ] || exit 4
+echo "I encoded   5 tokens in    0.500 seconds, speed:  10.0 t/s" >&2
+echo "I decoded   ${#p} tokens in    0.500 seconds, speed:  1.0 t/s" >&2
+echo "I n_drafted    = 4" >&2
+echo "I n_accept     = 1" >&2
+""")
+    prompts = [SimpleNamespace(prompt="ab", task_type="code"), SimpleNamespace(prompt="abcd", task_type="code"),
+               SimpleNamespace(prompt="abcdef", task_type="open")]
+    totals = llamacpp.lookup_by_task(build, tmp_path / "model.gguf", prompts, lambda text: f"<{text}>", 64)
+    assert {k: (t.tokens, t.seconds, t.drafted, t.accepted) for k, t in totals.items()} == {
+        "code": (4 + 6, 2.0, 8, 2), "open": (8, 1.0, 4, 1), "ALL": (18, 3.0, 12, 3)}
+    rows = [{"drafter": "hybrid+tree8", "task_type": "code", "tok_s_on": 10.0},
+            {"drafter": "hybrid+tree8", "task_type": "ALL", "tok_s_on": 12.0}]
+    llamacpp.print_lookup(totals, rows)
+    out = capsys.readouterr().out.splitlines()
+    code, open_, everything = (next(line for line in out if line.startswith(t)) for t in ("code", "open", "ALL"))
+    assert code.split() == ["code", "5.0", "2/8", "10.0", "2.00x"]
+    assert open_.split() == ["open", "8.0", "1/4", "-", "-"]  # no row of ours for it
+    assert everything.split() == ["ALL", "6.0", "3/12", "12.0", "2.00x"]
+
+
+def test_a_build_without_the_tool_or_a_failing_tool_says_so(tmp_path):
+    with pytest.raises(UsageError, match="no bin/llama-lookup"):
+        llamacpp.lookup(str(tmp_path), tmp_path / "model.gguf", "hi", 8)
+    build = _fake_build(tmp_path, 'echo "main: error: unable to load model" >&2\nexit 1\n')
+    with pytest.raises(RuntimeError, match="llama-lookup failed .1.: main: error: unable to load model"):
+        llamacpp.lookup(build, tmp_path / "model.gguf", "hi", 8)
