@@ -61,6 +61,7 @@ echo "I n_accept     = 1" >&2
             {"drafter": "hybrid+tree8", "task_type": "ALL", "tok_s_on": 12.0}]
     llamacpp.print_lookup(totals, rows)
     out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out[2:]] == ["code", "open", "ALL"]
     code, open_, everything = (next(line for line in out if line.startswith(t)) for t in ("code", "open", "ALL"))
     assert code.split() == ["code", "5.0", "2/8", "10.0", "2.00x"]
     assert open_.split() == ["open", "8.0", "1/4", "-", "-"]  # no row of ours for it

@@ -93,7 +93,7 @@ def print_lookup(totals: dict[str, Lookup], rows: list[dict]) -> None:
           "budget, run before the stack; tok/s = tokens / (prompt + generation) seconds)")
     print(f"{'task type':<12} {'lookup':>8} {'accepted':>10}" + "".join(f" {d + ' on':>16} {'/lookup':>8}"
                                                                       for d in drafters))
-    for task, t in totals.items():
+    for task, t in sorted(totals.items(), key=lambda kv: kv[0] == "ALL"):  # ALL last, as the other tables
         rate = t.tokens / t.seconds if t.seconds else 0.0
         line = f"{task:<12} {rate:>8.1f} {f'{t.accepted}/{t.drafted}':>10}"
         for d in drafters:
