@@ -113,20 +113,28 @@ def test_a_prefill_takes_its_whole_prompts_room_before_its_first_chunk(models):
         assert state.session.kv.capacity == capacity  # never grown (copied) on the way
 
 
-async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_plain_jobs_between():
-    from specsplit.serving.worker import Again, ModelWorker
+def _turning(turns: dict, batches: list | None = None, wait: float | None = None):
+    """A worker runner that gives each item its turns: Again(1, wait) until its count in `turns`
+    (1 where absent) runs out, then the item upper-cased; each batch recorded in `batches`."""
+    from specsplit.serving.worker import Again
 
-    worker = ModelWorker("test", wait_s=0.0)
-    batches: list[list] = []
-    turns = {"long": 3}
-
-    def runner(items):
-        batches.append(list(items))
+    def run(items):
+        if batches is not None:
+            batches.append(list(items))
         out = []
         for item in items:
             turns[item] = turns.get(item, 1) - 1
-            out.append(Again(1) if turns[item] > 0 else item.upper())
+            out.append(Again(1, wait) if turns[item] > 0 else item.upper())
         return out
+    return run
+
+
+async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_plain_jobs_between():
+    from specsplit.serving.worker import ModelWorker
+
+    worker = ModelWorker("test", wait_s=0.0)
+    batches: list[list] = []
+    runner = _turning({"long": 3}, batches)
 
     try:
         busy = worker.run(time.sleep, 0.1)  # so that the first turn and the rest queue together
@@ -146,21 +154,13 @@ async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_pl
 async def test_an_unfinished_item_alone_waits_its_own_time_for_a_round_to_share_its_turn():
     """A chunk's next turn, alone in the batch, waits up to its Again.wait_s for a session's round
     (it then runs beside it, not ahead of it); without a wait of its own it runs at once."""
-    from specsplit.serving.worker import Again, ModelWorker
+    from specsplit.serving.worker import ModelWorker
 
     for wait, expected in ((0.5, [["long"], ["long", "round"], ["long"]]),
                            (None, [["long"], ["long"], ["long"], ["round"]])):
         worker = ModelWorker("test", wait_s=0.0, expected=lambda: 2)
         batches: list[list] = []
-        turns = {"long": 3}
-
-        def runner(items, batches=batches, turns=turns, wait=wait):
-            batches.append(list(items))
-            out = []
-            for item in items:
-                turns[item] = turns.get(item, 1) - 1
-                out.append(Again(1, wait) if turns[item] > 0 else item.upper())
-            return out
+        runner = _turning({"long": 3}, batches, wait)
 
         try:
             long = worker.run_gathered(runner, "long")
@@ -175,18 +175,12 @@ async def test_an_item_counts_as_joined_once_and_never_if_cancelled_while_queued
     """What a prefill's count rests on (the verify service counts a prefill in when it joins a
     batch, out when it finishes): an item cancelled while queued behind a busy worker never joins,
     so nothing is counted that nothing would count out; one that runs joins once, whatever its turns."""
-    from specsplit.serving.worker import Again, ModelWorker
+    from specsplit.serving.worker import ModelWorker
 
     worker = ModelWorker("test", wait_s=0.0)
     joined: list[str] = []
     turns = {"kept": 3}
-
-    def runner(items):
-        out = []
-        for item in items:
-            turns[item] = turns.get(item, 1) - 1
-            out.append(Again(1) if turns[item] > 0 else item.upper())
-        return out
+    runner = _turning(turns)
 
     try:
         busy = worker.run(time.sleep, 0.3)
