@@ -20,11 +20,13 @@ enum class Act { kF32, kBF16, kQ8 };
 // [-127, 127]; the integer sum of q per half-block and s * sum(q) per block (exact conversions).
 void quantize_row_q8(const float* src, int64_t k, int64_t stride, int8_t* dst, float* scales, int32_t* isums,
                      float* sums) {
-  alignas(64) float tmp[kBlock];
+  auto lanes = [](int64_t n) {  // the first n of 16 lanes (none for n <= 0)
+    return n >= kLanes ? static_cast<__mmask16>(0xffff) : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+  };
   for (int64_t b = 0; b * kBlock < stride; ++b) {
-    const int64_t n = std::min<int64_t>(kBlock, std::max<int64_t>(0, k - b * kBlock));
-    for (int64_t i = 0; i < kBlock; ++i) tmp[i] = i < n ? src[b * kBlock + i] : 0.0f;
-    const __m512 lo = _mm512_load_ps(tmp), hi = _mm512_load_ps(tmp + kLanes);
+    const int64_t n = k - b * kBlock;  // inputs left; past k the block reads zeros
+    const __m512 lo = _mm512_maskz_loadu_ps(lanes(n), src + b * kBlock);
+    const __m512 hi = _mm512_maskz_loadu_ps(lanes(n - kLanes), src + b * kBlock + kLanes);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float s = amax / 127.0f;
     scales[b] = s;
@@ -206,14 +208,14 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
     if constexpr (Q4) {
       for (int v = 0; v < kQuads / 2; ++v) {
         const __m512i packed = _mm512_loadu_si512(wb + v * 4 * kLanes);
-        _mm_prefetch(reinterpret_cast<const char*>(wb + v * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + v * 4 * kLanes) + kBlockPrefetchBytes, _MM_HINT_T0);
         wq[v] = _mm512_and_si512(packed, nibble);
         wq[v + kQuads / 2] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       }
     } else {
       for (int j = 0; j < kQuads; ++j) {
         wq[j] = _mm512_loadu_si512(wb + j * 4 * kLanes);
-        _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb + j * 4 * kLanes) + kBlockPrefetchBytes, _MM_HINT_T0);
       }
     }
     const __m512 mins = mp ? load(mp + b * kLanes, min_base) : _mm512_setzero_ps();
