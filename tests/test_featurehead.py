@@ -84,17 +84,27 @@ def test_self_session_keeps_features_aligned_with_committed_tokens():
         session.sync(2, [1])
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
-def test_native_serving_computes_what_torch_serving_computes(dtype, tol):
-    """The native kernels run the head's layer and draft logits as head_step + logits do, through
-    a prefix, drafted steps and a rollback (bfloat16 weights: within bf16 rounding)."""
+QUANT_CASES = [(torch.float32, 1e-4, ""), (torch.bfloat16, 0.05, ""), (torch.bfloat16, 0.1, "q8_0")]
+
+
+def _skip_unless_runs(dtype, quantize):
     from specsplit.model import native
+
+    why = native.unavailable(dtype, torch.device("cpu")) or (quantize and native.lacks_vnni())
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("dtype,tol,quantize", QUANT_CASES)
+def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantize):
+    """The native kernels run the head's layer and draft logits as head_step + logits do, through
+    a prefix, drafted steps and a rollback (bfloat16 weights: within bf16 rounding; q8_0 weights
+    and activations, as the draft service serves the head where the CPU has VNNI: within theirs)."""
     from specsplit.model.featurehead import NativeHead, TorchHead
 
-    if native.unavailable(dtype, torch.device("cpu")):
-        pytest.skip(native.unavailable(dtype, torch.device("cpu")))
+    _skip_unless_runs(dtype, quantize)
     head = random_head(0, head_dim=16)
-    runners = (TorchHead(head), NativeHead(head, 64, dtype))
+    runners = (TorchHead(head), NativeHead(head, 64, dtype, quantize))
     caches = [r.new_cache() for r in runners]
     feats, tokens = torch.randn(10, 32), torch.randint(0, 50, (10,)).tolist()
 
@@ -113,18 +123,16 @@ def test_native_serving_computes_what_torch_serving_computes(dtype, tol):
     assert caches[0].length == caches[1].length == 9
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
-def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,quantize", QUANT_CASES)
+def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dtype, tol, quantize):
     """NativeHead.tree_step: rows whose parents are slots of earlier calls (a draft tree grown
     depth by depth, EAGLE-2 style) get what a chain feed of their path gives (up to the rounding of
     the head's input projection, a torch GEMM whose result depends on the rows in the call)."""
-    from specsplit.model import native
     from specsplit.model.featurehead import NativeHead
 
-    if native.unavailable(dtype, torch.device("cpu")):
-        pytest.skip(native.unavailable(dtype, torch.device("cpu")))
+    _skip_unless_runs(dtype, quantize)
     head = random_head(1, head_dim=16)
-    runner = NativeHead(head, 64, dtype)
+    runner = NativeHead(head, 64, dtype, quantize)
     feats, tokens = torch.randn(12, 32), torch.randint(0, 50, (12,)).tolist()
     tree = runner.new_cache()
     runner.step(tree, feats[:5], tokens[:5])

@@ -238,14 +238,20 @@ class NativeHead:
     """Serving on the native kernels (specsplit.model.native): the head's layer and its draft-vocabulary
     logits in one call per drafting step instead of ~50 torch ops (measured on the shipped head:
     1.95 ms a step plus 1.6 ms of logits with torch). The same maths as head_step +
-    FeatureHead.logits, with the weights (and cache) in `dtype`: bfloat16 halves the bytes a step
-    reads; its caches are fastllama.KVBuffer (one layer)."""
+    FeatureHead.logits, with the weights (and cache) in `dtype`, or the weights quantized as
+    `quantize` says (fastllama.QUANTIZE: "q8_0" reads about half of bfloat16's bytes a step); its
+    caches are fastllama.KVBuffer (one layer)."""
 
     trees = True  # tree_step: a draft tree's level in one call
 
-    def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, head: FeatureHead, max_positions: int, dtype: torch.dtype = torch.float32,
+                 quantize: str = ""):
         from specsplit.model import native
-        from specsplit.model.fastllama import dense, interleave
+        from specsplit.model.fastllama import QUANTIZE, interleave
+        from specsplit.model.fastllama import dense as dense_float
+
+        def dense(weight):  # the head's GEMM weights: `dtype`, or quantized as fastllama's QUANTIZE says
+            return dense_float(weight, QUANTIZE[quantize])
 
         cfg = head.cfg
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * head.inv_freq.float()
@@ -257,8 +263,9 @@ class NativeHead:
                                                torch.empty(0, cfg.hidden, dtype=dtype), emb.cos(), emb.sin(),
                                                torch.empty(0), dense(head.vocab_weight.to(dtype)), native.amx())
         matrices = (head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj, head.down_proj)
-        size = torch.empty(0, dtype=dtype).element_size()
-        self.packed_bytes = size * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel())
+        # bytes a weight: the dtype's, or int8 values (4-bit for q4_0) with a float16 scale per block of 32
+        size = {"q8_0": 34 / 32, "q4_0": 18 / 32}.get(quantize, torch.empty(0, dtype=dtype).element_size())
+        self.packed_bytes = int(size * (sum(m.weight.numel() for m in matrices) + head.vocab_weight.numel()))
         self.decoder.add_layer(dense(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]).to(dtype)),
                                torch.empty(0), dense(head.o_proj.weight.to(dtype)),
                                dense(interleave(head.gate_proj.weight, head.up_proj.weight).to(dtype)),
