@@ -7,6 +7,8 @@ constexpr int kPrefetchBytes = 2048;  // how far ahead in a panel's weight strea
 // The same for the block formats (q8 and q4 by int8 rows): at several rows a block takes about as long
 // to multiply as to load, and 2 KB ahead was too late (EPYC, gguf 5-row verify 1.21-1.35x a step; 8 KB: 1.00-1.16x).
 constexpr int kBlockPrefetchBytes = 8192;
+constexpr int kKeysAhead = 64;  // attention: how many keys (values) ahead to prefetch
+constexpr int kPvQueries = 12, kPvChunks = 2;  // attention's P V: queries x 16-dim chunks per value load
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;

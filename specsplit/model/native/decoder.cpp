@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -367,6 +368,14 @@ class Decoder {
     const int64_t off = (plane + j) * kw + g * d_ + i;
     if (bf16_) return load_bf16x16(static_cast<const uint16_t*>(base) + off);
     return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+  }
+
+  // Every cache line of key (or value) j of KV head g: the keys of one head are strided in the
+  // cache, and the hardware prefetcher alone leaves attention waiting on them at long contexts.
+  inline void prefetch_key(const void* base, int64_t j, int64_t g, int64_t kw, int64_t plane) const {
+    const int64_t size = bf16_ ? 2 : 4;
+    const char* at = static_cast<const char*>(base) + ((plane + j) * kw + g * d_) * size;
+    for (int64_t b = 0; b < d_ * size; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
   }
 
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
