@@ -38,15 +38,19 @@ def _native(models, dtype):
     return lm
 
 
+@pytest.mark.parametrize("prompt_len", [8, 40])  # the prefix's keys end inside the first key block, or after two
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype):
+def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype, prompt_len):
+    """The tree's rows share the prefix's key blocks and the branches' own; each row still gets the
+    bits of its path decoded alone."""
     lm = _native(models, dtype)
+    prompt = [(PROMPT * 5)[i] + i for i in range(prompt_len)]
     tree = KVSequence(lm.model)
-    tree.forward(PROMPT)
+    tree.forward(prompt)
     logits = tree.forward(ROWS, parents=PARENTS)
     for row in range(len(ROWS)):
         alone = KVSequence(lm.model)
-        alone.forward(PROMPT)
+        alone.forward(prompt)
         last = None
         for r in _path(row):
             last = alone.forward([ROWS[r]])[0]

@@ -157,6 +157,8 @@ class Decoder {
     // AMX attention: runs of consecutive rows of one segment, each the child of the one before (a
     // chain, or a chain inside a tree): every row's key list is a prefix of the run's last row's.
     std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+    // AVX-512 attention: groups of consecutive rows of one segment (plan_runs).
+    std::vector<std::pair<int64_t, int64_t>> groups;  // (first row, rows)
     std::vector<std::pair<int64_t, int64_t>> tasks;  // (run, the run after it or -1)
 
     int64_t rows() const { return static_cast<int64_t>(seg_of.size()); }
