@@ -31,19 +31,20 @@ def _path(row: int) -> list[int]:
     return path[::-1]
 
 
-def _native(models, dtype):
-    lm = load_model(models["target"], dtype)
+def _native(models, dtype, model="target"):
+    lm = load_model(models[model], dtype)
     if lm.native is None:
         pytest.skip(native.unavailable(lm.dtype, lm.device) or "no native forward")
     return lm
 
 
+@pytest.mark.parametrize("model", ["target", "wide"])  # wide: head_dim 32, bf16 pair dot products on bf16
 @pytest.mark.parametrize("prompt_len", [8, 40])  # the prefix's keys end inside the first key block, or after two
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype, prompt_len):
+def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype, prompt_len, model):
     """The tree's rows share the prefix's key blocks and the branches' own; each row still gets the
     bits of its path decoded alone."""
-    lm = _native(models, dtype)
+    lm = _native(models, dtype, model)
     prompt = [(PROMPT * 5)[i] + i for i in range(prompt_len)]
     tree = KVSequence(lm.model)
     tree.forward(prompt)
