@@ -161,7 +161,7 @@ async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
 
     request = vpb.VerifyRequest(session_id="s")
     # An error frame with no status byte: UNKNOWN, said so; the next answer still reaches its call.
-    link, thread = await link_for([fastpath.frame(fastpath.ERROR, b""), fastpath.frame(fastpath.OK, b"")])
+    link, thread = await link_for([fastpath.frame(fastpath.ERROR, b"", 0), fastpath.frame(fastpath.OK, b"", 1)])
     with pytest.raises(Failure) as empty:
         await link.call(request, vpb.VerifyResponse, 5.0)
     assert empty.value.code == grpc.StatusCode.UNKNOWN and "no status or message" in empty.value.message
@@ -169,14 +169,14 @@ async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
     link.close()
     thread.join(5)
     # A frame longer than any message: the call fails as a bad frame, the link is closed.
-    link, thread = await link_for([struct.pack("<IB", fastpath.MAX_FRAME + 1, fastpath.OK)])
+    link, thread = await link_for([fastpath.HEAD.pack(fastpath.MAX_FRAME + 1, fastpath.OK, 0)])
     with pytest.raises(Failure) as oversize:
         await link.call(request, vpb.VerifyResponse, 5.0)
     assert oversize.value.code == grpc.StatusCode.UNAVAILABLE and "bad frame" in oversize.value.message
     assert link.closed
     thread.join(5)
     # Two answers to one call: the second was asked by nobody, and the stream cannot be trusted.
-    link, thread = await link_for([fastpath.frame(fastpath.OK, b"") * 2])
+    link, thread = await link_for([fastpath.frame(fastpath.OK, b"", 0) * 2])
     await link.call(request, vpb.VerifyResponse, 5.0)
     for _ in range(100):
         if link.closed:
@@ -213,19 +213,22 @@ async def test_a_service_answers_bad_frames_clearly_and_keeps_serving(models, tm
                     if not chunk:
                         return answer
                     answer += chunk
-                    if len(answer) >= 5 and len(answer) >= 5 + struct.unpack_from("<I", answer)[0]:
+                    head = fastpath.HEAD.size
+                    if len(answer) >= head and len(answer) >= head + struct.unpack_from("<I", answer)[0]:
                         conn.sendall(fastpath.frame(fastpath.OK, b"\xff\xff"))  # the link goes on
                         second = conn.recv(1 << 16)
                         return answer + b"|" + second
 
         for path in sockets:
-            answer = await asyncio.to_thread(exchange, path, fastpath.frame(fastpath.OK, b"\xff\xff"))
+            answer = await asyncio.to_thread(exchange, path, fastpath.frame(fastpath.OK, b"\xff\xff", 7))
             first, second = answer.split(b"|", 1)
-            for reply in (first, second):
-                length, kind = struct.unpack_from("<IB", reply)
-                assert kind == fastpath.ERROR and reply[5] == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
-                assert b"undecodable" in reply[6:5 + length], reply
-            oversize = struct.pack("<IB", fastpath.MAX_FRAME + 1, fastpath.OK)
+            for reply, call in ((first, 7), (second, 0)):
+                length, kind, answered = fastpath.HEAD.unpack_from(reply)
+                head = fastpath.HEAD.size
+                assert kind == fastpath.ERROR and reply[head] == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
+                assert b"undecodable" in reply[head + 1:head + length], reply
+                assert answered == call  # each answer names its call
+            oversize = fastpath.HEAD.pack(fastpath.MAX_FRAME + 1, fastpath.OK, 0)
             assert await asyncio.to_thread(exchange, path, oversize) == b""  # closed, nothing answered
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             done = await pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(

@@ -4,17 +4,16 @@ on a UNIX socket that the service's worker thread serves directly (docs/protocol
 A service with shared memory on listens on `specsplit-fast-<pid>-<random>.sock` in the shared-memory
 directory (0600) and names it in its Prefill/StartSession answer, but only to a gateway whose
 segment it mapped (so both sides are proven to share the host). The gateway keeps one connection
-per service for all its sessions. Answers come back in request order, which is all the matching a
-connection needs.
+per service for all its sessions. An answer carries its request's call id: a call that takes
+several forwards (a Verify that decodes ahead) is answered after calls sent later.
 
-Frame: u32 body length, u8 kind, body. A request's kind is 0 and its body the serialized request;
-an answer's kind is 0 (body: the serialized response) or 1 (an error: u8 gRPC status code, then
-the message in UTF-8)."""
+Frame: u32 body length, u8 kind, u32 call id, body. A request's kind is 0 and its body the serialized
+request; an answer's kind is 0 (body: the serialized response) or 1 (an error: u8 gRPC status code,
+then the message in UTF-8), and its call id is its request's."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -32,37 +31,37 @@ from specsplit.serving.worker import ModelWorker
 
 log = logging.getLogger("specsplit")
 
-_HEAD = struct.Struct("<IB")
+HEAD = struct.Struct("<IBI")
 OK, ERROR = 0, 1
 MAX_FRAME = 64 * 1024 * 1024  # as the gRPC message limit
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def frame(kind: int, body: bytes) -> bytes:
-    return _HEAD.pack(len(body), kind) + body
+def frame(kind: int, body: bytes, call: int = 0) -> bytes:
+    return HEAD.pack(len(body), kind, call) + body
 
 
-def error_frame(failure: Failure) -> bytes:
-    return frame(ERROR, bytes([failure.code.value[0]]) + failure.message.encode()[:4096])
+def error_frame(failure: Failure, call: int) -> bytes:
+    return frame(ERROR, bytes([failure.code.value[0]]) + failure.message.encode()[:4096], call)
 
 
 class _Frames:
-    """Splits a byte stream into (kind, body) frames."""
+    """Splits a byte stream into (kind, call id, body) frames."""
 
     def __init__(self):
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
         self._buffer += data
         out = []
-        while len(self._buffer) >= _HEAD.size:
-            length, kind = _HEAD.unpack_from(self._buffer)
+        while len(self._buffer) >= HEAD.size:
+            length, kind, call = HEAD.unpack_from(self._buffer)
             if length > MAX_FRAME:
                 raise ValueError(f"a frame of {length} bytes exceeds {MAX_FRAME}")
-            end = _HEAD.size + length
+            end = HEAD.size + length
             if len(self._buffer) < end:
                 break
-            out.append((kind, bytes(self._buffer[_HEAD.size:end])))
+            out.append((kind, call, bytes(self._buffer[HEAD.size:end])))
             del self._buffer[:end]
         return out
 
@@ -102,24 +101,22 @@ class FastPathServer:
             data = conn.recv(1 << 16)
             if not data:
                 raise ConnectionResetError("peer closed")
-            for _, body in frames.feed(data):
-                # Answers are sent in request order: a batch replies to its items in order, and one
-                # connection's requests land in its batches in arrival order.
+            for _, call, body in frames.feed(data):
                 try:
-                    self._handler(body, lambda outcome: self._answer(conn, outcome))
+                    self._handler(body, lambda outcome, call=call: self._answer(conn, call, outcome))
                 except Exception as e:  # an unreadable request: answered at once
-                    self._answer(conn, e)
+                    self._answer(conn, call, e)
         except (OSError, ValueError) as e:
             self._drop(conn, e)
 
-    def _answer(self, conn: socket.socket, outcome) -> None:
+    def _answer(self, conn: socket.socket, call: int, outcome) -> None:
         if isinstance(outcome, Failure):
-            answer = error_frame(outcome)
+            answer = error_frame(outcome, call)
         elif isinstance(outcome, BaseException):  # a bug: the caller gets INTERNAL, the service keeps serving
             log.error("fast-path request failed: %r", outcome)
-            answer = error_frame(Failure(grpc.StatusCode.INTERNAL, f"{type(outcome).__name__}: {outcome}"))
+            answer = error_frame(Failure(grpc.StatusCode.INTERNAL, f"{type(outcome).__name__}: {outcome}"), call)
         else:
-            answer = frame(OK, outcome)
+            answer = frame(OK, outcome, call)
         if conn.fileno() < 0:
             return  # dropped meanwhile
         try:
@@ -177,7 +174,8 @@ class FastLink(asyncio.Protocol):
     def __init__(self, service: str):
         self.service = service
         self._frames = _Frames()
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._waiting: dict[int, asyncio.Future] = {}  # by call id
+        self._calls = 0  # the next call id
         self._transport: asyncio.Transport | None = None
         self.closed = False
 
@@ -197,12 +195,12 @@ class FastLink(asyncio.Protocol):
             self._transport.abort()
             self._fail_all(f"bad frame: {e}")
             return
-        for kind, body in frames:
-            if not self._waiting:  # the stream is out of step: nothing after this can be trusted
+        for kind, call, body in frames:
+            waiter = self._waiting.pop(call, None)
+            if waiter is None:  # the stream is out of step: nothing after this can be trusted
                 self._transport.abort()
                 self._fail_all("an answer nobody asked for")
                 return
-            waiter = self._waiting.popleft()
             if waiter.done():  # its caller gave up (deadline, cancellation): drop the late answer
                 continue
             if kind == OK:
@@ -219,8 +217,8 @@ class FastLink(asyncio.Protocol):
 
     def _fail_all(self, why: str) -> None:
         self.closed = True
-        while self._waiting:
-            waiter = self._waiting.popleft()
+        waiting, self._waiting = self._waiting, {}
+        for waiter in waiting.values():
             if not waiter.done():
                 waiter.set_exception(Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: {why}"))
 
@@ -229,8 +227,9 @@ class FastLink(asyncio.Protocol):
         if self.closed:
             raise Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: fast path closed")
         waiter = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
-        self._transport.write(frame(OK, request.SerializeToString()))
+        call, self._calls = self._calls, (self._calls + 1) & 0xFFFFFFFF
+        self._waiting[call] = waiter  # kept after a timeout: the late answer is read and dropped
+        self._transport.write(frame(OK, request.SerializeToString(), call))
         try:
             async with asyncio.timeout(timeout):
                 body = await waiter
