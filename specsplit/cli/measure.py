@@ -16,6 +16,9 @@ MODES = (
                        "and a multi-turn chat"),
     ("--round-overhead", "per-round overhead (median, P95) through the real services around a drafter and a verifier "
                          "that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)"),
+    ("--traffic", "instead: the default request as users send it: the prompts (default: the general workload, six "
+                  "categories) shuffled and unlabelled, AUTO beside spec-off and forced spec-on with each drafter; "
+                  "per category the ratios, and spec-off's decode rate through the services vs the bare forward's"),
     ("--tracing-overhead", "instead: spec-on requests alternated between a stack with tracing off and one with "
                            "tracing on (OTLP-JSON file), and the median cost of tracing per token"),
 )
@@ -29,7 +32,8 @@ def add(sub) -> None:
     bench.add_argument("--auth-token-file", default=ENV("SPECSPLIT_AUTH_TOKEN_FILE"),
                        help="with --gateway: send the bearer token in this file")
     bench.add_argument("--prompts", help="JSONL with task_type, prompt and optionally temperature (default: the "
-                                         "starter prompts; 'mixed': the controller's mixed workload; 'copy': "
+                                         "starter prompts; 'mixed': the controller's mixed workload; 'general': six "
+                                         "categories users send (math, chat, qa, rag, summarize, translate); 'copy': "
                                          "verbatim repetition, where drafts are almost always right; 'long': "
                                          "~1,300-token prompts, whose features make a large first round)")
     bench.add_argument("--max-new-tokens", type=int, default=128)

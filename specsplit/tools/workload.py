@@ -24,9 +24,11 @@ def load_prompts(path: str | None, limit: int = 0) -> list[Prompt]:
     """JSONL rows {task_type, prompt[, temperature]}; path None: the starter prompts; "mixed": the
     controller's mixed workload (code and structured greedy, open prompts sampled at T=1.2 as
     "creative"); "copy": four prompts to repeat text verbatim (drafts almost always right); "long": two
-    summaries of ~1,300-token notes (large first-round payloads for feature-reading drafters)."""
+    summaries of ~1,300-token notes (large first-round payloads for feature-reading drafters); "general":
+    36 questions in six categories users send (math, chat, qa, rag and summarize over ~600-word
+    documents, translate), written for this project."""
     name = {None: "starter_prompts.jsonl", "mixed": "mixed_prompts.jsonl", "copy": "copy_prompts.jsonl",
-            "long": "long_prompts.jsonl"}.get(path)
+            "long": "long_prompts.jsonl", "general": "general_prompts.jsonl"}.get(path)
     text = resources.files("specsplit.data").joinpath(name).read_text() if name else Path(path).read_text()
     prompts = [_prompt(line, n, path) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if limit:

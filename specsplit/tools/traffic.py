@@ -1,0 +1,110 @@
+"""`specsplit bench --traffic`: the default request as users send it. The prompts (by default the
+built-in general workload, six categories) are shuffled and sent without a task type and with
+speculation AUTO, each beside spec-off and forced spec-on with every drafter asked for, back to back
+in a rotating order. Forced runs carry their own labels so that they do not teach the controller's
+unlabelled state what AUTO must learn on its own."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.tools.workload import Prompt, Variant, request
+
+OFF, AUTO = "off", "default"
+
+
+def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants: list[Variant],
+        step_ms: float | None = None, seed: int = 0, out=None) -> dict:
+    out = out or sys.stdout
+    order = list(prompts)
+    random.Random(seed).shuffle(order)
+    modes: list[tuple[str, pb.GenerateRequest]] = []
+    for p in order:
+        reqs = [(OFF, request(Prompt("bench-off", p.prompt, p.temperature), pb.SPECULATION_OFF, max_new_tokens)),
+                (AUTO, request(Prompt("", p.prompt, p.temperature), pb.SPECULATION_AUTO, max_new_tokens))]
+        reqs += [(v.label, request(Prompt(f"bench-{v.label}", p.prompt, p.temperature), pb.SPECULATION_ON,
+                                   max_new_tokens, v)) for v in variants]
+        modes.append((p.task_type, reqs))
+    labels = [OFF, AUTO, *(v.label for v in variants)]
+    seconds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    tokens: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    identical: dict[str, Counter] = defaultdict(Counter)
+    reasons: dict[str, Counter] = defaultdict(Counter)
+    drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    acceptance: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    tax: list[float] = []  # spec-off decode ms per token through the services
+    for r in range(repeats):
+        for i, (task, reqs) in enumerate(modes, 1):
+            turn = (i + r) % len(reqs)
+            outputs = {}
+            for label, req in reqs[turn:] + reqs[:turn]:  # rotated: drift hits every mode alike
+                start = time.perf_counter()
+                answer = stub.Generate(req, timeout=600)
+                took = time.perf_counter() - start
+                outputs[label] = answer
+                for key in (task, "ALL"):
+                    seconds[key][label] += took
+                    tokens[key][label] += len(answer.token_ids)
+                    if label != OFF:
+                        s = answer.stats
+                        acceptance[key][label][0] += s.rounds and s.accepted_tokens + sum(
+                            1 for rr in s.round_records if rr.drafted)
+                        acceptance[key][label][1] += sum(1 for rr in s.round_records if rr.drafted)
+            off = list(outputs[OFF].token_ids)
+            stats = outputs[AUTO].stats
+            if len(off) > 1 and outputs[OFF].stats.decode_ms > 0:  # ms per token: decoding, its forwards
+                s = outputs[OFF].stats
+                tax.append((s.decode_ms / (len(off) - 1), s.verify_ms / (len(off) - 1)))
+            for key in (task, "ALL"):
+                for label, answer in outputs.items():
+                    identical[key][label] += list(answer.token_ids) == off
+                reasons[key][stats.speculation_reason] += 1
+                drafted_rounds[key][0] += sum(1 for rr in stats.round_records if rr.drafted)
+                drafted_rounds[key][1] += stats.rounds
+            print(f"traffic {r + 1}/{repeats} [{i}/{len(modes)}] {task:<10} default: "
+                  f"{stats.speculation_reason:<10} "
+                  f"{len(outputs[AUTO].token_ids) / max(1e-9, stats.total_ms / 1e3):6.1f}"
+                  f" tok/s, drafted {sum(1 for rr in stats.round_records if rr.drafted)}/{stats.rounds} rounds",
+                  file=sys.stderr, flush=True)
+    rows = {}
+    forced = labels[2:]
+    print(f"specsplit bench --traffic: {len(prompts)} prompts shuffled (seed {seed}), unlabelled, "
+          f"max_new_tokens={max_new_tokens}, repeats={repeats}; tok/s = tokens / wall time incl. prefill", file=out)
+    head = f"{'category':<11}{'n':>3}{'off':>8}" + "".join(f"{lb[:14]:>15}" for lb in forced)
+    head += (f"{'default':>9}{'def/off':>8}{'def/best':>9}{'acc.len':>8}{'drafted':>8}{'identical':>10}"
+             "  default's reasons")
+    print(head, file=out)
+    for key in sorted(seconds, key=lambda k: (k == "ALL", k)):
+        rate = {lb: tokens[key][lb] / seconds[key][lb] for lb in labels}
+        best = max((rate[lb] for lb in forced), default=rate[OFF])
+        n = reasons[key].total()
+        acc = acceptance[key][AUTO]
+        row = {"n": n, "tok_s": rate, "default_vs_off": rate[AUTO] / rate[OFF], "default_vs_best": rate[AUTO] / best,
+               "default_acc_len": acc[0] / acc[1] if acc[1] else 0.0,
+               "drafted_share": drafted_rounds[key][0] / max(1, drafted_rounds[key][1]),
+               "identical": dict(identical[key]), "reasons": dict(reasons[key])}
+        rows[key] = row
+        same = "/".join(str(identical[key][lb]) for lb in [AUTO, *forced])
+        print(f"{key:<11}{n:>3}{rate[OFF]:>8.1f}" + "".join(f"{rate[lb]:>8.1f} {rate[lb] / rate[OFF]:>5.2f}x"
+                                                             for lb in forced)
+              + f"{rate[AUTO]:>9.1f}{row['default_vs_off']:>7.2f}x{row['default_vs_best']:>8.2f}x"
+              f"{row['default_acc_len']:>8.2f}{row['drafted_share']:>7.0%}{same:>10}  "
+              + ", ".join(f"{k} {v}" for k, v in sorted(reasons[key].items())), file=out)
+    if tax:
+        through, forward = (statistics.median(t[i] for t in tax) for i in (0, 1))
+        line = (f"service tax, spec-off: decode through the services {1e3 / through:.1f} tok/s "
+                f"({through:.2f} ms/token) vs its forwards in the verify service {1e3 / forward:.1f} tok/s "
+                f"({forward:.2f} ms): "
+                f"{forward / through:.2f}x (medians per request)")
+        if step_ms:
+            line += f"; the bare 1-row step at a 128-token context: {step_ms:.2f} ms"
+        print(line, file=out)
+        rows["service_tax"] = {"through_ms": through, "forward_ms": forward, "bare_step_ms": step_ms}
+    print(f"identical = outputs equal to spec-off ({'/'.join([AUTO, *forced])}); acc.len = tokens per drafting "
+          "round of the default request; drafted = its rounds that drafted", file=out)
+    return rows
