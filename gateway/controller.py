@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.gate import Prior
 from specsplit.serving.settings import ControllerSettings
 from specsplit.spec.ewma import Ewma
 from specsplit.spec.tokentree import verify_ms
@@ -32,6 +33,7 @@ class RoundFacts:
     network_ms: float
     depth: int = 0  # a token tree's longest path; 0: a chain (its depth is drafted)
     expected: float = 0.0  # the drafter's estimate of accepted drafts (sum of scores); 0: unscored
+    decoded: int = 0  # a round without a draft that decoded ahead: its times cover 1 + decoded tokens
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,7 @@ class TypeState:
         self.on_ms_per_token: deque[float] = deque(maxlen=settings.window)  # per request
         self.off_ms_per_token: deque[float] = deque(maxlen=settings.window)
         self.since_change = 0  # judged requests since the state last changed
-        self.since_probe = 0
-        self.auto_requests = 0  # AUTO requests decided while enabled (the control share counts them)
+        self.auto_requests = 0  # AUTO requests decided alone (the control share counts them)
         self.history: list[tuple[int, bool, str]] = []  # (request number, enabled, reason)
         self.rebasing, self.rebases = False, 0  # times forgotten after the machine changed speed (rebase)
         # Pre-drafting, an A/B within speculation: decode ms per token of spec-on requests by arm.
@@ -282,23 +283,31 @@ class Controller:
                 return Decision(not speculate, gamma if not speculate else 0,
                                 "probe" if not speculate else "control", clients)
             return Decision(True, gamma, "on", clients) if speculate else Decision(False, 0, "concurrency", clients)
-        if not st.enabled:
-            st.since_probe += 1
-            if st.since_probe >= s.probe_every:
-                st.since_probe = 0
-                return Decision(True, gamma, "probe", clients)
-            return Decision(False, 0, "disabled", clients)
+        # The type's verdict is a prior, not a verdict: a request of a type that lost starts
+        # without drafts and its own probes decide (gateway.gate).
+        speculating = Decision(True, gamma, "on" if st.enabled else "disabled", clients)
         st.auto_requests += 1
         st.rebasing = st.rebasing and len(st.off_ms_per_token) < s.min_requests
         if st.rebasing:  # a fresh baseline, beside fresh spec-on runs
-            return Decision(False, 0, "control", clients) if st.auto_requests % REBASE_CONTROL == 0 \
-                else Decision(True, gamma, "on", clients)
+            return Decision(False, 0, "control", clients) if st.auto_requests % REBASE_CONTROL == 0 else speculating
         if s.control_share > 0 and st.auto_requests % max(1, round(1 / s.control_share)) == 0:
             return Decision(False, 0, "control", clients)  # every n-th request: deterministic, spread evenly
-        return Decision(True, gamma, "on", clients)
+        return speculating
 
     def predraft(self, task_type: str, drafter: str) -> bool:
         return self.state(task_type, drafter).predraft()
+
+    def prior(self, task_type: str, drafter: str, decision: Decision) -> Prior | None:
+        """The gate's start for an AUTO request that speculates (None: a forced request asks every
+        round): what its type measured on lone requests."""
+        if decision.reason in ("forced", "controller-off"):
+            return None
+        st = self.state(task_type, drafter)
+        tokens, rows, draft = st.tokens_per_round.value, st.rows_on.value, st.draft_round_ms.value
+        verify = st.verify_cost(round(rows) - 1) if rows is not None else None
+        on_ms = None if verify is None or draft is None else verify + draft + (st.network_on.value or 0.0)
+        off_ms = st.off_time_per_token() or (self.cost_curve[0] if self.cost_curve else None)
+        return Prior(tokens, on_ms, off_ms)
 
     def score_scale(self, task_type: str, drafter: str) -> float:
         return self.state(task_type, drafter).score_scale
@@ -320,9 +329,9 @@ class Controller:
                     st.network_on.add(r.network_ms)
                     st.draft_round_ms.add(r.draft_ms)
             elif alone:
-                st.network_off.add(r.network_ms)
-            if alone:
-                st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms)
+                st.network_off.add(r.network_ms / (1 + r.decoded))
+            if alone:  # per forward: a decode-ahead's forwards are 1-row steps
+                st.verify_ms.setdefault(r.drafted, Ewma(self.settings.decay)).add(r.verify_ms / (1 + r.decoded))
             if r.expected > 0:
                 st.tree_accepted.add(r.accepted)
                 st.tree_expected.add(r.expected)
@@ -376,7 +385,7 @@ class Controller:
                                        f"P95 {p95(recent_on):.1f} <= {off95:.1f} ms/token")
 
     def _switch(self, st: TypeState, enabled: bool, reason: str) -> None:
-        st.enabled, st.reason, st.since_change, st.since_probe = enabled, reason, 0, 0
+        st.enabled, st.reason, st.since_change = enabled, reason, 0
         st.history.append((self.requests, enabled, reason))
         # The new state is judged on requests made in it alone (probes while off, then fresh runs).
         st.on_ms_per_token.clear()

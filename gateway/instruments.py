@@ -212,7 +212,8 @@ class Instruments:
 
 def outcome(stats: pb.GenerationStats) -> Outcome:
     """A response's stats as the controller reads them."""
-    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth, r.expected)
+    return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth, r.expected,
+                               r.decoded)
                     for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used)
 
 
@@ -222,7 +223,8 @@ def _record(r) -> pb.RoundRecord:
                           verify_ms=r.verify_ns / 1e6, network_ms=time_.network_ms, gateway_ms=time_.gateway_ms,
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
-                          expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls)
+                          expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls,
+                          decoded=r.decoded)
 
 
 def _prefill_network_ms(request: Request) -> float:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from gateway import payloads
+from gateway.gate import Gate, Prior
 from gateway.instruments import Instruments
 from gateway.replicas import Replica
 from gateway.state import Plan, Request, Round
@@ -29,6 +30,7 @@ from specsplit.spec.cursor import Cursor
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
 ROUND_OVERHEAD_MS = 0.5  # a round's link and gateway work beyond compute, co-located (docs/metrics.md#time)
+DECODE_AHEAD = 16  # most tokens a round without a draft decodes after its own (a streamed chunk's size)
 # A draft service that cannot take an AUTO request's session: it goes on without drafts.
 _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEADLINE_EXCEEDED: "drafter-down",
                grpc.StatusCode.RESOURCE_EXHAUSTED: "drafter-full"}
@@ -71,7 +73,8 @@ class RoundLoop:
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
         request = Request(plan, uuid.uuid4().hex, Cursor(plan.max_new_tokens, self._target.max_context),
-                          plan.speculate and self._drafter is not None)
+                          plan.speculate and self._drafter is not None,
+                          gate=Gate(plan.prior or Prior(), always=plan.prior is None))
         request.measured.started = now()
         for replica in self._pinned():
             replica.sessions += 1
@@ -111,7 +114,8 @@ class RoundLoop:
         gamma = cursor.room(plan.gamma)
         proposal, predrafted, request.ready = request.ready, request.ready is not None, None
         feature_bytes, draft_call = payloads.feature_bytes(request.features), 0
-        if proposal is None and request.drafting and gamma >= 1:
+        asked = predrafted or request.drafting and gamma >= 1 and request.gate.ask()
+        if proposal is None and asked:
             t = now()
             proposal = await self._draft(request, self._propose(request, gamma + plan.predraft))
             draft_call = now() - t
@@ -126,8 +130,11 @@ class RoundLoop:
             drafts = [tokens[i] for i in keep]
             guess = tokens[gamma] if plan.predraft and len(tokens) > gamma else None
             probs, ref = payloads.for_verifier(request.links, proposal, keep)
+        # No draft: the verifier decodes on its own until the next ask (AUTO's gate), the budget or
+        # DECODE_AHEAD tokens, without a trip back here per token.
+        decode = 0 if drafts else cursor.room(request.gate.off_run() - 1 if request.drafting else DECODE_AHEAD)
         check = vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=drafts,
-                                  draft_probs=probs, draft_probs_shm=ref, draft_parents=parents)
+                                  draft_probs=probs, draft_probs_shm=ref, draft_parents=parents, decode_ahead=decode)
         t = now()
         ahead = None
         if guess is not None and plan.max_new_tokens - cursor.generated - len(drafts) - 1 > 0:
@@ -150,15 +157,16 @@ class RoundLoop:
                                              else None, request.links.segment)
         request.logprobs += verdict.logprobs
         path = verdict.accepted_indices or range(verdict.num_accepted)
-        cursor.commit([*(drafts[i] for i in path), verdict.next_token_id], verdict.length,
+        cursor.commit([*(drafts[i] for i in path), verdict.next_token_id, *verdict.decoded_token_ids], verdict.length,
                       drafter_holds_them=request.ready is not None)
         self._load.report(request.session_id, 1 + len(drafts), len(cursor.last))
         end = now()
+        request.gate.record(asked, len(cursor.last), (end - mark) / 1e6)
         request.measured.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
             max(tokentree.depths(parents)) if parents else len(drafts), expected, verdict.batch_rows,
-            verdict.batch_calls))
+            verdict.batch_calls, len(verdict.decoded_token_ids)))
         return end
 
     async def _draft(self, request: Request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:
@@ -238,7 +246,7 @@ class RoundLoop:
         prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
             session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
             sampling=plan.sampling, shm_segment=name, skip_prefix_cache=plan.skip_prefix_cache,
-            logprobs=plan.logprobs), "verify",
+            logprobs=plan.logprobs, stop_token_ids=sorted(plan.eos_ids)), "verify",
             deadline.for_prefill(len(plan.prompt_ids)))
         started = None
         if request.drafting:

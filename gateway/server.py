@@ -321,7 +321,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     decision=decision, tree_budget=tree,
                     score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
                     predraft=speculate and not tree and self._predraft(request, drafter),
-                    skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs))
+                    skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
+                    prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None)
 
     @staticmethod
     def _check_logprobs(asked: cpb.LogprobsRequest) -> cpb.LogprobsRequest:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gateway.controller import Decision
+from gateway.gate import Gate, Prior
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.serving import shm
@@ -35,6 +36,7 @@ class Plan:
     score_scale: float = 1.0  # the controller's calibration of the drafter's tree scores
     skip_prefix_cache: bool = False  # a cold prefill (GenerateRequest.skip_prefix_cache)
     logprobs: cpb.LogprobsRequest = field(default_factory=cpb.LogprobsRequest)  # GenerateRequest.logprobs
+    prior: Prior | None = None  # the gate's start (gateway.gate); None: ask the drafter every round
 
 
 class Round(NamedTuple):
@@ -55,6 +57,7 @@ class Round(NamedTuple):
     expected: float  # the drafter's estimate of accepted drafts (sum of the verified scores); 0: unscored
     batch_rows: int = 0  # the verify forward's rows across the verifier's batch
     batch_calls: int = 0  # and its calls (sessions)
+    decoded: int = 0  # tokens the verifier decoded on its own after next_token (VerifyRequest.decode_ahead)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Request:
     cursor: Cursor
     drafting: bool
     links: Links = field(default_factory=Links)
+    gate: Gate = field(default_factory=Gate)  # whether each round asks the drafter (AUTO: judged per round)
     measured: Measured = field(default_factory=Measured)
     features: cpb.Features | None = None  # target features not yet delivered to the drafter
     ready: dpb.ProposeResponse | None = None  # a pre-draft whose assumption held: next round's drafts

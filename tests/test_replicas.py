@@ -238,8 +238,10 @@ async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_anothe
 
     async for gateway, _, _, started in _stack(models, tmp_path, monkeypatch, ("v1",), ("d1", "d2"),
                                                {"d1": {"max_sessions": 2}}):
+        # Forced on: every round asks the drafter (an AUTO request's gate may stop asking a random model's).
         request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
-                                     drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
+                                     drafter="ngram", stop=pb.StopConditions(ignore_eos=True),
+                                     speculation=pb.SPECULATION_ON)
         async with grpc.aio.insecure_channel(gateway) as g, \
                 grpc.aio.insecure_channel((tmp_path / "d1.a").read_text().strip()) as d:
             stub, d1 = pb_grpc.GatewayStub(g), dpb_grpc.DrafterStub(d)

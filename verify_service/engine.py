@@ -42,6 +42,7 @@ class TargetSession:
     method: str = "coupled"  # with temperature > 0: coupled | rejection
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
+    stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # Prefills that joined the worker's batch and are not finished (both counted on the worker
         # thread): one in progress joins every batch, and a batch waits for it from its arrival.
         self.prefilling = 0
+        # Verify calls decoding ahead (VerifyRequest.decode_ahead), by session: the forwards so far.
+        self._ahead: dict[str, list] = {}
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -114,6 +116,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._prefix_tokens.add(len(prompt) - result.cached, {"outcome": "miss"})
         # Mapped once the session is held, so the Release (or eviction) that drops it unmaps it.
         session.segment = segment = shm.try_attach(request.shm_segment, self._shared_memory)
+        session.stop_tokens = frozenset(request.stop_token_ids)
         record_compute(result.forward_ns)
         self._forward.record(result.forward_ns / 1e9, {"call": "prefill", "rows": len(prompt)})
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
@@ -154,6 +157,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 planned.append(i)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
                 outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+                self._ahead.pop(call.session_id, None)
         for i, step, result in zip(planned, steps, self._target.run(steps)):
             call = calls[i]
             try:
@@ -165,6 +169,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     outcomes[i] = self._verified(call, result)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
                 outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+                self._ahead.pop(call.session_id, None)
         for i, call in enumerate(calls):
             if isinstance(call, _Prefill) and not isinstance(outcomes[i], Again):
                 call.state = None  # finished or failed: its cache now lives in the session, or is freed
@@ -225,6 +230,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _plan_verify(self, request: pb.VerifyRequest):
         """Raises Failure with the status for the caller."""
+        if request.session_id in self._ahead:  # decoding ahead: the next token after what it committed
+            try:
+                session = self._sessions.get(request.session_id)
+                return self._target.plan_verify(session, len(session.tokens), [])
+            except Exception as e:  # noqa: BLE001 -- mapped to its status
+                raise _failure(e) from None
         if len(request.draft_token_ids) > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
@@ -243,14 +254,35 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise _failure(e) from None
 
-    def _verified(self, request: pb.VerifyRequest, result) -> pb.VerifyResponse:
+    def _verified(self, request: pb.VerifyRequest, result) -> pb.VerifyResponse | Again:
+        """The answer; Again while a decode-ahead has tokens to go (its forwards are kept until then)."""
         session = self._sessions.get(request.session_id)
         self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
+        if request.decode_ahead and not request.draft_token_ids:
+            done = self._ahead.setdefault(request.session_id, [])
+            done.append(result)
+            if len(done) <= request.decode_ahead and result.next_token not in session.stop_tokens \
+                    and result.length < self._lm.max_context:
+                return Again(1)
+            del self._ahead[request.session_id]
+            return self._decoded(request, session, done)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
                                  accepted_indices=result.path, batch_rows=result.batch_rows,
                                  batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs))
+
+    @staticmethod
+    def _decoded(request: pb.VerifyRequest, session, done: list) -> pb.VerifyResponse:
+        """A decode-ahead's answer: its first forward's token as next_token_id, the others' after it."""
+        features = [r.features for r in done]
+        merged = dataclasses.replace(done[-1], features=None if features[0] is None else torch.cat(features))
+        return pb.VerifyResponse(num_accepted=0, next_token_id=done[0].next_token, length=done[-1].length,
+                                 forward_ns=sum(r.forward_ns for r in done),
+                                 features=_features(merged, request.length - 1, session.segment),
+                                 batch_rows=done[-1].batch_rows, batch_calls=done[-1].batch_calls,
+                                 logprobs=wire.token_logprobs([lp for r in done for lp in r.logprobs]),
+                                 decoded_token_ids=[r.next_token for r in done[1:]])
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)

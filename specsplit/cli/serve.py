@@ -142,7 +142,8 @@ def _gateway_flags(g: argparse.ArgumentParser) -> None:
                         "speculation; 0 (default): where it stops paying is predicted from the verifier's "
                         "measured cost per batch width and each task type's measured rounds")
     g.add_argument("--probe-every", type=int, default=c.probe_every,
-                   help="while speculation is off for a task type, every N-th request re-measures it")
+                   help="under load, one AUTO decision in 4N runs the other mode so both stay measured; "
+                        "pre-drafting's A/B runs the losing arm every N-th request")
     g.add_argument("--upstream-ca", default=ENV("SPECSPLIT_UPSTREAM_CA"),
                    help="reach the draft and verify services over TLS, trusting this CA (PEM)")
     g.add_argument("--upstream-cert", default=ENV("SPECSPLIT_UPSTREAM_CERT"),

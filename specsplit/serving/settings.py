@@ -107,7 +107,7 @@ class ControllerSettings:
     max_inflight: int = 0
     window: int = 48  # requests per task type and mode kept for latency percentiles
     min_requests: int = 6  # spec-on (and spec-off) requests needed before judging
-    probe_every: int = 10  # while off, one AUTO request in this many speculates to re-measure
+    probe_every: int = 10  # under load, one decision in 4x this runs the other mode; pre-drafting's A/B likewise
     hysteresis: float = 0.05  # turning back on needs P95 this much better than off and acceptance above threshold
     decay: float = 0.98  # per round, for the running acceptance and cost estimates
     gamma_gain: float = 0.02  # gamma changes only when the model expects at least this gain per token

@@ -1,0 +1,111 @@
+"""A round without a draft decodes ahead in the verifier (VerifyRequest.decode_ahead), through the
+real verify server: the same tokens, logprobs and features as one call per token, a stop after a stop
+token, sessions beside it served in the same forwards with their answers matched on the shared fast
+path, and a session released while it decodes is answered NOT_FOUND and leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from conftest import running_stack
+
+from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+PROMPT = [5, 9, 14, 3, 8, 21, 7]
+
+
+async def _one_at_a_time(v, sid: str, n: int, **prefill) -> tuple[list[int], list, vpb.PrefillResponse]:
+    first = await v.Prefill(vpb.PrefillRequest(session_id=sid, prompt_token_ids=PROMPT, **prefill))
+    tokens, length, logprobs = [first.next_token_id], first.length, []
+    for _ in range(n):
+        step = await v.Verify(vpb.VerifyRequest(session_id=sid, length=length))
+        tokens.append(step.next_token_id)
+        logprobs += step.logprobs
+        length = step.length
+    return tokens, logprobs, first
+
+
+async def test_decoding_ahead_equals_one_call_per_token_and_stops_after_a_stop_token(models, tmp_path):
+    """Seeded sampling (coupled: the noise follows seed and position), so that the random model's
+    output varies, and decoding ahead must draw exactly as one call per token does."""
+    asked = cpb.LogprobsRequest(generated=True, top=2)
+    sampling = cpb.Sampling(temperature=1.0, seed=7)
+    async with running_stack(tmp_path, "tcp", models["long"], None, shared_memory=False) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            v = vpb_grpc.VerifierStub(ch)
+            steps, step_logprobs, _ = await _one_at_a_time(v, "steps", 12, logprobs=asked, sampling=sampling)
+            assert len(set(steps)) > 2, steps  # a model whose output varies (else equality says little)
+            first = await v.Prefill(vpb.PrefillRequest(session_id="ahead", prompt_token_ids=PROMPT, logprobs=asked,
+                                                       return_features=True, sampling=sampling))
+            ahead = await v.Verify(vpb.VerifyRequest(session_id="ahead", length=first.length, decode_ahead=11))
+            assert [first.next_token_id, ahead.next_token_id, *ahead.decoded_token_ids] == steps
+            assert ahead.length == first.length + 12 and ahead.num_accepted == 0
+            assert [(x.token_id, x.logprob) for x in ahead.logprobs] == [(x.token_id, x.logprob) for x in step_logprobs]
+            # one feature row per committed token, from the last committed position on
+            assert (ahead.features.start, ahead.features.rows) == (first.length - 1, 12)
+            # the next round goes on from where it stopped
+            more = await v.Verify(vpb.VerifyRequest(session_id="ahead", length=ahead.length))
+            assert more.length == ahead.length + 1
+
+            # A stop token ends it early: the answer's last token is the stop token (one not seen before it).
+            at = next(i for i in range(1, len(steps)) if steps[i] not in steps[:i])
+            stop = steps[at]
+            first = await v.Prefill(vpb.PrefillRequest(session_id="stop", prompt_token_ids=PROMPT,
+                                                       stop_token_ids=[stop], sampling=sampling))
+            stopped = await v.Verify(vpb.VerifyRequest(session_id="stop", length=first.length, decode_ahead=11))
+            got = [first.next_token_id, stopped.next_token_id, *stopped.decoded_token_ids]
+            assert got == steps[:at + 1]
+
+
+async def test_sessions_decoding_ahead_share_forwards_and_answers_match_on_the_fast_path(models, tmp_path):
+    """Through the gateway on the shared fast-path connection: spec-off requests decode ahead while
+    others run short rounds; answers come back out of request order and each reaches its call."""
+    from specsplit.api.gateway.v1 import gateway_pb2 as pb
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+
+            def req(text: str, mode: int) -> pb.GenerateRequest:
+                return pb.GenerateRequest(text=text, max_new_tokens=40, speculation=mode, drafter="ngram",
+                                          stop=pb.StopConditions(ignore_eos=True))
+
+            texts = ["def add(a, b):", "The quick brown fox", "1, 2, 3, 4,", "import os\nimport sys\n"]
+            alone = [await gw.Generate(req(t, pb.SPECULATION_OFF)) for t in texts]
+            together = await asyncio.gather(*(gw.Generate(req(t, mode)) for t in texts
+                                              for mode in (pb.SPECULATION_OFF, pb.SPECULATION_ON)))
+            for i, t in enumerate(texts):
+                for answer in together[2 * i:2 * i + 2]:
+                    assert list(answer.token_ids) == list(alone[i].token_ids), t
+                    assert answer.stats.fast_path
+            assert any(r.decoded for a in together for r in a.stats.round_records)
+            assert max(r.batch_calls for a in together for r in a.stats.round_records) > 1  # shared forwards
+
+
+async def test_a_session_released_while_it_decodes_ahead_is_answered_not_found(models, tmp_path):
+    async with running_stack(tmp_path, "tcp", models["long"], None, shared_memory=False) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            v = vpb_grpc.VerifierStub(ch)
+            first = await v.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=PROMPT * 20))
+            decoding = asyncio.ensure_future(v.Verify(vpb.VerifyRequest(session_id="s", length=first.length,
+                                                                        decode_ahead=400)))
+            await asyncio.sleep(0.05)  # a few forwards in (a Release runs between a decode's forwards)
+            await v.Release(vpb.ReleaseRequest(session_id="s"))
+            try:
+                answer = await decoding
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND, e
+            else:  # it finished first on a fast machine: then it decoded all it was asked
+                assert len(answer.decoded_token_ids) == 400
+            info = await v.Info(vpb.InfoRequest())
+            assert info.active_sessions == 0
+            again = await v.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=PROMPT))
+            assert again.length == len(PROMPT) + 1  # the id is free, and nothing of the old decode remains
+            with pytest.raises(grpc.aio.AioRpcError) as stale:
+                await v.Verify(vpb.VerifyRequest(session_id="s", length=first.length + 5))
+            assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
