@@ -1,23 +1,30 @@
 """Per request and per round: whether asking the drafter pays. The controller's per-type state is a
-prior, not a verdict: each request is judged on its own rounds — committed tokens per millisecond of
-the rounds that asked the drafter against those of the rounds that did not — so unlabelled, mixed
-traffic gets speculation where its text can be drafted (a document to copy) and loses nothing where
-it cannot. A request that stops asking probes now and then (a quoted span may start), and one probe
-that pays on its own turns it back on. Plain Python, no gRPC (docs/controller.md#per-request)."""
+prior, not a verdict: each request is judged on its own evidence, so unlabelled, mixed traffic gets
+speculation where its text can be drafted (a document to copy) and loses nothing where it cannot.
+
+The evidence is of two kinds. Before a round: can the text be copied here? The gate keeps the
+request's context (prompt and committed tokens) indexed by bigram; when the last two tokens occurred
+before, a retrieval draft exists (the drafters' n-gram source matches two tokens or more). After it:
+committed tokens per millisecond of rounds that asked the drafter, kept apart for rounds with and
+without such a match, against those of rounds that did not ask (the verifier decoding on its own).
+A kind of round that does not pay (below 0.97 of the rate without asking, while it asks) is asked
+no more, except now and then (a probe: after 4 tokens, then 8, 16, then every 32). Plain Python, no gRPC
+(docs/controller.md#per-request)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from specsplit.spec.ewma import Ewma
 
-DECAY = 0.9  # per asked round: acceptance is noisy round to round (a geometric run)
+DECAY = 0.95  # per asked round: acceptance is noisy round to round (a geometric run); bursts are the copy signal's
 PRIOR_ROUNDS = 1.0  # the type's prior counts as this many rounds of the request's own
-HOLD = 0.9  # asking stops below this share of the rate without asking: a few unlucky rounds are not a verdict
+HOLD = 0.97  # asking stops below this share of the rate without asking (an ask that finds nothing costs ~10 %)
 ASK_COST = 1.25  # a round that asks, in rounds that do not, until one that does not is timed
-# Tokens between probes while off, doubled after each probe that lost. Asking is cheap beside what a
-# missed copy costs (a failed ask adds part of a step; a missed one loses tokens), so probes stay frequent.
-PROBE_MIN, PROBE_MAX = 4, 16
+# Tokens between probes of a kind of round that does not pay, doubled after each probe that lost: a
+# failed ask costs about a third of a step here (chat: 12 asks in 128 tokens cost 4 %).
+PROBE_MIN, PROBE_MAX = 4, 32
 
 
 @dataclass(frozen=True)
@@ -30,23 +37,52 @@ class Prior:
     off_ms: float | None = None
 
 
-class Gate:
-    """`ask()` before a round, `record()` after it. `always`: a forced request (speculation ON)."""
+class _Kind:
+    """Rounds that asked the drafter in one situation (a copy in sight, or not): what they earned,
+    whether asking pays, and when to probe again if it does not."""
 
-    def __init__(self, prior: Prior = Prior(), always: bool = False):
-        self.always = always
-        self.tokens, self.on_ms, self.off_ms = Ewma(DECAY), Ewma(DECAY), Ewma(DECAY)
+    def __init__(self, prior: Prior):
+        self.tokens, self.on_ms = Ewma(DECAY), Ewma(DECAY)
         if prior.tokens is not None and prior.on_ms is not None:
             self.tokens.add(prior.tokens, PRIOR_ROUNDS)
             self.on_ms.add(prior.on_ms, PRIOR_ROUNDS)
+        self.asking = True  # set from the prior by the gate
+        self.interval = PROBE_MIN
+        self.since_ask = 0  # tokens since this kind last asked: off by its prior, it probes after PROBE_MIN
+
+
+class Gate:
+    """`start(prompt)`, then `ask()` before a round and `record()` after it. `always`: a forced
+    request (speculation ON) asks every round."""
+
+    def __init__(self, prior: Prior = Prior(), always: bool = False):
+        self.always = always
+        self.off_ms = Ewma(DECAY)
         if prior.off_ms is not None:
             self.off_ms.add(prior.off_ms, PRIOR_ROUNDS)
-        self.asking = self._pays(self.tokens.value, self.on_ms.value, 1.0)
-        self.interval = PROBE_MIN
-        self.since_ask = PROBE_MIN  # tokens committed since the last ask: a request off by its prior probes first
+        self.kinds = {copy: _Kind(prior) for copy in (True, False)}
+        for kind in self.kinds.values():
+            kind.asking = self._pays(kind.tokens.value, kind.on_ms.value)
+        self._seen: Counter[tuple[int, int]] = Counter()  # bigrams of the context
+        self._tail: list[int] = []  # its last two tokens
+        self._kind: _Kind | None = None  # the kind of the round under way
         self.asked = self.skipped = 0  # rounds
 
-    def _pays(self, tokens: float | None, on_ms: float | None, share: float) -> bool:
+    def start(self, prompt: list[int]) -> None:
+        self.extend(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Committed tokens join the context."""
+        tail = self._tail + list(tokens)
+        self._seen.update(zip(tail, tail[1:]))
+        self._tail = tail[-2:]
+
+    @property
+    def copyable(self) -> bool:
+        """The last two tokens occurred before in the context: a retrieval draft exists."""
+        return len(self._tail) == 2 and self._seen[self._tail[0], self._tail[1]] >= 2
+
+    def _pays(self, tokens: float | None, on_ms: float | None, share: float = 1.0) -> bool:
         """Whether rounds that ask, committing `tokens` in `on_ms`, beat `share` of the rate of rounds
         that do not (unknown: yes; no round without asking timed yet: ASK_COST of one that asks)."""
         if tokens is None or on_ms is None:
@@ -55,29 +91,41 @@ class Gate:
         return tokens / on_ms >= share / (off_ms if off_ms is not None else on_ms / ASK_COST)
 
     def ask(self) -> bool:
-        return self.always or self.asking or self.since_ask >= self.interval
+        kind = self._kind = self.kinds[self.copyable]
+        return self.always or kind.asking or kind.since_ask >= kind.interval
 
     def off_run(self) -> int:
-        """Rounds that will not ask before the next probe, this one included (at least 1): how many
-        tokens the verifier may decode on its own now."""
+        """Tokens the verifier may decode on its own now, this round's own included (at least 1):
+        until rounds without a copy in sight are due a probe (a copy coming into sight is the
+        verifier's to stop at: until_copy). One that is due while a copy is in sight waits for
+        PROBE_MIN more tokens rather than for every token."""
         if self.ask():
             return 1
-        return self.interval - self.since_ask
+        kind = self.kinds[False]
+        due = kind.interval - kind.since_ask
+        return due if due > 0 else PROBE_MIN
+
+    @property
+    def until_copy(self) -> bool:
+        """Whether decoding on its own should stop once a copy comes into sight (rounds with one pay,
+        or are due a probe): VerifyRequest.decode_until_copy."""
+        kind = self.kinds[True]
+        return not self.always and (kind.asking or kind.since_ask >= kind.interval)
 
     def record(self, asked: bool, committed: int, ms: float) -> None:
         """A round's outcome: it asked the drafter or not, committed `committed` tokens in `ms` wall
-        time (everything on its critical path)."""
+        time (everything on its critical path). Call extend() with its tokens after."""
+        kind = self._kind if self._kind is not None else self.kinds[self.copyable]
+        self._kind = None
+        for other in self.kinds.values():
+            other.since_ask += committed
         if not asked:
             self.skipped += 1
             self.off_ms.add(ms / max(1, committed))
-            self.since_ask += committed
             return
         self.asked += 1
-        self.tokens.add(committed)
-        self.on_ms.add(ms)
-        self.since_ask = 0
-        if self.asking:
-            self.asking = self._pays(self.tokens.value, self.on_ms.value, HOLD)
-        else:  # a probe: back on if it paid on its own, else probe half as often
-            self.asking = self._pays(committed, ms, 1.0)
-        self.interval = PROBE_MIN if self.asking else min(PROBE_MAX, 2 * self.interval)
+        kind.tokens.add(committed)
+        kind.on_ms.add(ms)
+        kind.since_ask = 0
+        kind.asking = self._pays(kind.tokens.value, kind.on_ms.value, HOLD if kind.asking else 1.0)
+        kind.interval = PROBE_MIN if kind.asking else min(PROBE_MAX, 2 * kind.interval)

@@ -132,9 +132,12 @@ class RoundLoop:
             probs, ref = payloads.for_verifier(request.links, proposal, keep)
         # No draft: the verifier decodes on its own until the next ask (AUTO's gate), the budget or
         # DECODE_AHEAD tokens, without a trip back here per token.
-        decode = 0 if drafts else cursor.room(request.gate.off_run() - 1 if request.drafting else DECODE_AHEAD)
+        gate = request.gate
+        decode = 0 if drafts else cursor.room(min(DECODE_AHEAD, gate.off_run() - 1) if request.drafting
+                                              else DECODE_AHEAD)
         check = vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=drafts,
-                                  draft_probs=probs, draft_probs_shm=ref, draft_parents=parents, decode_ahead=decode)
+                                  draft_probs=probs, draft_probs_shm=ref, draft_parents=parents, decode_ahead=decode,
+                                  decode_until_copy=decode > 0 and request.drafting and gate.until_copy)
         t = now()
         ahead = None
         if guess is not None and plan.max_new_tokens - cursor.generated - len(drafts) - 1 > 0:
@@ -161,7 +164,8 @@ class RoundLoop:
                       drafter_holds_them=request.ready is not None)
         self._load.report(request.session_id, 1 + len(drafts), len(cursor.last))
         end = now()
-        request.gate.record(asked, len(cursor.last), (end - mark) / 1e6)
+        gate.record(asked, len(cursor.last), (end - mark) / 1e6)
+        gate.extend(cursor.last)
         request.measured.rounds.append(Round(
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
@@ -283,6 +287,7 @@ class RoundLoop:
         request.measured.prefill_ns, request.measured.prefill_verify_ns = now() - t, verified.forward_ns
         request.measured.prefix_cached, request.measured.prefill_chunks = verified.cached_tokens, verified.chunks
         request.cursor.start(len(plan.prompt_ids), verified.next_token_id, verified.length)
+        request.gate.start([*plan.prompt_ids, verified.next_token_id])
         request.logprobs, request.prompt_logprobs = list(verified.logprobs), list(verified.prompt_logprobs)
         if plan.needs_features and request.drafting:
             request.features = verified.features

@@ -43,7 +43,7 @@ def test_stops_asking_when_its_rounds_lose_and_probes_less_and_less():
 def test_a_request_that_pays_keeps_asking():
     gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))  # the type says asking loses ...
     asks = drive(gate, lambda i: 3, 120)  # ... but this request's drafts are right
-    assert all(asks), asks  # its first round probes, and its own rounds outweigh the prior
+    assert not any(asks[:PROBE_MIN]) and all(asks[PROBE_MIN:]), asks  # one probe, then its own rounds decide
 
 
 def test_comes_back_when_the_text_turns_copyable():
@@ -62,9 +62,67 @@ def test_comes_back_when_the_text_turns_copyable():
 
 def test_off_run_is_the_tokens_until_the_next_probe():
     gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))
-    assert gate.ask()  # the first round probes: a request is judged on its own rounds
-    gate.record(True, 1, ASK)  # nothing accepted
-    assert gate.off_run() == 2 * PROBE_MIN and not gate.ask()  # a losing probe doubles the interval
-    gate.record(False, 5, 5 * STEP)  # five tokens decoded in one round
+    assert not gate.ask() and gate.off_run() == PROBE_MIN  # off by the prior: the first probe after PROBE_MIN
+    gate.record(False, PROBE_MIN, PROBE_MIN * STEP)  # decoded in one round
+    assert gate.ask() and gate.off_run() == 1
+    gate.record(True, 1, ASK)  # the probe: nothing accepted
+    assert not gate.ask() and gate.off_run() == 2 * PROBE_MIN  # a losing probe doubles the wait
+    gate.record(False, 5, 5 * STEP)
     assert gate.off_run() == 2 * PROBE_MIN - 5
     assert Gate().off_run() == 1 and Gate(always=True).off_run() == 1
+
+
+def test_a_copy_in_sight_is_judged_apart_from_rounds_without_one():
+    """A document in the prompt and an answer that quotes it now and then: rounds whose last two
+    tokens occurred before (a retrieval draft exists) ask and pay; the rest stop asking after a few
+    losing rounds. One statistic for both would average them into one verdict."""
+    document = list(range(100, 160))
+    gate = Gate(Prior(tokens=1.5, on_ms=ASK, off_ms=STEP))
+    gate.start(document)
+    text = list(document)
+    asked_copy, asked_other, copyable_rounds, other_rounds = 0, 0, 0, 0
+    fresh = 1000
+    for round_ in range(120):
+        quoting = (round_ // 10) % 2 == 1  # ten rounds of own words, then ten quoting the document
+        if quoting and not gate.copyable:  # the quote starts: the target's own two tokens of the document
+            asked = gate.ask()
+            new = document[20 + round_ % 20:22 + round_ % 20]
+            gate.record(asked, 2, 2 * (ASK if asked else STEP))
+        elif quoting:
+            at = document.index(text[-1]) + 1
+            copyable_rounds += 1
+            asked = gate.ask()
+            asked_copy += asked
+            new = document[at:at + (4 if asked else 1)]  # the drafts, all right, and the target's own
+            gate.record(asked, len(new), ASK if asked else STEP)
+        else:
+            other_rounds += 1
+            asked = gate.ask()
+            asked_other += asked
+            new = [fresh]
+            fresh += 1
+            gate.record(asked, 1, ASK if asked else STEP)
+        text += new
+        gate.extend(new)
+    assert copyable_rounds > 20 and asked_copy >= copyable_rounds - 2, (asked_copy, copyable_rounds)
+    assert asked_other <= other_rounds // 4, (asked_other, other_rounds)
+
+
+def test_decoding_ahead_watches_for_a_copy_only_where_copies_pay():
+    gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))  # nothing pays by the prior
+    gate.start([1, 2, 3])
+    assert not gate.ask() and not gate.until_copy  # no kind is due a probe yet
+    gate.record(False, PROBE_MIN, PROBE_MIN * STEP)
+    gate.extend([4, 5, 6, 7])
+    assert gate.until_copy  # copies are due a probe: stop decoding alone when one comes into sight
+    assert Gate(Prior(tokens=3.0, on_ms=ASK, off_ms=STEP)).until_copy  # copies pay
+    assert not Gate(always=True).until_copy
+
+
+def test_a_probe_due_while_a_copy_is_in_sight_does_not_cut_decoding_to_single_tokens():
+    gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))  # nothing pays by the prior
+    gate.start([1, 2, 3, 1, 2])  # (1, 2) occurred before: a copy is in sight
+    gate.kinds[True].since_ask = -100  # copies were just probed and lost
+    gate.kinds[False].since_ask = gate.kinds[False].interval  # rounds without a copy are due a probe
+    assert gate.copyable and not gate.ask()  # not now: a copy is in sight
+    assert gate.off_run() == PROBE_MIN

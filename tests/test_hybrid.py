@@ -118,3 +118,27 @@ def test_a_task_type_starts_from_what_its_earlier_sessions_learnt():
     assert hybrid.propose(session("code"), 2).source == "self"
     sources = [hybrid.propose(session("rewrite"), 2).source for _ in range(6)]  # sessions 3..8
     assert sources == [""] * 5 + ["self"]
+
+
+class CountingHead(Head):
+    """An unsure head (drafts nothing) that counts how often it is run."""
+
+    def __init__(self):
+        super().__init__([])
+        self.runs = 0
+
+    def propose(self, session, gamma, budget=0):
+        self.runs += 1
+        return super().propose(session, gamma, budget)
+
+
+def test_a_head_that_drafts_nothing_is_soon_left_idle():
+    """Running an unsure head costs its time and earns nothing: the hybrid learns that as it learns a
+    rejected draft (such runs were once not counted, and the head ran every round for nothing)."""
+    head = CountingHead()
+    hybrid = HybridDrafter(NgramDrafter(), head, min_match=2)
+    session = hybrid.start([1, 2, 3])  # nothing to match
+    for i in range(20):
+        assert hybrid.propose(session, 3) == Proposal([], "")
+        session.sync(len(session.tokens), [10 + i])
+    assert head.runs <= 3, head.runs

@@ -43,6 +43,15 @@ class TargetSession:
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
+    bigrams: set = field(default_factory=set)  # of tokens[:bigrams_upto] (VerifyRequest.decode_until_copy)
+    bigrams_upto: int = 0
+
+    def repeats(self) -> bool:
+        """Whether the last two committed tokens occurred before (a retrieval draft exists here)."""
+        tokens, end = self.tokens, len(self.tokens) - 1
+        self.bigrams.update(zip(tokens[max(0, self.bigrams_upto - 1):end - 1], tokens[max(1, self.bigrams_upto):end]))
+        self.bigrams_upto = end
+        return end >= 1 and (tokens[-2], tokens[-1]) in self.bigrams
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             done = self._ahead.setdefault(request.session_id, [])
             done.append(result)
             if len(done) <= request.decode_ahead and result.next_token not in session.stop_tokens \
-                    and result.length < self._lm.max_context:
+                    and result.length < self._lm.max_context and not (request.decode_until_copy and session.repeats()):
                 return Again(1)
             del self._ahead[request.session_id]
             return self._decoded(request, session, done)

@@ -52,7 +52,7 @@ class _Choice:
                       for k, v in defaults.items()}
         # Last round's drafts: (position, tokens, parents or None for a chain, each token's source).
         self.pending: tuple[int, list[int], list[int] | None, list[object]] | None = None
-        self.head_ms = Ewma(DECAY)  # the head's drafting time per round (its first, which feeds the prompt, left out)
+        self.head_ms = Ewma(DECAY)  # the head's time per run, empty ones too (not its first: that feeds the prompt)
         self.rest_ms = Ewma(DECAY)  # the time between Proposes less the head's drafting: verify and overheads
         self.last_head_ms = 0.0  # the head's drafting time in the round that ended at the next Propose
         self.head_runs = 0
@@ -122,8 +122,11 @@ class HybridDrafter:
             proposal = yield from steps_of(self.head, session, gamma, budget)
             choice.last_head_ms = (time.perf_counter() - started) * 1e3
             choice.head_runs += 1
-            if proposal.tokens and choice.head_runs > 1:
+            if choice.head_runs > 1:
                 choice.head_ms.add(choice.last_head_ms)
+            if not proposal.tokens:  # unsure, it drafted nothing: that is what running it earned
+                choice.means[HEAD].add(0.0)
+                choice.task.setdefault(HEAD, Ewma(TASK_DECAY)).add(0.0)
         if budget > 1 and not session.rejects:
             return self._tree(session, choice, proposal, gamma, budget)
         if proposal is None or not proposal.tokens:

@@ -96,7 +96,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents", "decode_ahead")
+    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents", "decode_ahead", "decode_until_copy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class VerifyRequest(_message.Message):
     DRAFT_PROBS_SHM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    DECODE_UNTIL_COPY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +112,8 @@ class VerifyRequest(_message.Message):
     draft_probs_shm: _common_pb2.ShmRef
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     decode_ahead: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ...) -> None: ...
+    decode_until_copy: bool
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ..., decode_until_copy: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs", "decoded_token_ids")
