@@ -8,8 +8,9 @@ before, a retrieval draft exists (the drafters' n-gram source matches two tokens
 committed tokens per millisecond of rounds that asked the drafter, kept apart for rounds with and
 without such a match, against those of rounds that did not ask (the verifier decoding on its own).
 A kind of round that does not pay (below 0.97 of the rate without asking, while it asks) is asked
-no more, except now and then (a probe: after 4 tokens, then 8, 16, then every 32). Plain Python, no gRPC
-(docs/controller.md#per-request)."""
+no more, except now and then (a probe: after 4 tokens, then 8, 16, then every 32); meanwhile the
+verifier decodes on its own and drafts copies from the context itself (prompt lookup). Plain
+Python, no gRPC (docs/controller.md#per-request)."""
 
 from __future__ import annotations
 
@@ -96,21 +97,14 @@ class Gate:
 
     def off_run(self) -> int:
         """Tokens the verifier may decode on its own now, this round's own included (at least 1):
-        until rounds without a copy in sight are due a probe (a copy coming into sight is the
-        verifier's to stop at: until_copy). One that is due while a copy is in sight waits for
-        PROBE_MIN more tokens rather than for every token."""
+        until rounds without a copy in sight are due a probe (copies meanwhile are the verifier's own
+        prompt lookup's). One that is due while a copy is in sight waits for PROBE_MIN more tokens
+        rather than for every token."""
         if self.ask():
             return 1
         kind = self.kinds[False]
         due = kind.interval - kind.since_ask
         return due if due > 0 else PROBE_MIN
-
-    @property
-    def until_copy(self) -> bool:
-        """Whether decoding on its own should stop once a copy comes into sight (rounds with one pay,
-        or are due a probe): VerifyRequest.decode_until_copy."""
-        kind = self.kinds[True]
-        return not self.always and (kind.asking or kind.since_ask >= kind.interval)
 
     def record(self, asked: bool, committed: int, ms: float) -> None:
         """A round's outcome: it asked the drafter or not, committed `committed` tokens in `ms` wall

@@ -224,7 +224,7 @@ def _record(r) -> pb.RoundRecord:
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
                           expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls,
-                          decoded=r.decoded)
+                          decoded=r.decoded, lookup_drafted=r.lookup_drafted, lookup_accepted=r.lookup_accepted)
 
 
 def _prefill_network_ms(request: Request) -> float:

@@ -135,9 +135,12 @@ class RoundLoop:
         gate = request.gate
         decode = 0 if drafts else cursor.room(min(DECODE_AHEAD, gate.off_run() - 1) if request.drafting
                                               else DECODE_AHEAD)
+        # An AUTO request decoding alone drafts from its own context inside the verifier (prompt lookup:
+        # no trip to the draft service for a copy).
+        lookup = plan.gamma if decode and request.drafting and not gate.always else 0
         check = vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=drafts,
                                   draft_probs=probs, draft_probs_shm=ref, draft_parents=parents, decode_ahead=decode,
-                                  decode_until_copy=decode > 0 and request.drafting and gate.until_copy)
+                                  lookup_gamma=lookup)
         t = now()
         ahead = None
         if guess is not None and plan.max_new_tokens - cursor.generated - len(drafts) - 1 > 0:
@@ -170,7 +173,7 @@ class RoundLoop:
             len(drafts), verdict.num_accepted, draft_ns, draft_call, verdict.forward_ns, verify_call, end - mark,
             source, feature_bytes, payloads.proposal_bytes(probs, ref), predrafted,
             max(tokentree.depths(parents)) if parents else len(drafts), expected, verdict.batch_rows,
-            verdict.batch_calls, len(verdict.decoded_token_ids)))
+            verdict.batch_calls, len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted))
         return end
 
     async def _draft(self, request: Request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:

@@ -57,7 +57,9 @@ class Round(NamedTuple):
     expected: float  # the drafter's estimate of accepted drafts (sum of the verified scores); 0: unscored
     batch_rows: int = 0  # the verify forward's rows across the verifier's batch
     batch_calls: int = 0  # and its calls (sessions)
-    decoded: int = 0  # tokens the verifier decoded on its own after next_token (VerifyRequest.decode_ahead)
+    decoded: int = 0  # tokens the verifier committed on its own after next_token (VerifyRequest.decode_ahead)
+    lookup_drafted: int = 0  # of which its own prompt-lookup drafts (VerifyRequest.lookup_gamma)
+    lookup_accepted: int = 0
 
 
 @dataclass

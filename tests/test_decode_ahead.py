@@ -111,17 +111,21 @@ async def test_a_session_released_while_it_decodes_ahead_is_answered_not_found(m
             assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-async def test_decoding_ahead_until_a_copy_stops_where_the_last_two_tokens_occurred_before(models, tmp_path):
+async def test_the_verifier_drafts_from_the_context_itself_and_stays_exact(models, tmp_path):
+    """lookup_gamma: where the last two tokens occurred before, the verifier drafts what followed
+    them and verifies it in the same forward: the tokens equal one call per token's, greedy and
+    under seeded (coupled) sampling, and a text that repeats itself gets drafts accepted."""
     async with running_stack(tmp_path, "tcp", models["target"], None, shared_memory=False) as stack:
         async with grpc.aio.insecure_channel(stack.verify) as ch:
             v = vpb_grpc.VerifierStub(ch)
-            steps, _, _ = await _one_at_a_time(v, "steps", 30)
-            context = PROMPT + steps
-            # the first committed position past the round's own token whose last two tokens occurred earlier
-            at = next(i for i in range(len(PROMPT) + 1, len(context))
-                      if (context[i - 1], context[i]) in set(zip(context[:i - 1], context[1:i])))
-            first = await v.Prefill(vpb.PrefillRequest(session_id="copy", prompt_token_ids=PROMPT))
-            ahead = await v.Verify(vpb.VerifyRequest(session_id="copy", length=first.length, decode_ahead=29,
-                                                     decode_until_copy=True))
-            assert [first.next_token_id, ahead.next_token_id, *ahead.decoded_token_ids] == context[len(PROMPT):at + 1]
-            assert at + 1 - len(PROMPT) < len(steps)  # it stopped early (the random model repeats itself)
+            for name, sampling in (("greedy", cpb.Sampling()), ("coupled", cpb.Sampling(temperature=1.0, seed=3))):
+                steps, _, _ = await _one_at_a_time(v, f"steps-{name}", 30, sampling=sampling)
+                first = await v.Prefill(vpb.PrefillRequest(session_id=f"look-{name}", prompt_token_ids=PROMPT,
+                                                           sampling=sampling, return_features=True))
+                ahead = await v.Verify(vpb.VerifyRequest(session_id=f"look-{name}", length=first.length,
+                                                         decode_ahead=29, lookup_gamma=4))
+                assert [first.next_token_id, ahead.next_token_id, *ahead.decoded_token_ids] == steps, name
+                assert ahead.length == first.length + 30 and ahead.features.rows == 30
+                assert ahead.lookup_accepted <= ahead.lookup_drafted
+                if name == "greedy":  # the random model repeats one token: the lookup copies it
+                    assert ahead.lookup_accepted > 0 and ahead.lookup_drafted > 0, ahead

@@ -108,17 +108,6 @@ def test_a_copy_in_sight_is_judged_apart_from_rounds_without_one():
     assert asked_other <= other_rounds // 4, (asked_other, other_rounds)
 
 
-def test_decoding_ahead_watches_for_a_copy_only_where_copies_pay():
-    gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))  # nothing pays by the prior
-    gate.start([1, 2, 3])
-    assert not gate.ask() and not gate.until_copy  # no kind is due a probe yet
-    gate.record(False, PROBE_MIN, PROBE_MIN * STEP)
-    gate.extend([4, 5, 6, 7])
-    assert gate.until_copy  # copies are due a probe: stop decoding alone when one comes into sight
-    assert Gate(Prior(tokens=3.0, on_ms=ASK, off_ms=STEP)).until_copy  # copies pay
-    assert not Gate(always=True).until_copy
-
-
 def test_a_probe_due_while_a_copy_is_in_sight_does_not_cut_decoding_to_single_tokens():
     gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))  # nothing pays by the prior
     gate.start([1, 2, 3, 1, 2])  # (1, 2) occurred before: a copy is in sight

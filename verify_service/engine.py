@@ -43,15 +43,18 @@ class TargetSession:
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
-    bigrams: set = field(default_factory=set)  # of tokens[:bigrams_upto] (VerifyRequest.decode_until_copy)
-    bigrams_upto: int = 0
+    bigram_at: dict = field(default_factory=dict)  # bigram -> where its second token last was (lookup)
+    bigrams_upto: int = 0  # tokens[:bigrams_upto] are indexed
 
-    def repeats(self) -> bool:
-        """Whether the last two committed tokens occurred before (a retrieval draft exists here)."""
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last two committed tokens
+        (prompt lookup over prompt and output); none where they did not occur before."""
         tokens, end = self.tokens, len(self.tokens) - 1
-        self.bigrams.update(zip(tokens[max(0, self.bigrams_upto - 1):end - 1], tokens[max(1, self.bigrams_upto):end]))
-        self.bigrams_upto = end
-        return end >= 1 and (tokens[-2], tokens[-1]) in self.bigrams
+        for i in range(max(1, self.bigrams_upto), end):  # every bigram but the last one
+            self.bigram_at[tokens[i - 1], tokens[i]] = i
+        self.bigrams_upto = max(self.bigrams_upto, end)
+        at = self.bigram_at.get((tokens[-2], tokens[-1])) if k > 0 and end >= 1 else None
+        return [] if at is None else tokens[at + 1:at + 1 + k]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -52,8 +52,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # Prefills that joined the worker's batch and are not finished (both counted on the worker
         # thread): one in progress joins every batch, and a batch waits for it from its arrival.
         self.prefilling = 0
-        # Verify calls decoding ahead (VerifyRequest.decode_ahead), by session: the forwards so far.
-        self._ahead: dict[str, list] = {}
+        # Verify calls decoding ahead (VerifyRequest.decode_ahead), by session, between their steps.
+        self._ahead: dict[str, _Decoding] = {}
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -230,12 +230,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _plan_verify(self, request: pb.VerifyRequest):
         """Raises Failure with the status for the caller."""
-        if request.session_id in self._ahead:  # decoding ahead: the next token after what it committed
-            try:
-                session = self._sessions.get(request.session_id)
-                return self._target.plan_verify(session, len(session.tokens), [])
-            except Exception as e:  # noqa: BLE001 -- mapped to its status
-                raise _failure(e) from None
+        if request.decode_ahead and not request.draft_token_ids:
+            return self._plan_decode(request)
         if len(request.draft_token_ids) > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(request.draft_token_ids)} draft tokens; at most {MAX_DRAFT}")
@@ -254,18 +250,38 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise _failure(e) from None
 
+    def _plan_decode(self, request: pb.VerifyRequest):
+        """A decode-ahead's next step: the next token after what it committed, and where the context
+        offers one, a prompt-lookup draft of what may follow (VerifyRequest.lookup_gamma)."""
+        try:
+            session = self._sessions.get(request.session_id)
+            decoding = self._ahead.get(request.session_id)
+            if decoding is None:  # its first step: at the length the caller believes
+                decoding = self._ahead[request.session_id] = _Decoding()
+                length = request.length
+            else:
+                length = len(session.tokens)
+            room = min(request.lookup_gamma, request.decode_ahead - decoding.committed)  # accepted + 1 must fit
+            rejects = session.sampling.verified_by(session.method) == "rejection"  # a lookup has no q
+            draft = session.lookup(room) if room > 0 and not rejects else []
+            decoding.looked = len(draft)
+            return self._target.plan_verify(session, length, draft)
+        except Exception as e:  # noqa: BLE001 -- mapped to its status
+            raise _failure(e) from None
+
     def _verified(self, request: pb.VerifyRequest, result) -> pb.VerifyResponse | Again:
         """The answer; Again while a decode-ahead has tokens to go (its forwards are kept until then)."""
         session = self._sessions.get(request.session_id)
         self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
         if request.decode_ahead and not request.draft_token_ids:
-            done = self._ahead.setdefault(request.session_id, [])
-            done.append(result)
-            if len(done) <= request.decode_ahead and result.next_token not in session.stop_tokens \
-                    and result.length < self._lm.max_context and not (request.decode_until_copy and session.repeats()):
+            decoding = self._ahead[request.session_id]
+            decoding.add(result)
+            new = session.tokens[len(session.tokens) - 1 - result.num_accepted:]
+            if decoding.committed <= request.decode_ahead and not session.stop_tokens.intersection(new) \
+                    and result.length < self._lm.max_context:
                 return Again(1)
             del self._ahead[request.session_id]
-            return self._decoded(request, session, done)
+            return self._decoded(request, session, decoding)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
@@ -273,16 +289,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs))
 
     @staticmethod
-    def _decoded(request: pb.VerifyRequest, session, done: list) -> pb.VerifyResponse:
-        """A decode-ahead's answer: its first forward's token as next_token_id, the others' after it."""
+    def _decoded(request: pb.VerifyRequest, session, decoding: _Decoding) -> pb.VerifyResponse:
+        """A decode-ahead's answer: the first token it committed as next_token_id, the others after it."""
+        done = decoding.results
+        committed = session.tokens[request.length:]
         features = [r.features for r in done]
         merged = dataclasses.replace(done[-1], features=None if features[0] is None else torch.cat(features))
-        return pb.VerifyResponse(num_accepted=0, next_token_id=done[0].next_token, length=done[-1].length,
+        return pb.VerifyResponse(num_accepted=0, next_token_id=committed[0], length=done[-1].length,
                                  forward_ns=sum(r.forward_ns for r in done),
                                  features=_features(merged, request.length - 1, session.segment),
                                  batch_rows=done[-1].batch_rows, batch_calls=done[-1].batch_calls,
                                  logprobs=wire.token_logprobs([lp for r in done for lp in r.logprobs]),
-                                 decoded_token_ids=[r.next_token for r in done[1:]])
+                                 decoded_token_ids=committed[1:], lookup_drafted=decoding.drafted,
+                                 lookup_accepted=decoding.accepted)
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -350,6 +369,23 @@ def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
 def _features(result, start: int, segment: shm.Segment | None):
     return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
 
+
+
+@dataclass(eq=False)
+class _Decoding:
+    """A Verify that decodes ahead (VerifyRequest.decode_ahead), between its steps."""
+
+    results: list = field(default_factory=list)  # each step's VerifyResult
+    committed: int = 0  # tokens committed so far
+    looked: int = 0  # the step in flight's prompt-lookup draft
+    drafted: int = 0  # its steps' lookup drafts, and how many of those were accepted
+    accepted: int = 0
+
+    def add(self, result) -> None:
+        self.results.append(result)
+        self.committed += 1 + result.num_accepted
+        self.drafted += self.looked
+        self.accepted += result.num_accepted
 
 
 @dataclass(eq=False)

@@ -36,6 +36,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
     identical: dict[str, Counter] = defaultdict(Counter)
     reasons: dict[str, Counter] = defaultdict(Counter)
     drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    looked: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # the default's verifier lookups: drafted, accepted
     acceptance: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     tax: list[float] = []  # spec-off decode ms per token through the services
     for r in range(repeats):
@@ -66,6 +67,8 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 reasons[key][stats.speculation_reason] += 1
                 drafted_rounds[key][0] += sum(1 for rr in stats.round_records if rr.drafted)
                 drafted_rounds[key][1] += stats.rounds
+                looked[key][0] += sum(rr.lookup_drafted for rr in stats.round_records)
+                looked[key][1] += sum(rr.lookup_accepted for rr in stats.round_records)
             print(f"traffic {r + 1}/{repeats} [{i}/{len(modes)}] {task:<10} default: "
                   f"{stats.speculation_reason:<10} "
                   f"{len(outputs[AUTO].token_ids) / max(1e-9, stats.total_ms / 1e3):6.1f}"
@@ -76,7 +79,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
     print(f"specsplit bench --traffic: {len(prompts)} prompts shuffled (seed {seed}), unlabelled, "
           f"max_new_tokens={max_new_tokens}, repeats={repeats}; tok/s = tokens / wall time incl. prefill", file=out)
     head = f"{'category':<11}{'n':>3}{'off':>8}" + "".join(f"{lb[:14]:>15}" for lb in forced)
-    head += (f"{'default':>9}{'def/off':>8}{'def/best':>9}{'acc.len':>8}{'drafted':>8}{'identical':>10}"
+    head += (f"{'default':>9}{'def/off':>8}{'def/best':>9}{'acc.len':>8}{'drafted':>8}{'lookup':>12}{'identical':>10}"
              "  default's reasons")
     print(head, file=out)
     for key in sorted(seconds, key=lambda k: (k == "ALL", k)):
@@ -87,13 +90,15 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
         row = {"n": n, "tok_s": rate, "default_vs_off": rate[AUTO] / rate[OFF], "default_vs_best": rate[AUTO] / best,
                "default_acc_len": acc[0] / acc[1] if acc[1] else 0.0,
                "drafted_share": drafted_rounds[key][0] / max(1, drafted_rounds[key][1]),
-               "identical": dict(identical[key]), "reasons": dict(reasons[key])}
+               "identical": dict(identical[key]), "reasons": dict(reasons[key]), "lookup_drafted": looked[key][0],
+               "lookup_accepted": looked[key][1]}
         rows[key] = row
         same = "/".join(str(identical[key][lb]) for lb in [AUTO, *forced])
         print(f"{key:<11}{n:>3}{rate[OFF]:>8.1f}" + "".join(f"{rate[lb]:>8.1f} {rate[lb] / rate[OFF]:>5.2f}x"
                                                              for lb in forced)
               + f"{rate[AUTO]:>9.1f}{row['default_vs_off']:>7.2f}x{row['default_vs_best']:>8.2f}x"
-              f"{row['default_acc_len']:>8.2f}{row['drafted_share']:>7.0%}{same:>10}  "
+              f"{row['default_acc_len']:>8.2f}{row['drafted_share']:>7.0%}"
+              f"{f'{looked[key][1]}/{looked[key][0]}':>12}{same:>10}  "
               + ", ".join(f"{k} {v}" for k, v in sorted(reasons[key].items())), file=out)
     if tax:
         through, forward = (statistics.median(t[i] for t in tax) for i in (0, 1))
@@ -106,5 +111,6 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
         print(line, file=out)
         rows["service_tax"] = {"through_ms": through, "forward_ms": forward, "bare_step_ms": step_ms}
     print(f"identical = outputs equal to spec-off ({'/'.join([AUTO, *forced])}); acc.len = tokens per drafting "
-          "round of the default request; drafted = its rounds that drafted", file=out)
+          "round of the default request; drafted = its rounds that drafted; lookup = the verifier's own "
+          "prompt-lookup drafts in its rounds, accepted/drafted", file=out)
     return rows

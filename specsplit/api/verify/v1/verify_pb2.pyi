@@ -96,7 +96,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents", "decode_ahead", "decode_until_copy")
+    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents", "decode_ahead", "lookup_gamma")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +104,7 @@ class VerifyRequest(_message.Message):
     DRAFT_PROBS_SHM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    DECODE_UNTIL_COPY_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_GAMMA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -112,11 +112,11 @@ class VerifyRequest(_message.Message):
     draft_probs_shm: _common_pb2.ShmRef
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     decode_ahead: int
-    decode_until_copy: bool
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ..., decode_until_copy: _Optional[bool] = ...) -> None: ...
+    lookup_gamma: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ..., lookup_gamma: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs", "decoded_token_ids")
+    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs", "decoded_token_ids", "lookup_drafted", "lookup_accepted")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class VerifyResponse(_message.Message):
     BATCH_CALLS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DECODED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     length: int
@@ -137,7 +139,9 @@ class VerifyResponse(_message.Message):
     batch_calls: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     decoded_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., decoded_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lookup_drafted: int
+    lookup_accepted: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., decoded_token_ids: _Optional[_Iterable[int]] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
