@@ -67,7 +67,6 @@ class Gate:
         self._seen: Counter[tuple[int, int]] = Counter()  # bigrams of the context
         self._tail: list[int] = []  # its last two tokens
         self._kind: _Kind | None = None  # the kind of the round under way
-        self.asked = self.skipped = 0  # rounds
 
     def start(self, prompt: list[int]) -> None:
         self.extend(prompt)
@@ -114,10 +113,8 @@ class Gate:
         for other in self.kinds.values():
             other.since_ask += committed
         if not asked:
-            self.skipped += 1
             self.off_ms.add(ms / max(1, committed))
             return
-        self.asked += 1
         kind.tokens.add(committed)
         kind.on_ms.add(ms)
         kind.since_ask = 0

@@ -261,7 +261,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 length = request.length
             else:
                 length = len(session.tokens)
-            room = min(request.lookup_gamma, request.decode_ahead - decoding.committed)  # accepted + 1 must fit
+            # A copy that held (the last lookup all accepted) is likely a quoted span: look twice as far.
+            want = request.lookup_gamma * (2 if decoding.copying else 1)
+            room = min(want, request.decode_ahead - decoding.committed)  # accepted + 1 must fit
             rejects = session.sampling.verified_by(session.method) == "rejection"  # a lookup has no q
             draft = session.lookup(room) if room > 0 and not rejects else []
             decoding.looked = len(draft)
@@ -381,11 +383,14 @@ class _Decoding:
     drafted: int = 0  # its steps' lookup drafts, and how many of those were accepted
     accepted: int = 0
 
+    copying: bool = False  # the last lookup was accepted whole
+
     def add(self, result) -> None:
         self.results.append(result)
         self.committed += 1 + result.num_accepted
         self.drafted += self.looked
         self.accepted += result.num_accepted
+        self.copying = self.looked > 0 and result.num_accepted == self.looked
 
 
 @dataclass(eq=False)
