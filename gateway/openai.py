@@ -19,7 +19,7 @@ import grpc
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 
-from gateway.openaiwire import FINISH, STATUS, Tokens, choices, generate_request, invalid, per_choice
+from gateway.openaiwire import FINISH, STATUS, Tokens, asked_tokens, choices, generate_request, invalid, per_choice
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.errors import Failure
 
@@ -216,7 +216,7 @@ class _Shape:
         self.chat, self._tokens = chat, tokens
         self._logprobs = request.logprobs.generated
         self._echo = not chat and bool(body.get("echo"))
-        self._prompt_only = body.get("max_tokens", body.get("max_completion_tokens")) == 0
+        self._prompt_only = asked_tokens(body) == 0
         self._prompt = request.text
         self._first_id = None
         if self._echo and self._logprobs:  # the first prompt token has no logprob, but is listed

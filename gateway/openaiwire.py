@@ -36,6 +36,12 @@ REFUSED = ("presence_penalty", "frequency_penalty")
 MAX_CHOICES = 16
 
 
+def asked_tokens(body: dict):
+    """The token budget a body asks for: max_completion_tokens (the newer name) over max_tokens; None:
+    neither. One reading for building the request and for shaping its answer."""
+    return body.get("max_completion_tokens", body.get("max_tokens"))
+
+
 def invalid(message: str, param: str | None = None) -> Failure:
     failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, message)
     failure.param = param
@@ -70,7 +76,7 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
             raise invalid("prompt must be a string (or a list of one string)", "prompt")
         request.text = prompt
     request.logprobs.CopyFrom(_logprobs(body, chat))
-    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    tokens = asked_tokens(body)
     request.max_new_tokens = _int(tokens, "max_tokens", 0) if tokens is not None else max_new_tokens_default
     if request.max_new_tokens == 0:  # lm-eval's log-likelihood: the prompt's logprobs, nothing generated
         if chat or not body.get("echo"):

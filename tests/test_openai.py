@@ -254,6 +254,12 @@ async def test_echo_with_no_new_tokens_gives_the_prompts_logprobs_as_lm_eval_ask
     tokens = more.choices[0].logprobs.tokens
     assert more.choices[0].text.startswith(LOGPROB_PROMPT) and len(tokens) == len(prompt_ids) + 4
     assert more.choices[0].logprobs.token_logprobs[:len(prompt_ids)] == lp["token_logprobs"]
+    # Both budgets given: max_completion_tokens wins, for the tokens generated and the answer's shape
+    # alike (read in two orders, such a body was generated with 4 tokens and answered as prompt-only).
+    both = {**body, "max_completion_tokens": 4, "specsplit": {"ignore_eos": True}}
+    status, answer = await asyncio.to_thread(post_json, port, "/v1/completions", both)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    assert answer["choices"][0]["text"].startswith(LOGPROB_PROMPT) and answer["choices"][0]["text"] != LOGPROB_PROMPT
 
 
 async def test_n_choices_are_the_seeded_requests_one_by_one(door):
