@@ -97,3 +97,36 @@ def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, sh
     assert row["rounds"] == 2 * 5  # 23 tokens after the first, 4 drafts + 1 per round (the last round shorter)
     assert row["fast_path"] == ("2/2" if shared_memory else "0/2")
     assert 0 < row["median"] < 1000 and row["network"] > 0
+
+
+async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(models, tmp_path):
+    """`bench --traffic` against the real services: every prompt runs spec-off, AUTO without a task
+    type and forced on per drafter; the table has a row per category and ALL, counts each mode's
+    outputs equal to spec-off (greedy: all of them), and the service tax compares like with like."""
+    import asyncio
+    import io
+
+    import grpc
+    from conftest import running_stack
+
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.tools import traffic
+    from specsplit.tools.workload import Prompt, Variant
+
+    prompts = [Prompt("rag", "Document: the cat sat on the mat. Question: where did the cat sit?"),
+               Prompt("chat", "Hello! How are you today?"), Prompt("rag", "Copy this: 1 2 3 4 5 6 7 8")]
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        def run():
+            with grpc.insecure_channel(stack.gateway) as channel:
+                out = io.StringIO()
+                rows = traffic.run(pb_grpc.GatewayStub(channel), prompts, 16, 1, [Variant("ngram")], out=out)
+                return rows, out.getvalue()
+
+        rows, printed = await asyncio.to_thread(run)
+    assert set(rows) == {"rag", "chat", "ALL", "service_tax"}
+    assert rows["ALL"]["n"] == 3 and rows["rag"]["n"] == 2
+    assert rows["ALL"]["identical"] == {"off": 3, "default": 3, "ngram": 3}  # greedy: every mode equals spec-off
+    assert sum(rows["ALL"]["reasons"].values()) == 3 and "forced" not in rows["ALL"]["reasons"]  # AUTO, not forced
+    tax = rows["service_tax"]
+    assert 0 < tax["forward_ms"] <= tax["through_ms"]  # its forwards are part of the decode time
+    assert "default" in printed and "service tax" in printed
