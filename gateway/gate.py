@@ -14,10 +14,10 @@ Python, no gRPC (docs/controller.md#per-request)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from specsplit.spec.ewma import Ewma
+from specsplit.spec.lookup import BigramIndex
 
 DECAY = 0.95  # per asked round: acceptance is noisy round to round (a geometric run); bursts are the copy signal's
 PRIOR_ROUNDS = 1.0  # the type's prior counts as this many rounds of the request's own
@@ -53,8 +53,8 @@ class _Kind:
 
 
 class Gate:
-    """`start(prompt)`, then `ask()` before a round and `record()` after it. `always`: a forced
-    request (speculation ON) asks every round."""
+    """`extend(prompt)`, then `ask()` before a round and `record()` and `extend()` after it.
+    `always`: a forced request (speculation ON) asks every round."""
 
     def __init__(self, prior: Prior = Prior(), always: bool = False):
         self.always = always
@@ -64,23 +64,18 @@ class Gate:
         self.kinds = {copy: _Kind(prior) for copy in (True, False)}
         for kind in self.kinds.values():
             kind.asking = self._pays(kind.tokens.value, kind.on_ms.value)
-        self._seen: Counter[tuple[int, int]] = Counter()  # bigrams of the context
-        self._tail: list[int] = []  # its last two tokens
+        self._context: list[int] = []  # the prompt and the committed tokens
+        self._index = BigramIndex()
         self._kind: _Kind | None = None  # the kind of the round under way
 
-    def start(self, prompt: list[int]) -> None:
-        self.extend(prompt)
-
     def extend(self, tokens: list[int]) -> None:
-        """Committed tokens join the context."""
-        tail = self._tail + list(tokens)
-        self._seen.update(zip(tail, tail[1:]))
-        self._tail = tail[-2:]
+        """The prompt, then each round's committed tokens, join the context."""
+        self._context += tokens
 
     @property
     def copyable(self) -> bool:
         """The last two tokens occurred before in the context: a retrieval draft exists."""
-        return len(self._tail) == 2 and self._seen[self._tail[0], self._tail[1]] >= 2
+        return bool(self._index.follows(self._context, 1))
 
     def _pays(self, tokens: float | None, on_ms: float | None, share: float = 1.0) -> bool:
         """Whether rounds that ask, committing `tokens` in `on_ms`, beat `share` of the rate of rounds

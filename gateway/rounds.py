@@ -290,7 +290,7 @@ class RoundLoop:
         request.measured.prefill_ns, request.measured.prefill_verify_ns = now() - t, verified.forward_ns
         request.measured.prefix_cached, request.measured.prefill_chunks = verified.cached_tokens, verified.chunks
         request.cursor.start(len(plan.prompt_ids), verified.next_token_id, verified.length)
-        request.gate.start([*plan.prompt_ids, verified.next_token_id])
+        request.gate.extend([*plan.prompt_ids, verified.next_token_id])
         request.logprobs, request.prompt_logprobs = list(verified.logprobs), list(verified.prompt_logprobs)
         if plan.needs_features and request.drafting:
             request.features = verified.features

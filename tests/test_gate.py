@@ -78,7 +78,7 @@ def test_a_copy_in_sight_is_judged_apart_from_rounds_without_one():
     losing rounds. One statistic for both would average them into one verdict."""
     document = list(range(100, 160))
     gate = Gate(Prior(tokens=1.5, on_ms=ASK, off_ms=STEP))
-    gate.start(document)
+    gate.extend(document)
     text = list(document)
     asked_copy, asked_other, copyable_rounds, other_rounds = 0, 0, 0, 0
     fresh = 1000
@@ -110,7 +110,7 @@ def test_a_copy_in_sight_is_judged_apart_from_rounds_without_one():
 
 def test_a_probe_due_while_a_copy_is_in_sight_does_not_cut_decoding_to_single_tokens():
     gate = Gate(Prior(tokens=1.0, on_ms=ASK, off_ms=STEP))  # nothing pays by the prior
-    gate.start([1, 2, 3, 1, 2])  # (1, 2) occurred before: a copy is in sight
+    gate.extend([1, 2, 3, 1, 2])  # (1, 2) occurred before: a copy is in sight
     gate.kinds[True].since_ask = -100  # copies were just probed and lost
     gate.kinds[False].since_ask = gate.kinds[False].interval  # rounds without a copy are due a probe
     assert gate.copyable and not gate.ask()  # not now: a copy is in sight

@@ -13,6 +13,7 @@ import torch
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.spec import tokentree
 from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
+from specsplit.spec.lookup import BigramIndex
 from specsplit.spec.rollback import TreeRollback
 from specsplit.spec.sampling import Logprobs, SamplingParams, token_logprobs, warp
 
@@ -43,18 +44,7 @@ class TargetSession:
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
-    bigram_at: dict = field(default_factory=dict)  # bigram -> where its second token last was (lookup)
-    bigrams_upto: int = 0  # tokens[:bigrams_upto] are indexed
-
-    def lookup(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the last two committed tokens
-        (prompt lookup over prompt and output); none where they did not occur before."""
-        tokens, end = self.tokens, len(self.tokens) - 1
-        for i in range(max(1, self.bigrams_upto), end):  # every bigram but the last one
-            self.bigram_at[tokens[i - 1], tokens[i]] = i
-        self.bigrams_upto = max(self.bigrams_upto, end)
-        at = self.bigram_at.get((tokens[-2], tokens[-1])) if k > 0 and end >= 1 else None
-        return [] if at is None else tokens[at + 1:at + 1 + k]
+    index: BigramIndex = field(default_factory=BigramIndex)  # prompt lookup over its tokens (decode-ahead)
 
 
 @dataclass(frozen=True)

@@ -23,4 +23,5 @@ Modules: `sampling` (warp, the seeded noise streams, coupled choice), `tokentree
 selection, the verify cost curve and the gain-based cut), `drafting` (what a drafter proposes and
 the draws losslessness depends on), `acceptance` (greedy, coupled and rejection walks over chains
 and trees), `rollback` (the cache contracts), `cursor` (a request's place in the protocol),
-`ewma` (the decayed mean the controller and the hybrid drafter learn with)."""
+`ewma` (the decayed mean the controller and the hybrid drafter learn with), `lookup` (prompt
+lookup's bigram index: a copy in sight, and what followed it)."""
