@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -25,6 +25,7 @@ from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
 from specsplit.spec.sampling import Logprobs
+from verify_service.decoding import Decoding, decodes
 from verify_service.engine import ContextFull, LengthMismatch, Prefilling, Target, TargetSession
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -53,7 +54,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # thread): one in progress joins every batch, and a batch waits for it from its arrival.
         self.prefilling = 0
         # Verify calls decoding ahead (VerifyRequest.decode_ahead), by session, between their steps.
-        self._ahead: dict[str, _Decoding] = {}
+        self._ahead: dict[str, Decoding] = {}
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -230,7 +231,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _plan_verify(self, request: pb.VerifyRequest):
         """Raises Failure with the status for the caller."""
-        if request.decode_ahead and not request.draft_token_ids:
+        if decodes(request):
             return self._plan_decode(request)
         if len(request.draft_token_ids) > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
@@ -251,23 +252,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise _failure(e) from None
 
     def _plan_decode(self, request: pb.VerifyRequest):
-        """A decode-ahead's next step: the next token after what it committed, and where the context
-        offers one, a prompt-lookup draft of what may follow (VerifyRequest.lookup_gamma)."""
+        """A decode-ahead's next step: the next token after what it committed (its first: at the
+        length the caller believes), with a prompt-lookup draft where the context offers one."""
         try:
             session = self._sessions.get(request.session_id)
             decoding = self._ahead.get(request.session_id)
-            if decoding is None:  # its first step: at the length the caller believes
-                decoding = self._ahead[request.session_id] = _Decoding()
-                length = request.length
-            else:
-                length = len(session.tokens)
-            # A copy that held (the last lookup all accepted) is likely a quoted span: look twice as far.
-            want = request.lookup_gamma * (2 if decoding.copying else 1)
-            room = min(want, request.decode_ahead - decoding.committed)  # accepted + 1 must fit
-            rejects = session.sampling.verified_by(session.method) == "rejection"  # a lookup has no q
-            draft = session.lookup(room) if room > 0 and not rejects else []
-            decoding.looked = len(draft)
-            return self._target.plan_verify(session, length, draft)
+            if decoding is None:
+                decoding = self._ahead[request.session_id] = Decoding()
+            length = len(session.tokens) if decoding.results else request.length
+            return self._target.plan_verify(session, length, decoding.draft(request, session))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise _failure(e) from None
 
@@ -275,35 +268,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """The answer; Again while a decode-ahead has tokens to go (its forwards are kept until then)."""
         session = self._sessions.get(request.session_id)
         self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
-        if request.decode_ahead and not request.draft_token_ids:
+        if decodes(request):
             decoding = self._ahead[request.session_id]
             decoding.add(result)
-            new = session.tokens[len(session.tokens) - 1 - result.num_accepted:]
-            if decoding.committed <= request.decode_ahead and not session.stop_tokens.intersection(new) \
-                    and result.length < self._lm.max_context:
+            if not decoding.finished(request, session, self._lm.max_context):
                 return Again(1)
             del self._ahead[request.session_id]
-            return self._decoded(request, session, decoding)
+            committed = session.tokens[request.length:]  # its first token answers as next_token_id
+            return pb.VerifyResponse(
+                num_accepted=0, next_token_id=committed[0], decoded_token_ids=committed[1:],
+                length=result.length, forward_ns=sum(r.forward_ns for r in decoding.results),
+                features=_features(decoding.merged(), request.length - 1, session.segment),
+                batch_rows=result.batch_rows, batch_calls=result.batch_calls,
+                logprobs=wire.token_logprobs([lp for r in decoding.results for lp in r.logprobs]),
+                lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
                                  accepted_indices=result.path, batch_rows=result.batch_rows,
                                  batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs))
-
-    @staticmethod
-    def _decoded(request: pb.VerifyRequest, session, decoding: _Decoding) -> pb.VerifyResponse:
-        """A decode-ahead's answer: the first token it committed as next_token_id, the others after it."""
-        done = decoding.results
-        committed = session.tokens[request.length:]
-        features = [r.features for r in done]
-        merged = dataclasses.replace(done[-1], features=None if features[0] is None else torch.cat(features))
-        return pb.VerifyResponse(num_accepted=0, next_token_id=committed[0], length=done[-1].length,
-                                 forward_ns=sum(r.forward_ns for r in done),
-                                 features=_features(merged, request.length - 1, session.segment),
-                                 batch_rows=done[-1].batch_rows, batch_calls=done[-1].batch_calls,
-                                 logprobs=wire.token_logprobs([lp for r in done for lp in r.logprobs]),
-                                 decoded_token_ids=committed[1:], lookup_drafted=decoding.drafted,
-                                 lookup_accepted=decoding.accepted)
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -371,26 +354,6 @@ def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
 def _features(result, start: int, segment: shm.Segment | None):
     return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
 
-
-
-@dataclass(eq=False)
-class _Decoding:
-    """A Verify that decodes ahead (VerifyRequest.decode_ahead), between its steps."""
-
-    results: list = field(default_factory=list)  # each step's VerifyResult
-    committed: int = 0  # tokens committed so far
-    looked: int = 0  # the step in flight's prompt-lookup draft
-    drafted: int = 0  # its steps' lookup drafts, and how many of those were accepted
-    accepted: int = 0
-
-    copying: bool = False  # the last lookup was accepted whole
-
-    def add(self, result) -> None:
-        self.results.append(result)
-        self.committed += 1 + result.num_accepted
-        self.drafted += self.looked
-        self.accepted += result.num_accepted
-        self.copying = self.looked > 0 and result.num_accepted == self.looked
 
 
 @dataclass(eq=False)

@@ -242,30 +242,6 @@ def gateway_stub(address: str | None, config: StackConfig, token_file: str | Non
             stack.stop()
 
 
-def _traffic(args, config: StackConfig) -> int:
-    from specsplit.tools import traffic
-
-    prompts = load_prompts(args.prompts or "general", args.limit)
-    step_ms = None
-    if not args.gateway:
-        from specsplit.model import catalog
-        from specsplit.tools import anchor as anchoring
-
-        print("measuring the target step ...", file=sys.stderr, flush=True)
-        step_ms = anchoring.step_profile(str(catalog.resolve(config.target_model)), config.dtype,
-                                         config.quantize)["rows1_ms"]
-    with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
-        variants = [Variant(n, "", t) for n in (args.drafters or ["ngram", "hybrid"])
-                    for t in (args.tree_budgets or [0])]
-        for v in variants:
-            stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, v), timeout=600)
-        stub.Generate(request(warmup(prompts), pb.SPECULATION_OFF, 16), timeout=600)
-        rows = traffic.run(stub, prompts, args.max_new_tokens, args.repeats, variants, step_ms, args.seed)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(rows, indent=1))
-    return 0
-
-
 def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
@@ -284,7 +260,9 @@ def main(args, config: StackConfig) -> int:
         topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
         return 0
     if args.traffic:
-        return _traffic(args, config)
+        from specsplit.tools import traffic
+
+        return traffic.main(args, config)
     if args.controlled:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             code = controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)

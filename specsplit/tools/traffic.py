@@ -6,16 +6,43 @@ unlabelled state what AUTO must learn on its own."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 import sys
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.tools.workload import Prompt, Variant, request
+from specsplit.tools.workload import Prompt, Variant, load_prompts, request, warmup
 
 OFF, AUTO = "off", "default"
+
+
+def main(args, config) -> int:
+    """`bench --traffic`: a stack started here from `config` (or `--gateway`), warmed up, then run()."""
+    from specsplit.tools.bench import gateway_stub
+
+    prompts = load_prompts(args.prompts or "general", args.limit)
+    step_ms = None
+    if not args.gateway:
+        from specsplit.model import catalog
+        from specsplit.tools import anchor as anchoring
+
+        print("measuring the target step ...", file=sys.stderr, flush=True)
+        step_ms = anchoring.step_profile(str(catalog.resolve(config.target_model)), config.dtype,
+                                         config.quantize)["rows1_ms"]
+    with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
+        variants = [Variant(n, "", t) for n in (args.drafters or ["ngram", "hybrid"])
+                    for t in (args.tree_budgets or [0])]
+        for v in variants:
+            stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, v), timeout=600)
+        stub.Generate(request(warmup(prompts), pb.SPECULATION_OFF, 16), timeout=600)
+        rows = run(stub, prompts, args.max_new_tokens, args.repeats, variants, step_ms, args.seed)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants: list[Variant],
@@ -37,8 +64,8 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
     reasons: dict[str, Counter] = defaultdict(Counter)
     drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     looked: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # the default's verifier lookups: drafted, accepted
-    acceptance: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
-    tax: list[float] = []  # spec-off decode ms per token through the services
+    accepted: dict[str, int] = defaultdict(int)  # the default's drafts accepted in its drafting rounds
+    tax: list[tuple[float, float]] = []  # spec-off ms per token: decoding through the services, its forwards
     for r in range(repeats):
         for i, (task, reqs) in enumerate(modes, 1):
             turn = (i + r) % len(reqs)
@@ -51,14 +78,9 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 for key in (task, "ALL"):
                     seconds[key][label] += took
                     tokens[key][label] += len(answer.token_ids)
-                    if label != OFF:
-                        s = answer.stats
-                        acceptance[key][label][0] += s.rounds and s.accepted_tokens + sum(
-                            1 for rr in s.round_records if rr.drafted)
-                        acceptance[key][label][1] += sum(1 for rr in s.round_records if rr.drafted)
             off = list(outputs[OFF].token_ids)
             stats = outputs[AUTO].stats
-            if len(off) > 1 and outputs[OFF].stats.decode_ms > 0:  # ms per token: decoding, its forwards
+            if len(off) > 1 and outputs[OFF].stats.decode_ms > 0:
                 s = outputs[OFF].stats
                 tax.append((s.decode_ms / (len(off) - 1), s.verify_ms / (len(off) - 1)))
             for key in (task, "ALL"):
@@ -67,6 +89,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 reasons[key][stats.speculation_reason] += 1
                 drafted_rounds[key][0] += sum(1 for rr in stats.round_records if rr.drafted)
                 drafted_rounds[key][1] += stats.rounds
+                accepted[key] += stats.accepted_tokens
                 looked[key][0] += sum(rr.lookup_drafted for rr in stats.round_records)
                 looked[key][1] += sum(rr.lookup_accepted for rr in stats.round_records)
             print(f"traffic {r + 1}/{repeats} [{i}/{len(modes)}] {task:<10} default: "
@@ -86,9 +109,9 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
         rate = {lb: tokens[key][lb] / seconds[key][lb] for lb in labels}
         best = max((rate[lb] for lb in forced), default=rate[OFF])
         n = reasons[key].total()
-        acc = acceptance[key][AUTO]
+        drafting = drafted_rounds[key][0]
         row = {"n": n, "tok_s": rate, "default_vs_off": rate[AUTO] / rate[OFF], "default_vs_best": rate[AUTO] / best,
-               "default_acc_len": acc[0] / acc[1] if acc[1] else 0.0,
+               "default_acc_len": (accepted[key] + drafting) / drafting if drafting else 0.0,
                "drafted_share": drafted_rounds[key][0] / max(1, drafted_rounds[key][1]),
                "identical": dict(identical[key]), "reasons": dict(reasons[key]), "lookup_drafted": looked[key][0],
                "lookup_accepted": looked[key][1]}

@@ -1,0 +1,64 @@
+"""A Verify that decodes ahead (VerifyRequest.decode_ahead): the verifier commits its own tokens,
+one batched forward a step (the worker's Again brings the call back to the next batch), drafting
+copies from the session's context where it can (lookup_gamma), until the budget, a stop token or
+the context's end; then one answer for them all (docs/protocol.md#session-life-cycle)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from specsplit.api.verify.v1 import verify_pb2 as pb
+from verify_service.engine import TargetSession
+
+
+def decodes(request: pb.VerifyRequest) -> bool:
+    """Whether a Verify decodes ahead: asked to, with no draft of its caller's."""
+    return request.decode_ahead > 0 and not request.draft_token_ids
+
+
+@dataclass(eq=False)
+class Decoding:
+    """A decode-ahead between its steps (the verify service keeps one per session while it runs)."""
+
+    results: list = field(default_factory=list)  # each step's VerifyResult
+    looked: int = 0  # the step in flight's prompt-lookup draft
+    drafted: int = 0  # its steps' lookup drafts
+    copying: bool = False  # the last lookup was accepted whole
+
+    @property
+    def accepted(self) -> int:  # lookup drafts accepted
+        return sum(r.num_accepted for r in self.results)
+
+    @property
+    def committed(self) -> int:
+        return len(self.results) + self.accepted
+
+    def draft(self, request: pb.VerifyRequest, session: TargetSession) -> list[int]:
+        """The next step's prompt-lookup draft: where the last two tokens occurred before, up to
+        lookup_gamma of what followed them (twice that after a lookup accepted whole: a span being
+        copied), so that accepted + 1 fits the budget; none under rejection sampling (no q)."""
+        want = request.lookup_gamma * (2 if self.copying else 1)
+        room = min(want, request.decode_ahead - self.committed)
+        rejects = session.sampling.verified_by(session.method) == "rejection"
+        draft = session.index.follows(session.tokens, room) if room > 0 and not rejects else []
+        self.looked = len(draft)
+        return draft
+
+    def add(self, result) -> None:
+        self.results.append(result)
+        self.drafted += self.looked
+        self.copying = self.looked > 0 and result.num_accepted == self.looked
+
+    def finished(self, request: pb.VerifyRequest, session: TargetSession, max_context: int) -> bool:
+        """After the step just added: the budget spent, a stop token committed, or the context full."""
+        new = session.tokens[len(session.tokens) - 1 - self.results[-1].num_accepted:]
+        return (self.committed > request.decode_ahead or bool(session.stop_tokens.intersection(new))
+                or self.results[-1].length >= max_context)
+
+    def merged(self):
+        """One VerifyResult for its steps: the last one's, with every step's feature rows."""
+        features = [r.features for r in self.results]
+        return dataclasses.replace(self.results[-1], features=None if features[0] is None else torch.cat(features))
