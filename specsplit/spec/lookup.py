@@ -1,9 +1,12 @@
 """Prompt lookup's index: where each bigram of a growing token sequence (prompt, then committed
-output) last stood, so that "did the last two tokens occur before, and what followed them there" is
-one dictionary read. The gateway's gate asks the first (a copy in sight); the verifier's decode-ahead
-asks the second (its own draft)."""
+output) stood, so that "did the last two tokens occur before, and what followed them there" is a
+dictionary read and a short comparison. The gateway's gate asks the first (a copy in sight); the
+verifier's decode-ahead asks the second (its own draft)."""
 
 from __future__ import annotations
+
+CANDIDATES = 8  # latest occurrences of a bigram compared by how far back they match the context
+MATCH = 8  # tokens compared back from a bigram: the longest agreeing occurrence is the one copied
 
 
 class BigramIndex:
@@ -11,15 +14,26 @@ class BigramIndex:
     time, and each call indexes what was appended since the last."""
 
     def __init__(self):
-        self._at: dict[tuple[int, int], int] = {}  # bigram -> where its second token last stood
+        self._at: dict[tuple[int, int], list[int]] = {}  # bigram -> where its second token stood, in order
         self._upto = 0  # tokens[:_upto] are indexed, but for the bigram ending at _upto - 1
 
     def follows(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the last two of `tokens`;
-        none where they did not occur before (or k < 1)."""
+        """Up to k tokens that followed an earlier occurrence of the last two of `tokens`: of its
+        latest CANDIDATES occurrences, the one whose preceding tokens agree longest with the context
+        (up to MATCH; the latest among equals), as the drafters' n-gram source prefers its longest
+        match. None where they did not occur before (or k < 1)."""
         end = len(tokens) - 1
         for i in range(max(1, self._upto), end):  # every bigram but the last one
-            self._at[tokens[i - 1], tokens[i]] = i
+            self._at.setdefault((tokens[i - 1], tokens[i]), []).append(i)
         self._upto = max(self._upto, end)
-        at = self._at.get((tokens[-2], tokens[-1])) if k > 0 and end >= 1 else None
-        return [] if at is None else tokens[at + 1:at + 1 + k]
+        seen = self._at.get((tokens[-2], tokens[-1])) if k > 0 and end >= 1 else None
+        if not seen:
+            return []
+        best, agree = seen[-1], -1
+        for at in reversed(seen[-CANDIDATES:]):
+            n = 2
+            while n < MATCH and at - n >= 0 and tokens[at - n] == tokens[end - n]:
+                n += 1
+            if n > agree:
+                best, agree = at, n
+        return tokens[best + 1:best + 1 + k]
