@@ -28,3 +28,22 @@ def test_indexes_a_growing_sequence_as_it_grows():
     assert index.follows(tokens, 2) == [3, 4]
     tokens += [3, 4, 5, 6, 3, 4]  # "3 4" was followed by 1, then by 5; neither agrees past "6": the latest
     assert index.follows(tokens, 1) == [5]
+
+
+def test_lookups_draft_what_pays_at_their_rate_and_the_forwards_cost_by_width():
+    from specsplit.spec.lookup import Agreement
+
+    flat_then_dear = [3.0, 3.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # up to 3 rows cost one; then 1 ms a row
+    odds = Agreement()
+    assert odds.rate == 0.5
+    # rows that cost nothing go in whatever the rate; a 4th row (+1 ms) needs its token's chance * 3 ms >= 1
+    assert odds.depth(8, flat_then_dear) == 2  # 0.5 ** 3 * 3 = 0.375 < 1
+    for _ in range(20):
+        odds.add(6, 6)  # a span being copied: every lookup accepted whole
+    assert odds.rate > 0.9 and odds.depth(8, flat_then_dear) == 8
+    assert odds.depth(3, flat_then_dear) == 3  # never past the room it is given
+    for _ in range(40):  # (120 tokens accepted fade at 0.9 a lookup)
+        odds.add(2, 0)  # the copy ended: rejected at once
+    assert odds.rate < 0.1 and odds.depth(8, flat_then_dear) == 2
+    assert odds.depth(8, [3.0, 4.0, 5.0]) == 0  # where every row costs, a poor rate drafts nothing
+    assert odds.depth(0, flat_then_dear) == 0

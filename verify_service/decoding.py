@@ -36,21 +36,26 @@ class Decoding:
     def committed(self) -> int:
         return len(self.results) + self.accepted
 
-    def draft(self, request: pb.VerifyRequest, session: TargetSession) -> list[int]:
-        """The next step's prompt-lookup draft: where the last two tokens occurred before, up to
-        lookup_gamma of what followed them (twice that after a lookup accepted whole: a span being
-        copied), so that accepted + 1 fits the budget; none under rejection sampling (no q)."""
+    def draft(self, request: pb.VerifyRequest, session: TargetSession, step_ms: list[float]) -> list[int]:
+        """The next step's prompt-lookup draft: where the last two tokens occurred before, what
+        followed them, as many tokens as pay at the rate the session's lookups have been accepted
+        and the forward's cost by width (`step_ms`, from 1 row up), within lookup_gamma (twice that
+        after a lookup accepted whole: a span being copied) and so that accepted + 1 fits the
+        budget; none under rejection sampling (no q)."""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
         rejects = session.sampling.verified_by(session.method) == "rejection"
-        draft = session.index.follows(session.tokens, room) if room > 0 and not rejects else []
+        room = session.agreement.depth(room, step_ms) if room > 0 and not rejects else 0
+        draft = session.index.follows(session.tokens, room)
         self.looked = len(draft)
         return draft
 
-    def add(self, result) -> None:
+    def add(self, result, session: TargetSession) -> None:
         self.results.append(result)
         self.drafted += self.looked
         self.copying = self.looked > 0 and result.num_accepted == self.looked
+        if self.looked:
+            session.agreement.add(self.looked, result.num_accepted)
 
     def finished(self, request: pb.VerifyRequest, session: TargetSession, max_context: int) -> bool:
         """After the step just added: the budget spent, a stop token committed, or the context full."""

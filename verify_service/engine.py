@@ -13,7 +13,7 @@ import torch
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.spec import tokentree
 from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
-from specsplit.spec.lookup import BigramIndex
+from specsplit.spec.lookup import Agreement, BigramIndex
 from specsplit.spec.rollback import TreeRollback
 from specsplit.spec.sampling import Logprobs, SamplingParams, token_logprobs, warp
 
@@ -45,6 +45,7 @@ class TargetSession:
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
     index: BigramIndex = field(default_factory=BigramIndex)  # prompt lookup over its tokens (decode-ahead)
+    agreement: Agreement = field(default_factory=Agreement)  # how often the target follows its lookups
 
 
 @dataclass(frozen=True)

@@ -260,7 +260,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if decoding is None:
                 decoding = self._ahead[request.session_id] = Decoding()
             length = len(session.tokens) if decoding.results else request.length
-            return self._target.plan_verify(session, length, decoding.draft(request, session))
+            return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve()))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise _failure(e) from None
 
@@ -270,7 +270,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
         if decodes(request):
             decoding = self._ahead[request.session_id]
-            decoding.add(result)
+            decoding.add(result, session)
             if not decoding.finished(request, session, self._lm.max_context):
                 return Again(1)
             del self._ahead[request.session_id]

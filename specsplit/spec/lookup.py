@@ -37,3 +37,38 @@ class BigramIndex:
             if n > agree:
                 best, agree = at, n
         return tokens[best + 1:best + 1 + k]
+
+
+class Agreement:
+    """How often the target follows one sequence's lookup drafts, per token: accepted tokens over
+    accepted tokens plus rejections (a geometric run's estimate), decayed so that a copied span
+    shows quickly; and how many tokens a draft is worth at that rate and a forward's cost by width."""
+
+    DECAY = 0.9  # per lookup
+    PRIOR, WEIGHT = 0.5, 2.0  # before any lookup: an even chance, worth two lookups
+
+    def __init__(self):
+        self.accepted, self.stops = self.PRIOR * self.WEIGHT, (1 - self.PRIOR) * self.WEIGHT
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.stops)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * self.DECAY + accepted
+        self.stops = self.stops * self.DECAY + (accepted < drafted)
+
+    def depth(self, room: int, step_ms: list[float]) -> int:
+        """Draft tokens worth verifying, at most `room`: the k-th goes in while its chance of being
+        accepted (rate ** k) times a one-row step beats what its row adds to the forward
+        (`step_ms[r - 1]`: a forward of r rows); rows that cost nothing extra always go in."""
+        def cost(rows: int) -> float:
+            return step_ms[min(rows, len(step_ms)) - 1]
+
+        k, chance = 0, 1.0
+        while k < room:
+            chance *= self.rate
+            if chance * cost(1) < cost(k + 2) - cost(k + 1):
+                break
+            k += 1
+        return k
