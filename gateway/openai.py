@@ -79,10 +79,7 @@ class OpenAIFront:
         return await self._generate(request, chat=True)
 
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise invalid(f"the request body is not JSON: {e}") from None
+        body = _json(await http.read())
         request = generate_request(body, chat, self._default_tokens)
         n = choices(body)
         model = body.get("model") or self._model
@@ -169,6 +166,23 @@ class OpenAIFront:
             await chunks.__aexit__(None, None, None)
         await response.write_eof()
         return response
+
+
+def _json(raw: bytes):
+    """The request body's JSON, which must be text the model can read: UTF-8 whose strings hold no
+    lone surrogate (JSON's \\udcff escapes decode to one, and no tokenizer encodes it), nested no
+    deeper than the parser's recursion allows."""
+    try:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(f"the request body is not JSON: {e}") from None
+    except UnicodeEncodeError as e:
+        raise invalid(f"the request body holds a lone surrogate ({e.object[e.start:e.end]!a}) in a string: "
+                      "not Unicode text") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
+    return body
 
 
 async def _merged(streams: list):

@@ -94,7 +94,7 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
     if body.get("top_p") is not None:
         request.sampling.top_p = _number(body["top_p"], "top_p")
     if body.get("seed") is not None:
-        request.sampling.seed = _int(body["seed"], "seed", 0)
+        request.sampling.seed = _int(body["seed"], "seed", 0, UINT64)
     extension = body.get("specsplit") or {}
     if not isinstance(extension, dict):
         raise invalid("specsplit must be an object", "specsplit")
@@ -175,9 +175,12 @@ def _content(content, i: int) -> str:
     raise invalid(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _int(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise invalid(f"{name} must be an integer >= {low}, not {value!r}", name)
+UINT32, UINT64 = (1 << 32) - 1, (1 << 64) - 1  # the widest the wire's fields hold
+
+
+def _int(value, name: str, low: int, high: int = UINT32) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise invalid(f"{name} must be an integer in [{low}, {high}], not {value!r}", name)
     return value
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,58 @@ CORPUS = [
 ]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+SERVICE_START_S = 120.0  # a service loading a tiny model starts in seconds; this is for a loaded machine
+
+
+async def until(check, what: str, timeout_s: float = SERVICE_START_S, task: asyncio.Task | None = None,
+                every_s: float = 0.02):
+    """Polls `check()` on the event loop until it is true; fails saying `what` never happened after
+    `timeout_s`. A `task` (the service being waited for) that ended raises its own error instead."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        if task is not None and task.done():
+            task.result()  # its start-up error
+            raise AssertionError(f"{what}: the service stopped without an error first")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        await asyncio.sleep(every_s)
+    return result
+
+
+async def service_address(path: Path, task: asyncio.Task, name: str, serving: bool = True,
+                          timeout_s: float = SERVICE_START_S) -> str:
+    """The address a service started by `task` writes to `path` once it reports SERVING (bounded:
+    a service that neither starts nor dies fails the test, naming it); with `serving`, also
+    waits for its health check to say so."""
+    from specsplit.tools.launcher import wait_serving
+
+    await until(path.exists, f"the {name} service writing its address to {path.name}", timeout_s, task)
+    addr = path.read_text().strip()
+    if serving:
+        await asyncio.to_thread(wait_serving, addr, 30)
+    return addr
+
+
+@pytest.fixture
+def slow_forwards(monkeypatch):
+    """slow_forwards(seconds): every forward of a verify service in this process takes `seconds`
+    longer, so that a test about a deadline or a cancel mid-work holds on a machine of any speed
+    (the work is slow by construction, not because this machine happens to be)."""
+    from verify_service.engine import Target
+
+    run = Target.run
+
+    def slow(seconds: float) -> None:
+        def slowed(self, steps):
+            if steps:
+                time.sleep(seconds)  # on the verify worker's thread, as a forward would be
+            return run(self, steps)
+
+        monkeypatch.setattr(Target, "run", slowed)
+
+    return slow
 
 
 def make_tokenizer(vocab_size: int, extra_text: str = ""):
@@ -123,7 +176,6 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
     shared_memory False (as on separate hosts) the rounds go over gRPC streams, not the fast path."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
-    from specsplit.tools.launcher import wait_serving
     from verify_service.main import run as run_verify
 
     def server(name: str) -> ServerSettings:
@@ -133,15 +185,7 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
                               shared_memory=shared_memory, **backend_tls)
 
     async def address(name: str, task: asyncio.Task) -> str:
-        path = tmp_path / f"{name}.address"
-        while not path.exists():
-            if task.done():
-                task.result()  # raises the start-up error
-            await asyncio.sleep(0.02)
-        addr = path.read_text().strip()  # written once the service reports SERVING
-        if not tls or name == "gateway":
-            await asyncio.to_thread(wait_serving, addr, 30)
-        return addr
+        return await service_address(tmp_path / f"{name}.address", task, name, serving=not tls or name == "gateway")
 
     stop = asyncio.Event()
     model = ModelSettings(str(target), dtype)

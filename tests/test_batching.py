@@ -6,7 +6,7 @@ answer exactly what they answer one at a time."""
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import grpc
 import pytest
@@ -118,11 +118,13 @@ async def test_worker_gathers_calls_that_arrive_together_and_keeps_order_around_
     runner = _recording_runner(batches)
     try:
         # Queued while the worker is busy: g1, g2, a plain job, g3 -> [g1, g2], the job, [g3].
-        busy = worker.run(time.sleep, 0.2)
+        release = threading.Event()
+        busy = worker.run(release.wait, 30)  # busy until everything below is queued
         futures = [busy, worker.run_gathered(runner, 1), worker.run_gathered(runner, 2),
                    worker.run(lambda: order.append(("job", [list(b) for b in batches]))),
                    worker.run_gathered(runner, 3), worker.run_gathered(runner, -1)]
-        results = (await asyncio.gather(*futures, return_exceptions=True))[1:]
+        release.set()
+        results = (await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 30))[1:]
         assert results[:2] == [10, 20] and results[3] == 30
         assert isinstance(results[4], ValueError)  # an item's failure is its own
         assert batches == [[1, 2], [3, -1]]
@@ -140,14 +142,20 @@ async def test_worker_waits_for_every_live_session_within_its_budget():
         batches: list[list] = []
         runner = _recording_runner(batches)
         try:
-            busy = worker.run(time.sleep, 0.1)  # so that 1, 2, 3 are queued together
-            await asyncio.gather(busy, *(worker.run_gathered(runner, i) for i in (1, 2, 3)))
+            release = threading.Event()
+            busy = worker.run(release.wait, 30)  # so that 1, 2, 3 are queued together
+            queued = [worker.run_gathered(runner, i) for i in (1, 2, 3)]
+            release.set()
+            await asyncio.wait_for(asyncio.gather(busy, *queued), 30)
             first = worker.run_gathered(runner, 4)
-            await asyncio.sleep(0.1)  # the others come back later than the first
-            # a full batch runs without waiting out the budget
-            await asyncio.wait_for(asyncio.gather(
-                first, worker.run(time.sleep, 0.05) if not wait_s else asyncio.sleep(0),
-                worker.run_gathered(runner, 5), worker.run_gathered(runner, 6)), 30)
+            if not wait_s:  # no budget: 4 runs alone, then 5 and 6 (queued behind a busy worker) together
+                await asyncio.wait_for(first, 30)
+                release = threading.Event()
+                later = [worker.run(release.wait, 30), worker.run_gathered(runner, 5), worker.run_gathered(runner, 6)]
+                release.set()
+            else:  # 4 waits for the other live sessions: a full batch runs without waiting out the budget
+                later = [first, worker.run_gathered(runner, 5), worker.run_gathered(runner, 6)]
+            await asyncio.wait_for(asyncio.gather(*later), 30)
             assert batches == expected, wait_s
             # A session that is gone is not waited for.
             live[0], batches[:] = 1, []

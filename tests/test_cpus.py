@@ -46,14 +46,15 @@ def test_quota_from_cgroup_v1(tmp_path):
     assert cpus.quota(root, proc) == 0.5
 
 
-@pytest.mark.parametrize("affinity, quota, expect", [(64, 2.0, 2), (64, 1.5, 2), (64, 0.5, 1), (2, None, 2),
-                                                     (2, 8.0, 2)])
-def test_threads_are_the_smaller_of_affinity_and_quota(monkeypatch, affinity, quota, expect):
+@pytest.mark.parametrize("affinity, quota, expect, why", [
+    (64, 2.0, 2, "cgroup CPU limit 2 (affinity 64)"), (64, 1.5, 2, "cgroup CPU limit 1.5 (affinity 64)"),
+    (64, 0.5, 1, "cgroup CPU limit 0.5 (affinity 64)"), (2, None, 2, "affinity 2 CPUs, no cgroup CPU limit"),
+    (2, 8.0, 2, "affinity 2 CPUs, cgroup CPU limit 8")])
+def test_threads_are_the_smaller_of_affinity_and_quota(monkeypatch, affinity, quota, expect, why):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpus, "affinity", lambda: affinity)
     monkeypatch.setattr(cpus, "quota", lambda: quota)
-    n, why = cpus.threads(0)
-    assert n == expect and ("cgroup CPU limit" in why)
+    assert cpus.threads(0) == (expect, why)
     assert cpus.threads(3) == (3, "--threads")  # a user's choice wins
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert cpus.threads(0) == (5, "OMP_NUM_THREADS")

@@ -57,7 +57,11 @@ def test_greedy_speculation_is_token_identical_on_the_default_model(default_mode
             self_drafted = generate(stub, p.prompt, pb.SPECULATION_ON, drafter="model", gamma=4)
             assert list(self_drafted.token_ids) == list(generate(stub, p.prompt, pb.SPECULATION_OFF).token_ids)
             rounds = [(r.drafted, r.accepted, r.depth, round(r.draft_ms, 1)) for r in self_drafted.stats.round_records]
-            assert self_drafted.stats.mean_acceptance_length > 3.0, rounds  # (drafted, accepted, depth, draft ms)
+            # Judged on the rounds that drafted (a slow Propose overruns its budget and the round
+            # goes on without drafts: how often depends on the machine's speed, not on agreement).
+            # A tree's round drafts branches beside its path: agreement is accepted tokens over its depth.
+            drafted = [(r.depth, r.accepted) for r in self_drafted.stats.round_records if r.drafted]
+            assert drafted and sum(a for _, a in drafted) >= 0.75 * sum(d for d, _ in drafted), rounds
 
 
 def test_shipped_self_draft_is_exact_and_accepted_on_the_default_model(default_model, tmp_path):

@@ -98,7 +98,8 @@ def _stream(stub, request, after_chunks: int = 0, act=lambda: None, timeout: flo
     return ids, stats
 
 
-def _until(check, timeout_s: float = 90.0, every_s: float = 0.2):
+def _until(check, what: str, timeout_s: float = 90.0, every_s: float = 0.2):
+    """Polls `check()` (an RPC error counts as not yet) until true; fails saying `what` never happened."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -107,7 +108,7 @@ def _until(check, timeout_s: float = 90.0, every_s: float = 0.2):
             result = None
         if result:
             return result
-        assert time.monotonic() < deadline, "timed out waiting"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
         time.sleep(every_s)
 
 
@@ -138,7 +139,7 @@ def test_a_drafter_killed_or_stalled_mid_request_costs_drafts_not_the_answer(up)
         # AUTO requests meanwhile run without it; the supervisor restarts it and speculation resumes.
         auto = stub.Generate(_request(pb.SPECULATION_AUTO, 24), timeout=30)
         assert auto.token_ids == reference[:24]
-        _until(lambda: _speculates(stub))
+        _until(lambda: _speculates(stub), "speculation back with a restarted drafter")
         assert up.pid("draft") != first_pid
         assert "draft service exited with -9; restarting it" in up.log()
 
@@ -149,13 +150,14 @@ def test_a_drafter_killed_or_stalled_mid_request_costs_drafts_not_the_answer(up)
             assert ids == reference and stats.speculation_reason == "drafter-lost"
             assert _health(up.gateway) == health_pb2.HealthCheckResponse.SERVING
             _until(lambda: _health(up.gateway, "specsplit.draft.v1.Drafter")
-                   == health_pb2.HealthCheckResponse.NOT_SERVING)
+                   == health_pb2.HealthCheckResponse.NOT_SERVING, "the gateway's health: drafter NOT_SERVING")
         finally:
             os.kill(stalled, signal.SIGCONT)
-        _until(lambda: _speculates(stub))
+        _until(lambda: _speculates(stub), "speculation back with a restarted drafter")
         # The stalled drafter ended the sessions it was given; nothing is left open there.
         with grpc.insecure_channel(up.address("draft")) as draft:
-            _until(lambda: dpb_grpc.DrafterStub(draft).Info(dpb.InfoRequest(), timeout=5).active_sessions == 0)
+            _until(lambda: dpb_grpc.DrafterStub(draft).Info(dpb.InfoRequest(), timeout=5).active_sessions == 0,
+                   "the draft service ending every session")
 
 
 def test_a_killed_verifier_fails_fast_with_unavailable_and_the_gateway_recovers(up):
@@ -167,12 +169,15 @@ def test_a_killed_verifier_fails_fast_with_unavailable_and_the_gateway_recovers(
             _stream(stub, _request(), 3, lambda: os.kill(verify_pid, signal.SIGKILL))
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "verify service" in failed.value.details()
         # Health says so while it is down, per backend too; the draft service lost no session.
-        _until(lambda: _health(up.gateway) == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
+        _until(lambda: _health(up.gateway) == health_pb2.HealthCheckResponse.NOT_SERVING,
+               "the gateway's health: NOT_SERVING", 10)
         with grpc.insecure_channel(up.address("draft")) as draft:
-            _until(lambda: dpb_grpc.DrafterStub(draft).Info(dpb.InfoRequest(), timeout=5).active_sessions == 0, 10)
-        _until(lambda: _health(up.gateway) == health_pb2.HealthCheckResponse.SERVING)
+            _until(lambda: dpb_grpc.DrafterStub(draft).Info(dpb.InfoRequest(), timeout=5).active_sessions == 0,
+                   "the draft service ending every session", 10)
+        _until(lambda: _health(up.gateway) == health_pb2.HealthCheckResponse.SERVING, "the gateway's health: SERVING")
         assert _health(up.gateway, "specsplit.verify.v1.Verifier") == health_pb2.HealthCheckResponse.SERVING
-        again = _until(lambda: stub.Generate(_request(pb.SPECULATION_ON, 64), timeout=30))
+        again = _until(lambda: stub.Generate(_request(pb.SPECULATION_ON, 64), timeout=30),
+                       "a Generate answered by the restarted verifier")
         assert again.token_ids == reference and up.pid("verify") != verify_pid
         assert "verify service exited with -9; restarting it" in up.log()
 

@@ -126,13 +126,15 @@ def test_conversion_without_its_extra_says_what_to_install(monkeypatch, tmp_path
     assert not (tmp_path / "models").exists()
 
 
-@pytest.mark.parametrize("module", ["json", "not_a_module_specsplit_knows"])
-def test_require(module):
+@pytest.mark.parametrize("module", ["colorsys", "not_a_module_specsplit_knows"])
+def test_require(module, monkeypatch):
     from specsplit.errors import UsageError
     from specsplit.extras import require
 
-    if module == "json":
+    if module == "colorsys":  # installed (the standard library's), and not imported by anything here
+        monkeypatch.delitem(sys.modules, module, raising=False)
         require(module, "x", "anything")
+        assert module in sys.modules  # require imports what it found
     else:
         with pytest.raises(UsageError, match=r"pip install 'specsplit\[plot\]'"):
             require(module, "plot", "drawing")

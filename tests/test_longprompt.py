@@ -154,18 +154,25 @@ async def test_worker_runs_an_unfinished_item_again_beside_later_arrivals_and_pl
 async def test_an_unfinished_item_alone_waits_its_own_time_for_a_round_to_share_its_turn():
     """A chunk's next turn, alone in the batch, waits up to its Again.wait_s for a session's round
     (it then runs beside it, not ahead of it); without a wait of its own it runs at once."""
+    from conftest import until
+
     from specsplit.serving.worker import ModelWorker
 
-    for wait, expected in ((0.5, [["long"], ["long", "round"], ["long"]]),
-                           (None, [["long"], ["long"], ["long"], ["round"]])):
-        worker = ModelWorker("test", wait_s=0.0, expected=lambda: 2)
+    # Waiting (a budget no test run outlasts): the round, sent once the first turn ran, shares the
+    # second. Not waiting: the turns run back to back; the round, sent once all three ran, comes after.
+    for wait, sent_after, expected in ((60.0, 1, [["long"], ["long", "round"], ["long"]]),
+                                       (None, 3, [["long"], ["long"], ["long"], ["round"]])):
+        turns = {"long": 3}
+        # Two live sessions until the round has had its turn: the long item's last turn then waits for no one.
+        worker = ModelWorker("test", wait_s=0.0, expected=lambda: 2 if turns.get("round", 1) > 0 else 1)
         batches: list[list] = []
-        runner = _turning({"long": 3}, batches, wait)
+        runner = _turning(turns, batches, wait)
 
         try:
             long = worker.run_gathered(runner, "long")
-            await asyncio.sleep(0.1)  # the round comes back from its gateway after the first turn
-            assert await asyncio.gather(long, worker.run_gathered(runner, "round")) == ["LONG", "ROUND"]
+            await until(lambda: len(batches) >= sent_after, f"{sent_after} turn(s) of the long item", 30)
+            answers = asyncio.gather(long, worker.run_gathered(runner, "round"))
+            assert await asyncio.wait_for(answers, 30) == ["LONG", "ROUND"]
             assert batches == expected, wait
         finally:
             worker.shutdown()
@@ -242,7 +249,7 @@ async def test_a_long_prefill_runs_in_chunks_beside_a_decoding_session_and_chang
             assert warm.chunks == 1
 
 
-async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_nothing(models, tmp_path):
+async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_nothing(models, tmp_path, slow_forwards):
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2 as pb
@@ -255,6 +262,7 @@ async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_noth
     async with running_stack(tmp_path, "unix", models["long"], None) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as gch, grpc.aio.insecure_channel(stack.verify) as vch:
             gw, v = pb_grpc.GatewayStub(gch), vpb_grpc.VerifierStub(vch)
+            slow_forwards(0.2)  # a chunk outlasts the deadline on any machine
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await gw.Generate(request, timeout=0.1)
             assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -158,9 +158,13 @@ def test_target_rollback_matches_a_from_scratch_forward(models):
 
     scratch = KVSequence(lm.model)
     scratch.forward(session.tokens[:-1])
-    nxt_ours = session.kv.forward(session.tokens[-1:])[0]
-    nxt_scratch = scratch.forward(session.tokens[-1:])[0]
-    assert torch.allclose(nxt_ours, nxt_scratch, atol=1e-4)
+    # The caches agree where it shows: every later position's logits attend over all of them (a
+    # stale key left behind by the rollback, or one missing, moves every row below).
+    later = [*session.tokens[-1:], 5, 6, 7, 8]
+    ours, theirs = session.kv.forward(later), scratch.forward(later)
+    assert ours.shape == theirs.shape == (len(later), lm.vocab_size)
+    assert torch.equal(ours, theirs)  # the same kernels on the same cache: bit for bit
+    assert session.kv.length == scratch.length == len(session.tokens) + 4
 
 
 def test_target_features_are_those_of_the_committed_positions(models):
@@ -305,8 +309,7 @@ def test_int8_needs_the_native_kernels(models):
 def test_releasing_transformers_weights_keeps_the_native_forward(models):
     lm = load_model(models["target"], "bfloat16")
     if lm.native is None:
-        assert lm.release_transformers_weights() == 0
-        return
+        pytest.skip("no native kernels on this machine: nothing to release the transformers weights for")
     before = KVSequence(lm.model)
     expected = before.forward(PROMPT)
     freed = lm.release_transformers_weights()

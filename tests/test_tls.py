@@ -94,8 +94,9 @@ async def test_tls_without_client_certificates(models, tmp_path, pki):
     async with running_stack(tmp_path, "tcp", models["target"], None, tls=server_tls,
                              upstream_tls=ClientTLS(str(pki / "ca.pem"))) as stack:
         assert await _info(stack.verify, ClientTLS(str(pki / "ca.pem"))) == "target"
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the handshake fails at once: not a timeout
             await _info(stack.verify, ClientTLS(str(pki / "rogue-ca.pem")))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
 
 
 async def test_replicas_found_by_dns_are_reached_by_ip_under_the_services_name(pki):

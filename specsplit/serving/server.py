@@ -151,6 +151,42 @@ class Rounds:
                                                   else outcome.SerializeToString()))
 
 
+class Undecodable(grpc.aio.ServerInterceptor):
+    """A request that does not parse (bad wire format, a string field that is not UTF-8) gets
+    INVALID_ARGUMENT naming the message and the fault, as any other bad input does; gRPC's own
+    deserializer would fail it as UNKNOWN ("Unexpected DecodeError"). Unary requests only: a
+    stream's messages come from our own clients."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        async def parsed(raw: bytes, context):
+            try:
+                return parse(raw)
+            except DecodeError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{method}: the request ({len(raw)} bytes) does not parse: {e}")
+
+        if handler.unary_unary:
+            async def unary(raw, context):
+                return await handler.unary_unary(await parsed(raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+
+        async def stream(raw, context):
+            answers = handler.unary_stream(await parsed(raw, context), context)
+            if hasattr(answers, "__aiter__"):
+                async for answer in answers:
+                    yield answer
+            else:  # a behaviour that writes with context.write()
+                await answers
+
+        return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+
+
 async def serve(
     settings: ServerSettings,
     service_name: str,
@@ -175,7 +211,7 @@ async def serve(
         shm.reclaim_stale()  # segments of a gateway that died (SIGKILL) before it could remove them
         fastpath.reclaim_stale()  # and fast-path sockets of a service that did
     credentials = server_credentials(settings)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, Undecodable()])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
