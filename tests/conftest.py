@@ -208,3 +208,109 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --- helpers shared by the test files (one place: no test file imports another) ---
+
+PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "cat",', "Once upon a time"]
+
+
+def request(prompt: str, speculation=None, **kw):
+    """A GenerateRequest for raw text: speculation ON unless given, 40 tokens ignoring EOS unless given."""
+    from specsplit.api.gateway.v1 import gateway_pb2 as pb
+
+    kw.setdefault("max_new_tokens", 40)
+    kw.setdefault("stop", pb.StopConditions(ignore_eos=True))
+    return pb.GenerateRequest(text=prompt, speculation=pb.SPECULATION_ON if speculation is None else speculation,
+                              **kw)
+
+
+async def active_sessions(stack) -> tuple[int, int]:
+    """(the verify service's, the draft service's) open sessions."""
+    import grpc
+
+    from specsplit.api.draft.v1 import draft_pb2 as dpb
+    from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
+    from specsplit.api.verify.v1 import verify_pb2 as vpb
+    from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+
+    async with grpc.aio.insecure_channel(stack.verify) as v, grpc.aio.insecure_channel(stack.draft) as d:
+        vi = await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())
+        di = await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest())
+    return vi.active_sessions, di.active_sessions
+
+
+async def wait_released(stack, timeout_s: float = 60.0) -> tuple[int, int]:
+    """The open sessions once both services report none, or as they stand after `timeout_s` (a
+    hang guard, not a timing: the caller asserts (0, 0))."""
+    deadline = time.monotonic() + timeout_s
+    while (counts := await active_sessions(stack)) != (0, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return counts
+
+
+class Clock:
+    """A clock that moves only when a test moves it (`clock.now += s`)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def free_ports(n: int = 1) -> int:
+    """The first of n consecutive free loopback ports."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        try:
+            for port in range(base, base + n):
+                socket.create_server(("127.0.0.1", port)).close()
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
+
+
+def native_model(models, dtype: str = "bfloat16", model: str = "target"):
+    """A fixture model loaded on the native kernels; the test is skipped (saying why) where they
+    cannot run."""
+    from specsplit.model import native
+    from specsplit.model.modeling import load_model
+
+    lm = load_model(models[model], dtype)
+    if lm.native is None:
+        pytest.skip(native.unavailable(lm.dtype, lm.device) or lm.kernels or "no native forward")
+    return lm
+
+
+def random_head(seed: int = 0, head_dim: int = 8):
+    """A tiny feature head with random weights (not the identity start: every path must matter),
+    reading a 50-token embedding, drafting over 16 of its tokens. The native kernels need
+    head_dim % 16 == 0."""
+    from specsplit.model.featurehead import FeatureHead, HeadConfig
+
+    torch.manual_seed(seed)
+    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=head_dim, rope_theta=10000.0,
+                     eps=1e-5, draft_vocab=16)
+    head = FeatureHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
+    return head.eval()
+
+
+@pytest.fixture
+def shm_dir(monkeypatch) -> Path:
+    """SPECSPLIT_SHM_DIR in a fresh directory, removed after. Short: the services' fast-path sockets
+    live here too, and a socket path has at most 107 bytes."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="shm-", dir="/tmp"))
+    monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

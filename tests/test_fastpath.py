@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
 import stat
 import struct
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,14 +20,6 @@ from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
 from specsplit.serving import fastpath
 from specsplit.serving.worker import ModelWorker
-
-
-@pytest.fixture
-def shm_dir(monkeypatch):
-    d = Path(tempfile.mkdtemp(prefix="fp-", dir="/tmp"))  # short: socket paths have at most 107 bytes
-    monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 async def test_worker_runs_every_job_on_its_one_thread_in_order():

@@ -6,10 +6,8 @@ supervisor restarts the service."""
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import free_ports
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.api.draft.v1 import draft_pb2 as dpb
@@ -49,24 +48,11 @@ class Up:
         return (self.run_dir / "up.err").read_text()
 
 
-def _free_ports(n: int) -> int:
-    """The first of n consecutive free loopback ports."""
-    for _ in range(100):
-        base = random.randrange(20000, 60000)
-        try:
-            for port in range(base, base + n):
-                socket.create_server(("127.0.0.1", port)).close()
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
-
-
 @pytest.fixture(scope="module")
 def up(models, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("up")
     err = open(run_dir / "up.err", "w")
-    metrics = _free_ports(3)
+    metrics = free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(run_dir),
                              "--target-model", str(models["target"]), "--self-head", "none", "--drafter", "ngram",
                              "--dtype", "float32", "--tree-budget", "0", "--metrics-port", str(metrics)],

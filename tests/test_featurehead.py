@@ -2,22 +2,9 @@
 
 import pytest
 import torch
+from conftest import random_head
 
 from specsplit.model.featurehead import FeatureHead, HeadCache, HeadConfig, head_step, unrolled_forward
-
-
-def random_head(seed: int = 0, head_dim: int = 8) -> FeatureHead:
-    """A tiny head with random weights (not the identity start: every path must matter), reading a
-    50-token embedding, drafting over 16 of its tokens. The native kernels need head_dim % 16 == 0."""
-    torch.manual_seed(seed)
-    cfg = HeadConfig(hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=head_dim, rope_theta=10000.0,
-                     eps=1e-5, draft_vocab=16)
-    head = FeatureHead(cfg)
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16) * 3)
-    return head.eval()
-
 
 
 def test_drafting_steps_match_the_unrolled_training_forward():

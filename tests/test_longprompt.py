@@ -11,19 +11,13 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import native_model
 
 from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import load_model
 from specsplit.model.prefixcache import BLOCK, PrefixCache
 from specsplit.spec.sampling import SamplingParams
 from verify_service.engine import Target
-
-
-def _native(models, dtype="bfloat16"):
-    lm = load_model(models["target"], dtype)
-    if lm.native is None:
-        pytest.skip(lm.kernels)
-    return lm
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -37,7 +31,7 @@ def _cache(seq) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_prefix_cache_hit_gives_the_cache_features_and_token_of_a_cold_prefill(models, dtype):
-    lm = _native(models, dtype)
+    lm = native_model(models, dtype)
     cache = PrefixCache(lm.native.pool)
     target, cold = Target(lm, prefix_cache=cache), Target(lm)
     shared = _prompt(3 * BLOCK + 5, lm.vocab_size, 1)
@@ -68,7 +62,7 @@ def test_a_prefix_cache_hit_gives_the_cache_features_and_token_of_a_cold_prefill
 
 
 def test_prefix_cache_only_uses_room_the_sessions_leave_and_evicts_least_recently_used(models):
-    lm = _native(models)
+    lm = native_model(models)
     pool, positions = lm.native.pool, lm.max_context  # a buffer grows to at least 256 positions
     held = pool.used_bytes
     try:

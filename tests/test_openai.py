@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import urllib.error
 import urllib.request
 
@@ -13,7 +12,7 @@ import grpc
 import openai
 import pytest
 import torch
-from conftest import running_stack
+from conftest import free_ports, running_stack
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -22,15 +21,9 @@ TOKEN = "s3cret-token"
 GREEDY = {"temperature": 0, "max_tokens": 20}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 async def door(models, tmp_path_factory):
-    port = free_port()
+    port = free_ports()
     async with running_stack(tmp_path_factory.mktemp("openai"), "unix", models["target"], models["draft"],
                              "float32", http_listen=f"127.0.0.1:{port}", auth_token=TOKEN) as stack:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)

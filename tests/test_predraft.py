@@ -4,8 +4,7 @@ flight, used when its assumption held and rolled back otherwise, and the output 
 from __future__ import annotations
 
 import grpc
-from conftest import running_stack
-from test_services import PROMPTS, request, wait_released
+from conftest import PROMPTS, request, running_stack, wait_released
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tokenizer
 
 from draft_service.drafters.model import ModelDrafter, draft_vocabulary
 from specsplit.model import native
 from specsplit.model.modeling import KVSequence, load_model
-from tests.conftest import make_tokenizer
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
 TOKENS = [11, 40, 7, 99, 3, 250, 17, 8]

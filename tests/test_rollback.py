@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_featurehead import random_head
+from conftest import random_head
 
 from specsplit.model import native
 from specsplit.model.featurehead import NativeHead, TorchHead

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import running_stack
-from test_services import PROMPTS, request, wait_released
+from conftest import PROMPTS, request, running_stack, wait_released
 
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import running_stack, until
+from conftest import PROMPTS, active_sessions, request, running_stack, until, wait_released
 
 from gateway.rounds import DECODE_AHEAD
 from specsplit.api.draft.v1 import draft_pb2 as dpb
@@ -15,28 +15,6 @@ from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
-
-PROMPTS = ["def add(a, b):", "The quick brown fox", '{"name": "cat",', "Once upon a time"]
-
-
-def request(prompt: str, speculation=pb.SPECULATION_ON, **kw) -> pb.GenerateRequest:
-    kw.setdefault("max_new_tokens", 40)
-    kw.setdefault("stop", pb.StopConditions(ignore_eos=True))
-    return pb.GenerateRequest(text=prompt, speculation=speculation, **kw)
-
-
-async def active_sessions(stack) -> tuple[int, int]:
-    async with grpc.aio.insecure_channel(stack.verify) as v, grpc.aio.insecure_channel(stack.draft) as d:
-        vi = await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())
-        di = await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest())
-    return vi.active_sessions, di.active_sessions
-
-
-async def wait_released(stack, timeout_s: float = 60.0) -> tuple[int, int]:  # a hang guard, not a timing
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while (counts := await active_sessions(stack)) != (0, 0) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    return counts
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])

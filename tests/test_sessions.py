@@ -1,14 +1,7 @@
 import pytest
+from conftest import Clock
 
 from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_put_get_pop():

@@ -22,15 +22,6 @@ from specsplit.serving import shm
 from specsplit.tools.launcher import wait_serving
 
 
-@pytest.fixture
-def shm_dir(monkeypatch) -> Path:
-    # Short: the services' fast-path sockets live here too, and a socket path has at most 107 bytes.
-    d = Path(tempfile.mkdtemp(prefix="shm-", dir="/tmp"))
-    monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def _segments(d: Path) -> list[str]:
     return sorted(n for n in os.listdir(d) if not n.endswith((".lock", ".sock")))
 

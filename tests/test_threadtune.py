@@ -5,15 +5,9 @@ from __future__ import annotations
 
 import time
 
+from conftest import Clock
+
 from specsplit.serving.threadtune import ThreadTuner
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def drive(tuner: ThreadTuner, clock: Clock, share: dict[int, float], forwards: int, wall_s: float = 0.02) -> list:

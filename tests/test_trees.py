@@ -5,13 +5,12 @@ trees through the real services is token-identical to generation without specula
 import grpc
 import pytest
 import torch
-from conftest import running_stack
+from conftest import native_model, running_stack
 
 from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
 from gateway.load import InFlight, Load
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.model import native
 from specsplit.model.modeling import KVSequence, load_model
 from specsplit.spec.drafting import Choice, chain_tree
 from specsplit.spec.tokentree import Tree, depths, prune, worth_verifying
@@ -31,20 +30,13 @@ def _path(row: int) -> list[int]:
     return path[::-1]
 
 
-def _native(models, dtype, model="target"):
-    lm = load_model(models[model], dtype)
-    if lm.native is None:
-        pytest.skip(native.unavailable(lm.dtype, lm.device) or "no native forward")
-    return lm
-
-
 @pytest.mark.parametrize("model", ["target", "wide"])  # wide: head_dim 32, bf16 pair dot products on bf16
 @pytest.mark.parametrize("prompt_len", [8, 40])  # the prefix's keys end inside the first key block, or after two
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype, prompt_len, model):
     """The tree's rows share the prefix's key blocks and the branches' own; each row still gets the
     bits of its path decoded alone."""
-    lm = _native(models, dtype, model)
+    lm = native_model(models, dtype, model)
     prompt = [(PROMPT * 5)[i] + i for i in range(prompt_len)]
     tree = KVSequence(lm.model)
     tree.forward(prompt)
@@ -59,7 +51,7 @@ def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype,
 
 
 def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models):
-    lm = _native(models, "bfloat16")
+    lm = native_model(models, "bfloat16")
     seq = KVSequence(lm.model)
     seq.forward(PROMPT)
     seq.forward(ROWS, parents=PARENTS)
@@ -73,7 +65,7 @@ def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models):
 
 
 def test_target_verifies_a_tree_and_commits_the_branch_it_chose(models):
-    lm = _native(models, "bfloat16")
+    lm = native_model(models, "bfloat16")
     target = Target(lm)
     assert target.verifies_trees
     plain, _ = target.prefill(PROMPT)

@@ -1,8 +1,10 @@
-"""The suite's waits are bounded and say what never happened: a service that hangs at start fails
-its test naming it (and pytest-timeout bounds every test as a backstop), one that dies raises its
-own error."""
+"""The suite's own rules: its waits are bounded and say what never happened (a service that hangs at
+start fails its test naming it, pytest-timeout bounds every test as a backstop, one that dies raises
+its own error), and its helpers live in one place (conftest), not in test files importing each other."""
 
+import ast
 import asyncio
+from pathlib import Path
 
 import pytest
 from conftest import service_address, until
@@ -42,3 +44,14 @@ async def test_until_returns_what_the_check_found():
 def test_every_test_has_a_timeout(pytestconfig):
     assert pytestconfig.pluginmanager.hasplugin("timeout")
     assert float(pytestconfig.getini("timeout")) > 0
+
+
+def test_no_test_file_imports_another():
+    tests = Path(__file__).parent
+    offenders = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith(("test_", "tests."))]
+    assert not offenders, "helpers belong in conftest.py: " + ", ".join(offenders)
