@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import until
 
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
@@ -86,10 +87,7 @@ async def test_calls_errors_and_late_answers(shm_dir):
         await asyncio.sleep(0.05)
         await asyncio.to_thread(worker.shutdown)
         assert (await pending).length == 2
-        for _ in range(100):
-            if link.closed:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: link.closed, "the link closing after its server stopped", 30, every_s=0.01)
         with pytest.raises(Failure) as gone:
             await link.call(vpb.VerifyRequest(session_id="s"), vpb.VerifyResponse, 5.0)
         assert gone.value.code == grpc.StatusCode.UNAVAILABLE and link.closed
@@ -168,10 +166,7 @@ async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
     # Two answers to one call: the second was asked by nobody, and the stream cannot be trusted.
     link, thread = await link_for([fastpath.frame(fastpath.OK, b"", 0) * 2])
     await link.call(request, vpb.VerifyResponse, 5.0)
-    for _ in range(100):
-        if link.closed:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: link.closed, "the link closing after an answer nobody asked for", 30, every_s=0.01)
     with pytest.raises(Failure) as after:
         await link.call(request, vpb.VerifyResponse, 5.0)
     assert after.value.code == grpc.StatusCode.UNAVAILABLE and link.closed

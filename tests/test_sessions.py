@@ -1,5 +1,5 @@
 import pytest
-from conftest import Clock
+from conftest import Clock, until
 
 from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 
@@ -49,10 +49,7 @@ async def test_sweep_evicts_idle_sessions_in_the_background():
     table.put("a", "A")
     sweeper = asyncio.create_task(table.sweep(0.01))
     clock.now = 11
-    for _ in range(100):
-        if "a" not in table:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: "a" not in table, "the sweeper ending the idle session", 30, every_s=0.01)
     sweeper.cancel()
     assert "a" not in table
 
