@@ -163,6 +163,14 @@ async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
     assert oversize.value.code == grpc.StatusCode.UNAVAILABLE and "bad frame" in oversize.value.message
     assert link.closed
     thread.join(5)
+    # The peer closes mid-frame (half an answer, then gone): the call fails UNAVAILABLE, the link is closed.
+    whole = fastpath.frame(fastpath.OK, vpb.VerifyResponse(length=9).SerializeToString(), 0)
+    link, thread = await link_for([whole[:len(whole) // 2]])
+    with pytest.raises(Failure) as cut:
+        await link.call(request, vpb.VerifyResponse, 5.0)
+    assert cut.value.code == grpc.StatusCode.UNAVAILABLE, cut.value
+    assert link.closed
+    thread.join(5)
     # Two answers to one call: the second was asked by nobody, and the stream cannot be trusted.
     link, thread = await link_for([fastpath.frame(fastpath.OK, b"", 0) * 2])
     await link.call(request, vpb.VerifyResponse, 5.0)
@@ -215,6 +223,12 @@ async def test_a_service_answers_bad_frames_clearly_and_keeps_serving(models, tm
                 assert answered == call  # each answer names its call
             oversize = fastpath.HEAD.pack(fastpath.MAX_FRAME + 1, fastpath.OK, 0)
             assert await asyncio.to_thread(exchange, path, oversize) == b""  # closed, nothing answered
+            # A client that dies mid-frame: its connection goes, nothing is answered, the service stays.
+            half = fastpath.frame(fastpath.OK, vpb.VerifyRequest(session_id="x").SerializeToString(), 3)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(str(path))
+                conn.sendall(half[:len(half) - 3])
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             done = await pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(
                 text="def add(a, b):", max_new_tokens=8, speculation=pb.SPECULATION_ON,

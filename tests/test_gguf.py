@@ -157,6 +157,25 @@ def _every_type_model(path, hidden: int):
     return path
 
 
+def test_a_truncated_gguf_file_is_refused_saying_so(every_type_dir, tmp_path):
+    """A download cut short: wherever the file ends (in the header, in a tensor, one block short),
+    reading it says it is truncated, naming what runs past the end; an empty file is not a GGUF."""
+    from specsplit.model.ggufweights import read
+
+    whole = (every_type_dir / "model.gguf").read_bytes()
+    cut_file = tmp_path / "model.gguf"
+    for cut, says in ((200, "runs past the end"), (len(whole) // 2, "past the end of the file"),
+                      (len(whole) - 10, "past the end of the file")):
+        cut_file.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=f"truncated or corrupt GGUF file \\({cut} bytes\\): .*{says}"):
+            read(cut_file)
+    cut_file.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read(cut_file)
+    cut_file.write_bytes(whole)
+    assert read(cut_file)[0] == "llama"  # the whole file reads
+
+
 def test_every_served_type_unpacks_to_the_values_gguf_itself_reads():
     """Each type's unpacking into the kernels' layouts gives gguf's own dequantization bit for bit
     (random blocks: every bit pattern of a block is a valid one)."""

@@ -509,6 +509,32 @@ async def test_verifier_refuses_sessions_past_its_kv_budget_and_frees_them_on_re
             assert (await stub.Info(vpb.InfoRequest())).active_sessions == 0
 
 
+async def test_concurrent_requests_past_the_kv_budget_are_refused_clearly_and_the_rest_answer(
+        models, tmp_path, slow_forwards):
+    from specsplit.model.modeling import load_model
+
+    native = load_model(models["target"], "bfloat16").native
+    if native is None:
+        pytest.skip("the KV budget bounds the native forward's caches")
+    fits = (1 << 20) // (256 * native.token_bytes)  # a session's cache starts at 256 positions
+    slow_forwards(0.01)  # every request is still decoding when the last one arrives
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"],
+                             verify_kw={"kv_cache_mib": 1, "prefix_cache": False}) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            reference = (await gw.Generate(request(PROMPTS[1], pb.SPECULATION_OFF))).token_ids
+            outcomes = await asyncio.gather(*(gw.Generate(request(PROMPTS[1], pb.SPECULATION_AUTO, max_new_tokens=40))
+                                              for _ in range(fits + 3)), return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, BaseException)]
+            answered = [o for o in outcomes if not isinstance(o, BaseException)]
+            assert refused and answered, (fits, len(refused))
+            assert all(isinstance(o, grpc.aio.AioRpcError) and o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                       and "MiB" in o.details() for o in refused), refused[0]
+            assert all(o.token_ids == reference for o in answered)
+            assert await wait_released(stack) == (0, 0)
+            assert (await gw.Generate(request(PROMPTS[1], pb.SPECULATION_OFF))).token_ids == reference
+
+
 async def test_full_session_tables_cost_drafts_or_refuse_clearly_and_leak_nothing(models, tmp_path):
     # Tables of two sessions each, filled by direct calls the gateway knows nothing of.
     async with running_stack(tmp_path, "unix", models["target"], None, verify_kw={"max_sessions": 2},
