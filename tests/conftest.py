@@ -171,6 +171,7 @@ class Running:
 @contextlib.asynccontextmanager
 async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
                         default_drafter: str = "ngram", draft_kw: dict | None = None, tls: dict | None = None,
+                        gateway_tls: dict | None = None,
                         verify_kw: dict | None = None, shared_memory: bool = True, **gateway_kw):
     """The three real services in this process, on temp UNIX sockets or loopback TCP ports; with
     shared_memory False (as on separate hosts) the rounds go over gRPC streams, not the fast path."""
@@ -180,12 +181,13 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
 
     def server(name: str) -> ServerSettings:
         listen = f"unix://{tmp_path / f'{name}.sock'}" if transport == "unix" else "127.0.0.1:0"
-        backend_tls = (tls or {}) if name != "gateway" else {}  # tls: the draft and verify services'
+        own_tls = (tls if name != "gateway" else gateway_tls) or {}  # tls: the draft and verify services'
         return ServerSettings(listen=listen, address_file=str(tmp_path / f"{name}.address"), grace_s=1.0,
-                              shared_memory=shared_memory, **backend_tls)
+                              shared_memory=shared_memory, **own_tls)
 
     async def address(name: str, task: asyncio.Task) -> str:
-        return await service_address(tmp_path / f"{name}.address", task, name, serving=not tls or name == "gateway")
+        served_tls = gateway_tls if name == "gateway" else tls  # (the health wait below speaks plaintext)
+        return await service_address(tmp_path / f"{name}.address", task, name, serving=not served_tls)
 
     stop = asyncio.Event()
     model = ModelSettings(str(target), dtype)

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import running_stack
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -69,10 +70,12 @@ async def test_mutual_tls_accepts_the_right_certificates_and_refuses_others(mode
             "server not trusted": ClientTLS(str(pki / "rogue-ca.pem"), str(pki / "gateway.pem"),
                                             str(pki / "gateway.key")),
         }
+        assert await _health(stack.draft, gateway_tls) == health_pb2.HealthCheckResponse.SERVING
         for case, tls in refused.items():
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await _info(stack.verify, tls)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, case
+            for service, probe in (("verify", _info), ("draft", _health)):  # both backends ask for the certificate
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await probe(getattr(stack, service), tls)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (service, case)
         # The gateway reached both backends over mTLS: a request runs end to end.
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             out = await pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(
@@ -87,6 +90,30 @@ async def test_mutual_tls_accepts_the_right_certificates_and_refuses_others(mode
                        for cmd in (probe + client + ["--tls-server-name", "localhost"], probe)]
         assert ok.returncode == 0 and ok.stdout.strip().endswith(": SERVING"), ok
         assert refused.returncode == 1 and "UNAVAILABLE" in refused.stdout, refused
+
+
+async def _health(address: str, tls: ClientTLS | None) -> int:
+    async with aio_channel(address, tls) as channel:
+        return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+
+async def test_mutual_tls_on_the_gateway_serves_clients_with_certificates_only(models, tmp_path, pki):
+    client_tls = ClientTLS(str(pki / "ca.pem"), str(pki / "gateway.pem"), str(pki / "gateway.key"))
+    gateway_tls = {"tls_cert": str(pki / "server.pem"), "tls_key": str(pki / "server.key"),
+                   "tls_client_ca": str(pki / "ca.pem")}
+    async with running_stack(tmp_path, "tcp", models["target"], models["draft"], gateway_tls=gateway_tls) as stack:
+        async with aio_channel(stack.gateway, client_tls) as channel:
+            out = await pb_grpc.GatewayStub(channel).Generate(pb.GenerateRequest(
+                text="def add(a, b):", max_new_tokens=8, speculation=pb.SPECULATION_ON), timeout=60)
+        assert len(out.token_ids) == 8 and out.stats.speculation_used
+        for case, tls in {"plaintext": None, "no client certificate": ClientTLS(str(pki / "ca.pem")),
+                          "client certificate from another CA": ClientTLS(
+                              str(pki / "ca.pem"), str(pki / "intruder.pem"), str(pki / "intruder.key"))}.items():
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async with aio_channel(stack.gateway, tls) as channel:
+                    await pb_grpc.GatewayStub(channel).Generate(pb.GenerateRequest(text="hi", max_new_tokens=2),
+                                                                timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, case
 
 
 async def test_tls_without_client_certificates(models, tmp_path, pki):
