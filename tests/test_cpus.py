@@ -60,10 +60,45 @@ def test_threads_are_the_smaller_of_affinity_and_quota(monkeypatch, affinity, qu
     assert cpus.threads(0) == (5, "OMP_NUM_THREADS")
 
 
-def test_a_stack_pinned_to_one_cpu_runs_one_thread_per_service_and_serves(models, tmp_path):
+@pytest.fixture
+def half_a_cpu():
+    """A real cgroup (v1's cpu controller, or v2) limited to 0.5 CPU; its tasks file, for a process
+    to join. Skipped, saying why, where this process may not make one (not root, a read-only
+    /sys/fs/cgroup)."""
+    import contextlib
+
+    made = None
+    for root, limit in ((Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_quota_us": "50000", "cpu.cfs_period_us": "100000"}),
+                        (Path("/sys/fs/cgroup"), {"cpu.max": "50000 100000"})):
+        group = root / f"specsplit-test-{os.getpid()}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            for name, value in limit.items():
+                (group / name).write_text(value)
+            made = group
+            break
+        except OSError:
+            group.rmdir()
+    if made is None:
+        pytest.skip("no cgroup this process may create (root and a writable /sys/fs/cgroup are needed)")
+    try:
+        yield made / ("tasks" if (made / "tasks").exists() else "cgroup.procs")
+    finally:
+        with contextlib.suppress(OSError):
+            made.rmdir()
+
+
+@pytest.mark.parametrize("confine", ["affinity", "cgroup"])
+def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(models, tmp_path, request, confine):
+    # affinity: as `taskset -c 0 specsplit up`; cgroup: a real CPU quota of 0.5, as a container's limit
+    join = ("os.sched_setaffinity(0, {0})" if confine == "affinity"
+            else f"open({str(request.getfixturevalue('half_a_cpu'))!r}, 'w').write(str(os.getpid()))")
     script = textwrap.dedent(f"""
         import os, grpc
-        os.sched_setaffinity(0, {{0}})  # as `taskset -c 0 specsplit up`
+        {join}
         from specsplit.tools.launcher import Stack, StackConfig
         from specsplit.api.gateway.v1 import gateway_pb2 as pb, gateway_pb2_grpc as pbg
         with Stack(StackConfig(target_model={str(models["target"])!r}, draft_model={str(models["draft"])!r},
@@ -84,4 +119,4 @@ def test_a_stack_pinned_to_one_cpu_runs_one_thread_per_service_and_serves(models
         line = next(line for line in done.stdout.splitlines() if line.startswith(name))
         assert " 1 torch thread (" in line, line
     verify = next(line for line in done.stdout.splitlines() if line.startswith("verify"))
-    assert "affinity 1 CPUs" in verify
+    assert ("affinity 1 CPUs" if confine == "affinity" else "cgroup CPU limit 0.5") in verify, verify
