@@ -211,7 +211,8 @@ async def serve(
         shm.reclaim_stale()  # segments of a gateway that died (SIGKILL) before it could remove them
         fastpath.reclaim_stale()  # and fast-path sockets of a service that did
     credentials = server_credentials(settings)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, Undecodable()])
+    # Undecodable outermost: the interceptors inside it (tracing reads the request's size) get messages.
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Undecodable(), *interceptors])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
