@@ -18,7 +18,7 @@ from specsplit.errors import Failure
 from specsplit.model.modeling import pairing_problem
 from specsplit.serving import shm, wire
 from specsplit.serving.server import Rounds
-from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA
 from specsplit.serving.worker import ModelWorker
 from specsplit.spec.drafting import Proposal
@@ -96,6 +96,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except TableFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            drafter.end(session)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"draft service: {e}")
         # Mapped once the session is held, so the EndSession (or eviction) that drops it unmaps it.
         entry.segment = shm.try_attach(request.shm_segment, self._shared_memory)
         return pb.StartSessionResponse(drafter=name, prefill_ns=prefill_ns,

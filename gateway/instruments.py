@@ -257,7 +257,8 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         fast_path=request.links.fast_path,
         predraft_attempts=request.measured.predraft_attempts, predraft_hits=request.measured.predraft_hits,
         tree_budget=plan.tree_budget if drafting else 0, prefix_cached_tokens=request.measured.prefix_cached,
-        prefill_chunks=request.measured.prefill_chunks)
+        prefill_chunks=request.measured.prefill_chunks, resumes=request.measured.resumes,
+        resume_ms=request.measured.resume_ns / 1e6)
 
 
 def _digest(ids: list[int]) -> str:

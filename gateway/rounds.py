@@ -5,6 +5,7 @@ metrics are made from them once the request is done (gateway.instruments)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from gateway.replicas import Replica
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
+from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
@@ -37,6 +39,27 @@ _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEAD
 _FINISH = {"": pb.FINISH_REASON_UNSPECIFIED, "length": pb.FINISH_REASON_LENGTH, "context": pb.FINISH_REASON_CONTEXT}
 
 
+# A verify call that failed because its replica died or restarted (its sessions went with it: the
+# connection is gone, the session unknown, or the call cut off by a shutdown): the session is
+# re-opened on a live replica and the round runs again (RoundLoop._resume).
+_VERIFIER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+RESUME_POLL_S = 0.1  # while no replica takes a lost session back
+
+
+async def _release(verifier, session_id: str) -> None:
+    """A Release on that verify stub, errors ignored (its replica may be gone)."""
+    with contextlib.suppress(grpc.RpcError):
+        await verifier.Release(vpb.ReleaseRequest(session_id=session_id), timeout=2)
+
+
+class _VerifierGone(Exception):
+    """A round's verify call failed with one of _VERIFIER_GONE (`failure`)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 # A draft replica that refused a StartSession outright (down, or its session table full): nothing
 # started there, so the session may start on another replica instead.
 _START_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -46,13 +69,17 @@ class RoundLoop:
     def __init__(self, upstream: Upstream, verify: Replica, draft: Replica | None, tokenizer,
                  target: vpb.InfoResponse, rpc_timeout_s: float, instruments: Instruments,
                  segments: shm.Creator | None = None, segment_bytes: int = 4 << 20,
-                 other_draft: Callable[[set[str]], Replica | None] = lambda tried: None):
+                 other_draft: Callable[[set[str]], Replica | None] = lambda tried: None,
+                 other_verify: Callable[[set[str]], Replica | None] = lambda tried: None,
+                 resume_wait_s: float = 30.0):
         # `verify`, `draft`: the replicas this loop's session is pinned to (gateway.replicas; no draft
         # replica: the request does not speculate); `verify.load` is what the other sessions there
-        # put into its (batched) forwards. `other_draft(tried)`: another available draft replica
-        # than those addresses, or None.
+        # put into its (batched) forwards. `other_draft(tried)`, `other_verify(tried)`: an available
+        # replica of that service other than those addresses, or None. `resume_wait_s`: how long a
+        # session whose verify replica died waits for one to take it back.
         self._up, self._tokenizer, self._target = upstream, tokenizer, target
         self._verify, self._draft_replica, self._other_draft = verify, draft, other_draft
+        self._other_verify, self._resume_wait_s = other_verify, resume_wait_s
         self._verifier = verify.stub
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
@@ -95,7 +122,7 @@ class RoundLoop:
                 yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, logprobs=logprobs,
                                        prompt_logprobs=prompt_logprobs)
                 prompt_logprobs = []
-                mark = await self._round(request, mark)
+                mark = await self._next(request, mark, deadline)
                 delta = text.add(request.cursor.last, _FINISH[request.cursor.finish()])
             stats = self._instruments.finished(request, len(text.token_ids))
             yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, finish_reason=delta.finish, stats=stats,
@@ -104,6 +131,16 @@ class RoundLoop:
         finally:
             self._load.leave(request.session_id)
             self._up.in_background(self._release(request))
+
+    async def _next(self, request: Request, mark: int, deadline: Deadline) -> int:
+        """The next round (from `mark`); where its verify replica died under it, the session is
+        re-opened on a live one and the round runs again (nothing of it was committed)."""
+        while True:
+            try:
+                return await self._round(request, mark)
+            except _VerifierGone as gone:
+                await self._resume(request, gone.failure, deadline)
+                mark = now()
 
     async def _round(self, request: Request, mark: int) -> int:
         """One draft -> verify round from `mark` (when the previous one ended); returns when it ended.
@@ -148,6 +185,10 @@ class RoundLoop:
                 request, self._propose(request, plan.gamma + 1, ahead=[*drafts, guess])))
         try:
             verdict = await request.links.verifier.call(check)
+        except Failure as e:
+            if e.code in _VERIFIER_GONE:
+                raise _VerifierGone(e) from e
+            raise
         finally:
             verify_call = now() - t
             if ahead is not None:
@@ -214,6 +255,10 @@ class RoundLoop:
         size = tokentree.worth_verifying([s * request.plan.score_scale for s in scores],
                                          list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS,
                                          other_rows, other_gain) if scores else None
+        # Every node takes a cache slot while it is verified: near the context's end the tree's size,
+        # not only its depth, must fit what is left (kv holds length - 1; rows are 1 + nodes).
+        room = request.cursor.max_context - request.cursor.length
+        size = room if size is None else min(size, room)
         keep, parents = tokentree.prune(list(proposal.draft_parents)[:len(proposal.draft_token_ids)], gamma, size)
         return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 
@@ -250,11 +295,8 @@ class RoundLoop:
         plan, up = request.plan, self._up
         name = request.links.segment.name if request.links.segment else ""
         t = request.measured.prefill_mark = now()
-        prefill = up.call(self._verifier.Prefill, vpb.PrefillRequest(
-            session_id=request.session_id, prompt_token_ids=plan.prompt_ids, return_features=plan.needs_features,
-            sampling=plan.sampling, shm_segment=name, skip_prefix_cache=plan.skip_prefix_cache,
-            logprobs=plan.logprobs, stop_token_ids=sorted(plan.eos_ids)), "verify",
-            deadline.for_prefill(len(plan.prompt_ids)))
+        prefill = up.call(self._verifier.Prefill, self._prefill_request(request), "verify",
+                          deadline.for_prefill(len(plan.prompt_ids)))
         started = None
         if request.drafting:
             start = dpb.StartSessionRequest(
@@ -266,7 +308,9 @@ class RoundLoop:
             verified, started = await asyncio.gather(prefill, self._start(start, deadline), return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
-        if isinstance(verified, BaseException):
+        if isinstance(verified, Failure) and verified.code in _VERIFIER_GONE:  # its replica died before answering
+            verified = await self._reprefill(request, verified, deadline)
+        elif isinstance(verified, BaseException):
             raise verified
         if isinstance(started, Failure) and plan.may_fall_back and started.code in _NO_DRAFTER:
             if started.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down
@@ -294,6 +338,80 @@ class RoundLoop:
         request.logprobs, request.prompt_logprobs = list(verified.logprobs), list(verified.prompt_logprobs)
         if plan.needs_features and request.drafting:
             request.features = verified.features
+
+    def _prefill_request(self, request: Request, resume: bool = False) -> vpb.PrefillRequest:
+        """The session's Prefill: its prompt; to resume it on another replica, the prompt and every
+        committed token (PrefillRequest.resume), without the prompt's log-probabilities again."""
+        plan = request.plan
+        logprobs = cpb.LogprobsRequest()
+        logprobs.CopyFrom(plan.logprobs)
+        logprobs.prompt = logprobs.prompt and not resume
+        return vpb.PrefillRequest(
+            session_id=request.session_id, prompt_token_ids=[*plan.prompt_ids, *request.cursor.output] if resume
+            else plan.prompt_ids, return_features=plan.needs_features, sampling=plan.sampling,
+            shm_segment=request.links.segment.name if request.links.segment else "",
+            skip_prefix_cache=plan.skip_prefix_cache and not resume, logprobs=logprobs,
+            stop_token_ids=sorted(plan.eos_ids), resume=resume)
+
+    async def _resume(self, request: Request, failure: Failure, deadline: Deadline) -> None:
+        """The session's verify replica died (or restarted) under a round: it is re-opened on a live
+        replica with everything it committed, and its round link with it. Greedy and seeded output
+        go on exactly (sampling noise follows seed and position; the gateway holds every committed
+        token); the stream has sent nothing of the lost round."""
+        t = now()
+        request.ready = None  # a pre-draft assumed the lost round's outcome
+        links = request.links
+        links.verifier.close()
+        verified = await self._reprefill(request, failure, deadline, resume=True)
+        if verified.length != request.cursor.length:
+            raise Failure(grpc.StatusCode.INTERNAL, f"session {request.session_id} resumed at length "
+                                                    f"{verified.length}, not {request.cursor.length}")
+        if links.segment is not None:
+            links.shm_verify = payloads.proves(verified.shm_nonce, links.segment, "verify")
+        links.verifier = await self._up.verify_link(self._verifier, verified.fast_path if links.shm_verify else "",
+                                                    deadline)
+        links.fast_path = bool(links.shm_verify and verified.fast_path)
+        request.measured.resumes += 1
+        request.measured.resume_ns += now() - t
+        log.warning("session %s resumed on verify replica %s after %d tokens (%.0f ms): %s", request.session_id,
+                    self._verify.address, request.cursor.generated, (now() - t) / 1e6, failure)
+
+    async def _reprefill(self, request: Request, failure: Failure, deadline: Deadline,
+                         resume: bool = False) -> vpb.PrefillResponse:
+        """The session's Prefill (resume: with what it committed) on a live verify replica, another
+        than the one that failed where there is one; waits up to resume_wait_s for one to take it,
+        then fails UNAVAILABLE saying so. The session is pinned to that replica from then on."""
+        lost, message = self._verify.address, self._prefill_request(request, resume)
+        give_up = time.monotonic() + self._resume_wait_s
+        while True:
+            replica = self._other_verify({lost}) or self._other_verify(set())
+            if replica is not None:
+                if replica is not self._verify:  # what the old one may still hold, if it did not die
+                    self._up.in_background(_release(self._verifier, request.session_id))
+                self._repin_verify(request, replica)
+                try:
+                    return await self._up.call(self._verifier.Prefill, message, "verify",
+                                               deadline.for_prefill(len(message.prompt_token_ids)))
+                except Failure as e:
+                    if e.code == grpc.StatusCode.ALREADY_EXISTS:  # it did not die: it still holds the session
+                        await _release(self._verifier, request.session_id)
+                    elif e.code not in _VERIFIER_GONE:
+                        raise
+                    failure = e
+            if time.monotonic() >= give_up:
+                raise Failure(grpc.StatusCode.UNAVAILABLE, f"{failure.message}; no verify replica took the session "
+                                                           f"back within {self._resume_wait_s:g} s")
+            await asyncio.sleep(RESUME_POLL_S)
+
+    def _repin_verify(self, request: Request, replica: Replica) -> None:
+        """The session's verify replica is `replica` from now on (counted there, its load there)."""
+        if replica is self._verify:
+            return
+        self._load.leave(request.session_id)
+        self._verify.sessions -= 1
+        replica.sessions += 1
+        self._verify, self._verifier, self._load = replica, replica.stub, replica.load
+        self._load.enter(request.session_id)
 
     async def _start(self, start: dpb.StartSessionRequest, deadline: Deadline):
         """StartSession under the DraftWatch (a stalled draft replica fails it as DEADLINE_EXCEEDED);

@@ -200,7 +200,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         b = self._backends
         instruments = Instruments(self.controller, self._metrics, b.target.exact, self._transport)
         return RoundLoop(b.upstream, verify, draft, b.tokenizer, b.target, b.settings.rpc_timeout_s, instruments,
-                         b.segments, b.settings.shm_segment_bytes, b.draft.other)
+                         b.segments, b.settings.shm_segment_bytes, b.draft.other, b.verify.other,
+                         b.settings.resume_wait_s)
 
     async def Generate(self, request, context):
         text, ids, logprobs, prompt_logprobs, last = [], [], [], [], None

@@ -90,6 +90,8 @@ class Measured:
     decode_mark: int = 0
     predraft_attempts: int = 0
     predraft_hits: int = 0
+    resumes: int = 0  # times the session was re-opened on a verify replica after its own died
+    resume_ns: int = 0  # the time that took: waiting for a replica, and the re-prefill
 
 
 @dataclass

@@ -183,7 +183,7 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
         listen = f"unix://{tmp_path / f'{name}.sock'}" if transport == "unix" else "127.0.0.1:0"
         own_tls = (tls if name != "gateway" else gateway_tls) or {}  # tls: the draft and verify services'
         return ServerSettings(listen=listen, address_file=str(tmp_path / f"{name}.address"), grace_s=1.0,
-                              shared_memory=shared_memory, **own_tls)
+                              drain_s=1.0, shared_memory=shared_memory, **own_tls)
 
     async def address(name: str, task: asyncio.Task) -> str:
         served_tls = gateway_tls if name == "gateway" else tls  # (the health wait below speaks plaintext)

@@ -113,7 +113,7 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
 
     def server(name: str) -> ServerSettings:
         return ServerSettings(listen=f"unix://{tmp_path / f'{name}.sock'}", address_file=str(tmp_path / f"{name}.a"),
-                              grace_s=0.5)
+                              grace_s=0.5, drain_s=1.0)
 
     async def address(name: str, task: asyncio.Task) -> str:
         return await service_address(tmp_path / f"{name}.a", task, name)

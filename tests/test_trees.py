@@ -187,6 +187,13 @@ async def test_greedy_generation_with_trees_is_identical_to_spec_off(models, tmp
                 chain = await gw.Generate(pb.GenerateRequest(speculation=pb.SPECULATION_ON, tree_budget=1, **base))
                 assert chain.stats.tree_budget == 0 and list(chain.token_ids) == list(off.token_ids)
             assert trees > 0  # some rounds verified more than one branch
+            # To the context's end: a tree's nodes, not only its depth, must fit the cache left.
+            base = dict(text="The quick brown fox. The quick brown", max_new_tokens=400, drafter=drafter,
+                        stop=pb.StopConditions(ignore_eos=True))
+            off = await gw.Generate(pb.GenerateRequest(speculation=pb.SPECULATION_OFF, **base))
+            on = await gw.Generate(pb.GenerateRequest(speculation=pb.SPECULATION_ON, **base))
+            assert on.finish_reason == off.finish_reason == pb.FINISH_REASON_CONTEXT
+            assert list(on.token_ids) == list(off.token_ids)
             with pytest.raises(grpc.aio.AioRpcError) as bad:
                 await gw.Generate(pb.GenerateRequest(text="x", max_new_tokens=4, tree_budget=65))
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tree_budget" in bad.value.details()

@@ -78,6 +78,7 @@ class Prefilling:
     stored: int = 0  # prompt[:stored] is in the prefix cache (whole blocks)
     pending: list[torch.Tensor] = field(default_factory=list)  # features of prompt[stored:done]
     prompt_logprobs: list = field(default_factory=list)  # of prompt[1:done + 1], when asked
+    resumed: int | None = None  # a resumed session's last committed token: appended, not chosen
 
     @property
     def finished(self) -> bool:
@@ -159,18 +160,25 @@ class Target:
 
     def start_prefill(self, prompt: list[int], with_features: bool = False,
                       sampling: SamplingParams = SamplingParams(), method: str = "coupled",
-                      use_cache: bool = True, logprobs: Logprobs = Logprobs()) -> Prefilling:
+                      use_cache: bool = True, logprobs: Logprobs = Logprobs(), resume: bool = False) -> Prefilling:
         """A new session whose prompt is still to be fed (by plan_prefill's steps); a prefix of it
         already in the prefix cache is loaded into its cache at once (unless not use_cache, or the
-        prompt's own log-probabilities are asked for: they need every prompt row's logits)."""
+        prompt's own log-probabilities are asked for: they need every prompt row's logits). With
+        `resume`, the prompt's last token is the session's last committed one (PrefillRequest.resume):
+        the rest is fed, and it is appended as the answer."""
         sampling.check()
         logprobs.check()
         if method not in METHODS:
             raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
         self._check_room(len(prompt) + 1)
+        resumed = prompt[-1] if resume else None
+        if resume:
+            if len(prompt) < 2:
+                raise ValueError("a resumed session holds its prompt and at least one committed token")
+            prompt = prompt[:-1]
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, method=method, logprobs=logprobs)
-        prefilling = Prefilling(session, list(prompt))
+        prefilling = Prefilling(session, list(prompt), resumed=resumed)
         # The whole prompt's room at once: grown chunk by chunk, the cache would be copied at every
         # doubling (tens of ms at thousands of tokens: a stall for every session sharing that forward).
         self._reserve(session, len(prompt))
@@ -204,6 +212,9 @@ class Target:
                 self._keep_blocks(prefilling, features)
             if not last:
                 return VerifyResult(0, -1, end, 0)
+            if prefilling.resumed is not None:
+                session.tokens.append(prefilling.resumed)
+                return VerifyResult(0, prefilling.resumed, len(session.tokens), 0, cached=prefilling.cached)
             _, first = self._decide(session, logits, [], [], len(prompt), None)
             session.tokens.append(first)
             features = torch.cat(prefilling.features) if session.with_features else None
@@ -213,7 +224,8 @@ class Target:
 
         # The prefix cache keeps every prompt row's features, so a later session that asks for them
         # can load them with the keys and values.
-        return Step(session, prompt[start:end], finish, last_only=not asked.prompt, logits=last or asked.prompt,
+        chooses = last and prefilling.resumed is None
+        return Step(session, prompt[start:end], finish, last_only=not asked.prompt, logits=chooses or asked.prompt,
                     features=session.with_features or self.prefix_cache is not None)
 
     def plan_verify(self, session: TargetSession, length: int, draft: list[int],

@@ -20,7 +20,7 @@ from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import LoadedModel
 from specsplit.serving import shm, wire
 from specsplit.serving.server import Rounds
-from specsplit.serving.sessions import SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
@@ -92,6 +92,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                                               f"in the context of {self._lm.max_context}")
         if request.session_id in self._sessions:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
+        if self._sessions.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verify service: draining before it stops: start the "
+                                                             "session on another replica")
+        if request.resume and (len(prompt) < 2 or request.logprobs.prompt):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a resumed session holds its prompt and at least one "
+                                                                  "committed token, and asks no prompt logprobs")
         try:
             sampling, method = wire.sampling(request.sampling)
             sampling.check()
@@ -100,7 +106,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         call = _Prefill(request.session_id, prompt, request.return_features, sampling, method,
-                        trace.get_current_span(), request.skip_prefix_cache, logprobs)
+                        trace.get_current_span(), request.skip_prefix_cache, logprobs, request.resume)
         try:
             session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK),
                                                               self._company_wait(), self._prefill_joined)
@@ -111,6 +117,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"session {request.session_id} already exists")
         except (TableFull, CacheFull) as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except Draining as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"verify service: {e}")
         except ContextFull as e:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(e))
         self._prefix_tokens.add(result.cached, {"outcome": "hit"})
@@ -182,7 +190,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         prefix cache holds of the prompt. SessionEnded once its caller released it (gave up)."""
         if call.state is None:
             call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling, call.method,
-                                                    use_cache=not call.skip_cache, logprobs=call.logprobs)
+                                                    use_cache=not call.skip_cache, logprobs=call.logprobs,
+                                                    resume=call.resume)
         elif self._sessions.ended(call.session_id):
             raise SessionEnded(call.session_id)
         return self._target.plan_prefill(call.state, self._chunk(call, len(calls) > 1))
@@ -368,6 +377,7 @@ class _Prefill:
     span: object  # the Prefill's server span: an event per chunk shows the progress
     skip_cache: bool = False  # compute it all (PrefillRequest.skip_prefix_cache)
     logprobs: Logprobs = Logprobs()  # PrefillRequest.logprobs
+    resume: bool = False  # PrefillRequest.resume
     state: Prefilling | None = None  # begun: the session and how far its prompt is in
     chunks: int = 0
     forward_ns: int = 0  # over its chunks

@@ -53,8 +53,11 @@ def server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--fixed-threads", action="store_true",
                    help="every forward on --threads threads; by default the native kernels' team size per forward "
                         "is measured (halving down to 1), so a busy neighbour's core is not waited for")
+    p.add_argument("--drain", type=float, default=ServerSettings.drain_s,
+                   help="on SIGTERM, seconds the sessions held get to finish (no new ones are taken; a gateway "
+                        "resumes those left on another replica)")
     p.add_argument("--grace", type=float, default=ServerSettings.grace_s,
-                   help="seconds in-flight calls get on shutdown")
+                   help="seconds in-flight calls get on shutdown, after the drain")
     p.add_argument("--metrics-port", type=int, default=int(ENV("SPECSPLIT_METRICS_PORT", "0")),
                    help="serve Prometheus metrics on this port (0: none)")
     p.add_argument("--tls-cert", default=ENV("SPECSPLIT_TLS_CERT"), help="serve TLS with this certificate (PEM)")
@@ -67,6 +70,7 @@ def server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
 
 def server_settings(a: argparse.Namespace) -> ServerSettings:
     return ServerSettings(listen=a.listen, address_file=a.address_file, threads=a.threads, grace_s=a.grace,
+                          drain_s=a.drain,
                           fixed_threads=a.fixed_threads,
                           metrics_port=a.metrics_port, tls_cert=a.tls_cert, tls_key=a.tls_key,
                           tls_client_ca=a.tls_client_ca, shared_memory=a.shared_memory)
@@ -126,6 +130,9 @@ def stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="directory for sockets and logs (default: a fresh temp dir)")
     p.add_argument("--no-shm", dest="shared_memory", action="store_false",
                    help="no shared-memory fast path: every payload goes over the sockets")
+    p.add_argument("--verify-replicas", type=int, default=1,
+                   help="verify processes behind the gateway (each restarted when it exits; a request whose "
+                        "replica dies resumes on another)")
 
 
 def stack_config(a: argparse.Namespace):
@@ -138,7 +145,8 @@ def stack_config(a: argparse.Namespace):
                        self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
-                       http_listen=getattr(a, "http_listen", ""), policy=getattr(a, "policy", None))
+                       http_listen=getattr(a, "http_listen", ""), policy=getattr(a, "policy", None),
+                       verify_replicas=a.verify_replicas)
 
 
 def auth_flag(p: argparse.ArgumentParser, help: str) -> None:

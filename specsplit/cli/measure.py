@@ -90,9 +90,11 @@ def add(sub) -> None:
     soak.add_argument("--store-tokens", type=int, default=0,
                       help="the retrieval store across requests (off: every answer is checked against spec-off, "
                            "and the store would only make repeated prompts easier)")
-    soak.add_argument("--chaos", choices=["", "kill", "stop"], default="",
+    soak.add_argument("--chaos", choices=["", "kill", "stop", "kill-verify", "term-verify"], default="",
                       help="kill: SIGKILL the draft service now and then (it is restarted); stop: SIGSTOP it for "
-                           "2 s; requests must complete and match spec-off all the same")
+                           "2 s; kill-verify: SIGKILL a verify replica (its requests resume on another, or on it once "
+                           "restarted); term-verify: SIGTERM one (it drains; a rolling restart); "
+                           "requests must complete and match spec-off all the same")
     soak.add_argument("--chaos-every", type=float, default=10.0, help="seconds between chaos events, on average")
 
     cal = sub.add_parser("calibrate", help="measure per task type whether speculation pays; write a policy file")

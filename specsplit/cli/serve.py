@@ -161,6 +161,8 @@ def _gateway_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sessions-per-client", type=int, default=s.max_sessions_per_client,
                    help="Generate calls in flight per client address; more get RESOURCE_EXHAUSTED (0: no cap)")
     g.add_argument("--rpc-timeout", type=float, default=s.rpc_timeout_s, help="deadline of each internal call (s)")
+    g.add_argument("--resume-wait", type=float, default=s.resume_wait_s,
+                   help="how long a request whose verify replica died waits for a replica to take it back (s)")
     g.add_argument("--predraft", choices=["auto", "on", "off"], default=ENV("SPECSPLIT_PREDRAFT", s.predraft),
                    help="asynchronous drafting (draft the next block while Verify is in flight) for requests that "
                         "do not choose; auto: measured per task type, the faster arm wins (docs/controller.md)")
@@ -210,6 +212,7 @@ def _settings(a: argparse.Namespace):
     return GatewaySettings(server=server, verify_address=a.verify, draft_address=a.draft,
                            tokenizer=a.tokenizer, default_drafter=a.drafter,
                            max_new_tokens_limit=a.max_new_tokens_limit, rpc_timeout_s=a.rpc_timeout,
+                           resume_wait_s=a.resume_wait,
                            controller=controller, policy_file=a.policy,
                            upstream_tls=ClientTLS(a.upstream_ca, a.upstream_cert, a.upstream_key)
                            if a.upstream_ca else None, predraft=a.predraft, tree_budget=a.tree_budget,

@@ -101,8 +101,9 @@ def run_generate(a: argparse.Namespace) -> int:
     else:
         request.chat.messages.add(role="user", content=a.prompt)
     from gateway.access import with_token
+    from specsplit.serving.server import gateway_client_options
 
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(address, options=gateway_client_options()) as channel:
         stub = pb_grpc.GatewayStub(with_token(channel, a.auth_token_file))
         try:
             if a.stream and not a.json:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,16 @@ def channel_credentials(tls: ClientTLS) -> grpc.ChannelCredentials:
     if bool(tls.cert) != bool(tls.key):
         raise ValueError("a client certificate needs its key, and the key its certificate")
     return grpc.ssl_channel_credentials(_read(tls.ca), _read(tls.key), _read(tls.cert))
+
+
+def gateway_client_options() -> list[tuple[str, str]]:
+    """Channel options for a client of the gateway: the retry policy it should use (UNAVAILABLE is
+    retried with backoff: a gateway restarting, or one with no verify replica serving for a moment;
+    a stream is retried only before its first answer). The same file is for clients in any language:
+    specsplit/data/gateway-service-config.json."""
+    from importlib.resources import files
+
+    return [("grpc.service_config", (files("specsplit.data") / "gateway-service-config.json").read_text())]
 
 
 def aio_channel(address: str, tls: ClientTLS | None = None, interceptors=(), options=()) -> grpc.aio.Channel:
@@ -263,6 +274,8 @@ async def serve(
         if monitor is not None:
             monitor.cancel()
         await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if sessions is not None:
+            await _drain(sessions, settings.drain_s, service_name)
         await server.stop(settings.grace_s)
         if sweeper is not None:
             sweeper.cancel()
@@ -275,6 +288,22 @@ async def serve(
         for sig in signals:
             loop.remove_signal_handler(sig)
         log.info("%s stopped", service_name)
+
+
+DRAIN_IDLE_S = 2.0  # a session not called for this long while draining has no caller left to finish it
+
+
+async def _drain(sessions: SessionTable, drain_s: float, service_name: str) -> None:
+    """No new session from now on (Draining); the held ones that are still called get up to
+    `drain_s` to end (one idle for DRAIN_IDLE_S, its gateway gone, is not waited for)."""
+    sessions.draining = True
+    if len(sessions):
+        log.info("%s draining: %d session(s) to finish (up to %g s)", service_name, len(sessions), drain_s)
+    deadline = time.monotonic() + drain_s
+    while sessions.active(DRAIN_IDLE_S) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if len(sessions):
+        log.warning("%s stops with %d session(s) left after its %g s drain", service_name, len(sessions), drain_s)
 
 
 async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:

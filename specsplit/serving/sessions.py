@@ -25,6 +25,10 @@ class TableFull(RuntimeError):
     pass
 
 
+class Draining(RuntimeError):
+    """The service is shutting down: it finishes the sessions it holds and takes no new one."""
+
+
 class SessionEnded(KeyError):
     """The session was ended (Release / EndSession) before it started: a caller that gave up on a
     slow start ends it, and the start may still arrive afterwards."""
@@ -44,6 +48,7 @@ class SessionTable(Generic[T]):
         self._items: OrderedDict[str, tuple[T, float]] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, None] = OrderedDict()  # ended before they started, oldest first
         self._lock = threading.Lock()
+        self.draining = False  # set on shutdown: new sessions are refused (Draining), held ones go on
 
     def __len__(self) -> int:
         return len(self._items)
@@ -56,6 +61,8 @@ class SessionTable(Generic[T]):
             self._put(session_id, state)
 
     def _put(self, session_id: str, state: T) -> None:
+        if self.draining:
+            raise Draining("draining before it stops: start the session on another replica")
         if session_id in self._ended:
             del self._ended[session_id]
             raise SessionEnded(session_id)
@@ -92,6 +99,12 @@ class SessionTable(Generic[T]):
                 if len(self._ended) > ENDED_MEMORY:
                     self._ended.popitem(last=False)
         return None if item is None else item[0]
+
+    def active(self, within_s: float) -> int:
+        """Sessions used within the last `within_s` seconds (one whose caller is gone is not)."""
+        with self._lock:
+            since = self._clock() - within_s
+            return sum(1 for _, used in self._items.values() if used >= since)
 
     def evict_idle(self) -> list[str]:
         with self._lock:

@@ -27,7 +27,10 @@ class ServerSettings:
     threads: int = 0  # torch intra-op threads, the most a forward uses; 0: the CPUs this process may use
     # True: every forward on `threads`; False: the team size per forward is measured (serving.threadtune)
     fixed_threads: bool = False
-    grace_s: float = 5.0  # in-flight calls get this long on shutdown
+    # On shutdown (SIGTERM): new sessions are refused at once (health NOT_SERVING), the sessions held
+    # get up to drain_s to finish (the gateway resumes any left elsewhere), then in-flight calls grace_s.
+    drain_s: float = 20.0
+    grace_s: float = 5.0
     metrics_port: int = 0  # Prometheus scrape endpoint (0: none; see specsplit.serving.telemetry)
     # TLS: PEM files. With tls_client_ca the server also requires a client certificate signed by it (mTLS).
     tls_cert: str | None = None
@@ -129,6 +132,10 @@ class GatewaySettings:
     default_drafter: str = ""  # empty: the draft service's default
     max_new_tokens_limit: int = 4096
     rpc_timeout_s: float = 60.0  # per internal call, also bounded by the client's deadline
+    # A request whose verify replica died (or restarted) waits this long for a replica to take its
+    # session back (re-prefilled with everything it committed) before it fails UNAVAILABLE: a little
+    # more than a restart of the default model's verify service under `up`.
+    resume_wait_s: float = 30.0
     connect_timeout_s: float = 300.0  # how long to wait for the draft and verify services at start
     controller: ControllerSettings = ControllerSettings()  # decides AUTO requests
     policy_file: str | None = None  # from `specsplit calibrate`: the controller's starting state

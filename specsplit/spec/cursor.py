@@ -8,6 +8,8 @@ between rounds: plain values, no gRPC.
   and the drafter rolls its own state back to `base` before appending them: `tell()`.
 * A verdict commits the accepted drafts and the target's next token: `commit()`. When a pre-draft
   assumed exactly that outcome, the drafter already holds them.
+* `output` is every token committed after the prompt: with the prompt, what a session re-opened on
+  another verifier is prefilled with (the last of them still to be fed).
 * A round drafts at most `room(gamma)` tokens, so that accepted + 1 fits the output budget and the
   context; `finish()` says when neither has room left."""
 
@@ -23,13 +25,17 @@ class Cursor:
     length: int = 0  # committed tokens on the verifier
     base: int = 0  # position of unheard[0]
     unheard: list[int] = field(default_factory=list)  # committed tokens the drafter has not heard of
-    generated: int = 0  # tokens committed after the prompt
+    output: list[int] = field(default_factory=list)  # the tokens committed after the prompt
     last: list[int] = field(default_factory=list)  # the tokens the last step committed
+
+    @property
+    def generated(self) -> int:
+        return len(self.output)
 
     def start(self, prompt_length: int, first_token: int, length: int) -> None:
         """After the prefill: the prompt is on both sides, and the target's first token committed."""
         self.base, self.unheard, self.last = prompt_length, [first_token], [first_token]
-        self.length, self.generated = length, 1
+        self.length, self.output = length, [first_token]
 
     def room(self, gamma: int) -> int:
         """Largest gamma whose accepted + 1 tokens fit max_new_tokens and the context."""
@@ -60,4 +66,4 @@ class Cursor:
         else:
             self.unheard = [*self.unheard, *tokens]
         self.length = length
-        self.generated += len(tokens)
+        self.output += tokens

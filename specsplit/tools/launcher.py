@@ -24,7 +24,13 @@ _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "SPECSPLIT_LAUNCHER_PID"
 RESTART_FIRST_S, RESTART_MAX_S = 0.5, 30.0  # a crashed service's restart delay, doubling up to the cap
 STABLE_S = 60.0  # a service up this long has its restart delay reset
-METRICS_OFFSET = {"gateway": 0, "verify": 1, "draft": 2}  # --metrics-port P: each service's port is P + this
+# --metrics-port P: each service's port is P + this (verify replicas after the first: 3, 4, ...)
+METRICS_OFFSET = {"gateway": 0, "verify": 1, "draft": 2}
+
+
+def service_of(name: str) -> str:
+    """The service a process of the stack runs: "verify-2" (a second verify replica) runs "verify"."""
+    return name.split("-")[0]
 
 
 def die_with_launcher() -> None:
@@ -67,6 +73,7 @@ class StackConfig:
     shared_memory: bool = True  # False: --no-shm for all three
     metrics_port: int = 0  # Prometheus: the gateway's port; verify +1, draft +2 (0: none)
     http_listen: str = ""  # host:port: the gateway's OpenAI-compatible HTTP door ("" none)
+    verify_replicas: int = 1  # verify processes behind the gateway: verify, verify-2, ...
     policy: str | None = None  # the gateway's --policy (from `specsplit calibrate` or `validate`)
 
 
@@ -94,6 +101,11 @@ class Stack:
         self._restarts: dict[str, int] = {}  # consecutive restarts (reset once it stays up STABLE_S)
         self._due: dict[str, float] = {}  # a crashed service's restart time
 
+    @property
+    def verify_names(self) -> list[str]:
+        """The verify processes' names: verify, verify-2, ..."""
+        return ["verify", *(f"verify-{k}" for k in range(2, self.config.verify_replicas + 1))]
+
     def _listen(self, name: str) -> str:
         if self.config.transport == "unix":
             return f"unix://{self.run_dir / f'{name}.sock'}"
@@ -109,14 +121,16 @@ class Stack:
         address_file.unlink(missing_ok=True)
         self._commands[name] = (args, entry)
         listen = self.addresses.get(name) or self._listen(name)
-        cmd = [sys.executable, "-m", *(entry or ("specsplit.cli", "serve", name)), "--listen", listen,
+        cmd = [sys.executable, "-m", *(entry or ("specsplit.cli", "serve", service_of(name))), "--listen", listen,
                "--address-file", str(address_file), *args]
         if self.config.threads:
             cmd += ["--threads", str(self.config.threads)]
         if not self.config.shared_memory:
             cmd.append("--no-shm")
         if self.config.metrics_port:
-            cmd += ["--metrics-port", str(self.config.metrics_port + METRICS_OFFSET[name])]
+            offset = (METRICS_OFFSET[name] if name in METRICS_OFFSET
+                      else len(METRICS_OFFSET) + self.verify_names.index(name) - 1)
+            cmd += ["--metrics-port", str(self.config.metrics_port + offset)]
         log = open(self.run_dir / f"{name}.log", "ab")
         env = dict(os.environ)
         env.pop("SPECSPLIT_METRICS_PORT", None)  # one port each, from the config: three cannot share one
@@ -191,7 +205,8 @@ class Stack:
         try:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
             quantize = ["--quantize", c.quantize] if c.quantize else []
-            self._spawn("verify", ["--target-model", c.target_model, *model_flags, *quantize,
+            for name in self.verify_names:
+                self._spawn(name, ["--target-model", c.target_model, *model_flags, *quantize,
                                    "--batch-wait-ms", str(c.batch_wait_ms)])
             draft_flags = ["--default-drafter", c.drafter, "--device", c.device, "--self-head", c.self_head,
                            "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]
@@ -199,9 +214,10 @@ class Stack:
                 draft_flags += ["--draft-model", c.draft_model, "--draft-dtype", c.draft_dtype]
                 draft_flags += ["--draft-quantize", c.draft_quantize, "--draft-vocab", str(c.draft_vocab)]
             self._spawn("draft", draft_flags)
-            self._await(["verify", "draft"], timeout_s)
+            self._await([*self.verify_names, "draft"], timeout_s)
             draft = draft_via(self.addresses["draft"]) if draft_via else self.addresses["draft"]
-            self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", draft,
+            verify = ",".join(self.addresses[name] for name in self.verify_names)
+            self._spawn("gateway", ["--verify", verify, "--draft", draft,
                                     "--tokenizer", c.target_model, "--gamma", str(c.gamma),
                                     "--tree-budget", str(c.tree_budget),
                                     *(["--http-listen", c.http_listen] if c.http_listen else []),
@@ -214,7 +230,7 @@ class Stack:
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int]:
         """SIGTERM all (gateway first), SIGKILL what is left after grace_s; returns exit codes."""
-        for name in ["gateway", "draft", "verify"]:
+        for name in ["gateway", "draft", *self.verify_names]:
             proc = self.procs.get(name)
             if proc and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

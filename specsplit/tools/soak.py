@@ -1,8 +1,9 @@
 """`specsplit soak`: N clients for M minutes against a stack started here (bounded; stops by itself),
-optionally with chaos (the draft service SIGKILLed or SIGSTOPped now and then, restarted by the
-same supervision as `specsplit up`). Every greedy answer is checked against its spec-off reference;
-at the end it prints requests, errors, latency, the services' memory at start and end, and what was
-left behind (sessions, shared-memory segments). Exit code 0 only if nothing went wrong."""
+optionally with chaos (the draft service SIGKILLed or SIGSTOPped now and then, or the verify service
+SIGKILLed, each restarted by the same supervision as `specsplit up`). Every greedy answer is checked
+against its spec-off reference; at the end it prints requests, errors (requests lost), latency, the
+services' memory at start and end, and what was left behind (sessions, shared-memory segments).
+Exit code 0 only if nothing went wrong."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from specsplit.tools.launcher import Stack, StackConfig, wait_serving
 from specsplit.tools.workload import Prompt, request
 
 STALL_S = 2.0  # --chaos stop: how long the draft service stays stopped
+CHAOS = {"kill": ("draft", signal.SIGKILL), "stop": ("draft", signal.SIGSTOP),
+         "kill-verify": ("verify", signal.SIGKILL),  # --chaos: which service gets which signal
+         "term-verify": ("verify", signal.SIGTERM)}  # a rolling restart: it drains, exits, is restarted
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Tally:
     mismatches: int = 0  # greedy answers that differ from the spec-off reference
     reasons: Counter = field(default_factory=Counter)  # speculation_reason of the answers
     faults: int = 0  # chaos events
+    resumed: int = 0  # answers whose session was re-opened on a verify replica after its own died
 
 
 def segments() -> set[str]:
@@ -61,23 +66,25 @@ async def _client(stub, prompts: list[Prompt], references: dict[str, list[int]],
         tally.latencies.append(time.monotonic() - start)
         tally.tokens += len(out.token_ids)
         tally.reasons[out.stats.speculation_reason] += 1
+        tally.resumed += out.stats.resumes > 0
         if list(out.token_ids) != references[p.prompt]:
             tally.mismatches += 1
 
 
 async def _chaos(stack: Stack, kind: str, every_s: float, deadline: float, tally: Tally) -> None:
-    """Every ~every_s: SIGKILL the draft service (kill), or SIGSTOP it for STALL_S (stop)."""
+    """Every ~every_s: SIGKILL the draft service (kill) or a verify replica (kill-verify), SIGTERM a
+    verify replica (term-verify: it drains and exits, and is restarted), or SIGSTOP the draft
+    service for STALL_S (stop)."""
     rng = random.Random(0)
+    service, sig = CHAOS[kind]
     while time.monotonic() + every_s < deadline:
         await asyncio.sleep(every_s * rng.uniform(0.5, 1.5))
-        proc = stack.procs["draft"]
+        proc = stack.procs[rng.choice(stack.verify_names) if service == "verify" else service]
         if proc.poll() is not None:
             continue  # still being restarted
         tally.faults += 1
-        if kind == "kill":
-            proc.send_signal(signal.SIGKILL)
-        else:
-            proc.send_signal(signal.SIGSTOP)
+        proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
             await asyncio.sleep(STALL_S)
             proc.send_signal(signal.SIGCONT)
 
@@ -90,17 +97,20 @@ async def _supervise(stack: Stack, stop: asyncio.Event) -> None:
 
 
 async def _left(stack: Stack) -> tuple[int, int]:
-    """Sessions still open on the verify and draft services once the releases have run."""
-    async with grpc.aio.insecure_channel(stack.addresses["verify"]) as v, \
-            grpc.aio.insecure_channel(stack.addresses["draft"]) as d:
+    """Sessions still open on the verify replicas and the draft service once the releases have run."""
+    verifiers = [grpc.aio.insecure_channel(stack.addresses[name]) for name in stack.verify_names]
+    async with grpc.aio.insecure_channel(stack.addresses["draft"]) as d:
         counts = (-1, -1)
         for _ in range(50):
-            counts = ((await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest(), timeout=10)).active_sessions,
-                      (await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest(), timeout=10)).active_sessions)
+            held = [(await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest(), timeout=10)).active_sessions
+                    for v in verifiers]
+            counts = (sum(held), (await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest(), timeout=10)).active_sessions)
             if counts == (0, 0):
                 break
             await asyncio.sleep(0.1)
-        return counts
+    for v in verifiers:
+        await v.close()
+    return counts
 
 
 async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float, max_new_tokens: int,
@@ -123,16 +133,18 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
             work.append(_chaos(stack, chaos, chaos_every_s, deadline, tally))
         await asyncio.gather(*work)
         elapsed = time.monotonic() - started
-        while stack.procs["draft"].poll() is not None:  # a kill just before the end: let it come back
+        while any(proc.poll() is not None for proc in stack.procs.values()):  # a kill just before the end
             await asyncio.sleep(0.2)
         stop.set()
         await supervisor
-        await asyncio.to_thread(wait_serving, stack.addresses["draft"], 120)
+        for name in ("draft", *stack.verify_names):
+            await asyncio.to_thread(wait_serving, stack.addresses[name], 120)
     rss_end = {name: stack.rss_mib(name) for name in stack.procs}
     sessions = await _left(stack)
     lat = sorted(tally.latencies)
     return {"clients": clients, "seconds": elapsed, "requests": len(lat), "errors": dict(tally.errors),
             "mismatches": tally.mismatches, "faults": tally.faults, "reasons": dict(tally.reasons),
+            "resumed": tally.resumed,
             "p50_s": statistics.median(lat) if lat else 0.0,
             "p95_s": lat[int(0.95 * (len(lat) - 1))] if lat else 0.0,
             "tokens_per_s": tally.tokens / elapsed if elapsed else 0.0,
@@ -144,8 +156,9 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
 def report(r: dict, chaos: str) -> str:
     lines = [f"soak: {r['clients']} clients for {r['seconds']:.0f} s" + (f", chaos: {chaos} x{r['faults']}"
                                                                           if chaos else ""),
-             f"requests {r['requests']}, errors {sum(r['errors'].values())} {r['errors'] or ''}, "
-             f"answers differing from spec-off {r['mismatches']}",
+             f"requests {r['requests']}, errors (requests lost) {sum(r['errors'].values())} {r['errors'] or ''}, "
+             f"answers differing from spec-off {r['mismatches']}; resumed {r['resumed']} request(s) whose verify "
+             "replica died",
              f"latency P50 {r['p50_s']:.2f} s, P95 {r['p95_s']:.2f} s; {r['tokens_per_s']:.1f} tok/s in all",
              "speculation_reason: " + ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items())),
              f"{'RSS MiB':<10}{'start':>8}{'end':>8}{'drift':>8}"]

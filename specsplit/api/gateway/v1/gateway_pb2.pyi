@@ -148,7 +148,7 @@ class RoundRecord(_message.Message):
     def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ..., depth: _Optional[int] = ..., expected: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., decoded: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path", "prefill_compute_ms", "tree_budget", "prefix_cached_tokens", "prefill_chunks")
+    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path", "prefill_compute_ms", "tree_budget", "prefix_cached_tokens", "prefill_chunks", "resumes", "resume_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,8 @@ class GenerationStats(_message.Message):
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     prefill_ms: float
@@ -213,7 +215,9 @@ class GenerationStats(_message.Message):
     tree_budget: int
     prefix_cached_tokens: int
     prefill_chunks: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ..., prefill_compute_ms: _Optional[float] = ..., tree_budget: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., prefill_chunks: _Optional[int] = ...) -> None: ...
+    resumes: int
+    resume_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ..., prefill_compute_ms: _Optional[float] = ..., tree_budget: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., resumes: _Optional[int] = ..., resume_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs", "prompt_logprobs")

@@ -48,7 +48,7 @@ class InfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., forward_ms_by_rows: _Optional[_Iterable[float]] = ..., active_prefills: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "return_features", "sampling", "shm_segment", "skip_prefix_cache", "logprobs", "stop_token_ids")
+    __slots__ = ("session_id", "prompt_token_ids", "return_features", "sampling", "shm_segment", "skip_prefix_cache", "logprobs", "stop_token_ids", "resume")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class PrefillRequest(_message.Message):
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     return_features: bool
@@ -65,7 +66,8 @@ class PrefillRequest(_message.Message):
     skip_prefix_cache: bool
     logprobs: _common_pb2.LogprobsRequest
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ..., skip_prefix_cache: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsRequest, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    resume: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.Sampling, _Mapping]] = ..., shm_segment: _Optional[str] = ..., skip_prefix_cache: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsRequest, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("next_token_id", "length", "forward_ns", "features", "shm_nonce", "fast_path", "batch_rows", "batch_calls", "cached_tokens", "chunks", "logprobs", "prompt_logprobs")
