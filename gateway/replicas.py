@@ -158,6 +158,14 @@ class Replicas:
             raise Failure(grpc.StatusCode.UNAVAILABLE, f"{self.service} service: {self.why_none()}")
         return replica
 
+    async def wait_pick(self, timeout_s: float, every_s: float = 0.1) -> Replica:
+        """pick(), waiting up to `timeout_s` for a replica to become available (one restarting, or
+        draining while another starts) before failing as pick() does."""
+        deadline = time.monotonic() + timeout_s
+        while (replica := self.other()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(every_s)
+        return replica or self.pick()
+
     @property
     def serving(self) -> bool:
         """Some replica can take a new session."""

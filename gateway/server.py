@@ -238,8 +238,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             # during which every other stream through this gateway would wait).
             ids = await asyncio.to_thread(self._prompt_ids, request) if _long(request) else None
             plan = self.plan(request, ids)
-            # The session's state lives on one replica of each service: all its calls go there.
-            verify = self._backends.verify.pick()
+            # The session's state lives on one replica of each service: all its calls go there. With
+            # none serving (restarting), a request waits as a resumed one does, within its deadline.
+            remaining = time_remaining()
+            wait_s = self._backends.settings.resume_wait_s
+            verify = await self._backends.verify.wait_pick(wait_s if remaining is None else min(wait_s, remaining))
             draft = self._backends.draft.pick() if plan.speculate else None
             self._cap.enter(client)
             self._inflight.enter()

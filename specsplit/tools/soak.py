@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
@@ -77,16 +78,26 @@ async def _chaos(stack: Stack, kind: str, every_s: float, deadline: float, tally
     service for STALL_S (stop)."""
     rng = random.Random(0)
     service, sig = CHAOS[kind]
+    names = stack.verify_names if service == "verify" else [service]
     while time.monotonic() + every_s < deadline:
         await asyncio.sleep(every_s * rng.uniform(0.5, 1.5))
-        proc = stack.procs[rng.choice(stack.verify_names) if service == "verify" else service]
-        if proc.poll() is not None:
-            continue  # still being restarted
+        if not all([await _serving(stack.addresses[name]) for name in names]):
+            continue  # one is still being restarted: one at a time, as a rolling restart goes
+        proc = stack.procs[rng.choice(names)]
         tally.faults += 1
         proc.send_signal(sig)
         if sig == signal.SIGSTOP:
             await asyncio.sleep(STALL_S)
             proc.send_signal(signal.SIGCONT)
+
+
+async def _serving(address: str) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.aio.AioRpcError:
+            return False
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def _supervise(stack: Stack, stop: asyncio.Event) -> None:
@@ -133,12 +144,12 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
             work.append(_chaos(stack, chaos, chaos_every_s, deadline, tally))
         await asyncio.gather(*work)
         elapsed = time.monotonic() - started
-        while any(proc.poll() is not None for proc in stack.procs.values()):  # a kill just before the end
-            await asyncio.sleep(0.2)
-        stop.set()
-        await supervisor
+        # A kill just before the end: the supervisor goes on until every service serves again (a
+        # process just SIGKILLed may not have exited yet, so being alive is not enough).
         for name in ("draft", *stack.verify_names):
             await asyncio.to_thread(wait_serving, stack.addresses[name], 120)
+        stop.set()
+        await supervisor
     rss_end = {name: stack.rss_mib(name) for name in stack.procs}
     sessions = await _left(stack)
     lat = sorted(tally.latencies)
