@@ -111,6 +111,17 @@ async def test_bad_requests_get_openai_errors(door, kw, status, param):
     assert body["code"] in ("INVALID_ARGUMENT", "NOT_FOUND") and body["param"] == param
 
 
+def _post_chat(port: int, body: bytes) -> tuple[int, dict]:
+    """Raw bytes to the chat endpoint, as a careless client sends them: (status, JSON answer)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={
+        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
 async def test_auth_and_malformed_bodies(door):
     _, model, _, port = door
     anonymous = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
@@ -119,18 +130,9 @@ async def test_auth_and_malformed_bodies(door):
     assert caught.value.body["code"] == "UNAUTHENTICATED"
     await anonymous.close()
 
-    def post(body: bytes) -> tuple[int, dict]:
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={
-            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as r:
-                return r.status, json.load(r)
-        except urllib.error.HTTPError as e:
-            return e.code, json.load(e)
-
-    status, body = await asyncio.to_thread(post, b"{not json")
+    status, body = await asyncio.to_thread(_post_chat, port, b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
-    status, body = await asyncio.to_thread(post, json.dumps({"model": model, "messages": []}).encode())
+    status, body = await asyncio.to_thread(_post_chat, port, json.dumps({"model": model, "messages": []}).encode())
     assert status == 400 and body["error"]["param"] == "messages"
 
 
@@ -163,17 +165,8 @@ def _hostile(model: str) -> list[tuple[bytes, str]]:
 async def test_hostile_bodies_get_a_400_that_says_what_is_wrong_and_the_door_stays_up(door):
     client, model, _, port = door
 
-    def post(body: bytes) -> tuple[int, dict]:
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={
-            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as r:
-                return r.status, json.load(r)
-        except urllib.error.HTTPError as e:
-            return e.code, json.load(e)
-
     for body, word in _hostile(model):
-        status, answer = await asyncio.to_thread(post, body)
+        status, answer = await asyncio.to_thread(_post_chat, port, body)
         assert status == 400, (body[:80], status, answer)
         assert word.lower() in answer["error"]["message"].lower() or word == (answer["error"].get("param") or ""), \
             (body[:80], answer)
