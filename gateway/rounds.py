@@ -5,7 +5,6 @@ metrics are made from them once the request is done (gateway.instruments)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ from gateway.replicas import Replica
 from gateway.state import Plan, Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
-from specsplit.api.common.v1 import common_pb2 as cpb
+from gateway.verifypin import GONE, VerifierGone, VerifyPin, prefill_request
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
@@ -37,27 +36,6 @@ DECODE_AHEAD = 16  # most tokens a round without a draft decodes after its own (
 _NO_DRAFTER = {grpc.StatusCode.UNAVAILABLE: "drafter-down", grpc.StatusCode.DEADLINE_EXCEEDED: "drafter-down",
                grpc.StatusCode.RESOURCE_EXHAUSTED: "drafter-full"}
 _FINISH = {"": pb.FINISH_REASON_UNSPECIFIED, "length": pb.FINISH_REASON_LENGTH, "context": pb.FINISH_REASON_CONTEXT}
-
-
-# A verify call that failed because its replica died or restarted (its sessions went with it: the
-# connection is gone, the session unknown, or the call cut off by a shutdown): the session is
-# re-opened on a live replica and the round runs again (RoundLoop._resume).
-_VERIFIER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
-RESUME_POLL_S = 0.1  # while no replica takes a lost session back
-
-
-async def _release(verifier, session_id: str) -> None:
-    """A Release on that verify stub, errors ignored (its replica may be gone)."""
-    with contextlib.suppress(grpc.RpcError):
-        await verifier.Release(vpb.ReleaseRequest(session_id=session_id), timeout=2)
-
-
-class _VerifierGone(Exception):
-    """A round's verify call failed with one of _VERIFIER_GONE (`failure`)."""
-
-    def __init__(self, failure: Failure):
-        super().__init__(str(failure))
-        self.failure = failure
 
 
 # A draft replica that refused a StartSession outright (down, or its session table full): nothing
@@ -78,12 +56,10 @@ class RoundLoop:
         # replica of that service other than those addresses, or None. `resume_wait_s`: how long a
         # session whose verify replica died waits for one to take it back.
         self._up, self._tokenizer, self._target = upstream, tokenizer, target
-        self._verify, self._draft_replica, self._other_draft = verify, draft, other_draft
-        self._other_verify, self._resume_wait_s = other_verify, resume_wait_s
-        self._verifier = verify.stub
+        self._pin = VerifyPin(verify, upstream, other_verify, resume_wait_s)
+        self._draft_replica, self._other_draft = draft, other_draft
         self._rpc_timeout_s, self._instruments = rpc_timeout_s, instruments
         self._segments, self._segment_bytes = segments, segment_bytes
-        self._load = verify.load
 
     @property
     def _drafter(self):
@@ -95,7 +71,7 @@ class RoundLoop:
 
     def _pinned(self) -> list[Replica]:
         """The replicas that count the session until it is released."""
-        return [r for r in (self._verify, self._draft_replica) if r is not None]
+        return [r for r in (self._pin.replica, self._draft_replica) if r is not None]
 
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
@@ -108,7 +84,7 @@ class RoundLoop:
         try:
             request.links.segment = self._segment(request)
             deadline = Deadline(time_remaining, self._rpc_timeout_s)
-            self._load.enter(request.session_id)
+            self._pin.load.enter(request.session_id)
             with self._instruments.prefill(request):
                 await self._prefill(request, deadline)
             text = TextAssembler(self._tokenizer, plan.eos_ids, plan.stop_strings)
@@ -129,7 +105,7 @@ class RoundLoop:
                                    logprobs=request.logprobs[emitted:emitted + len(delta.token_ids)],
                                    prompt_logprobs=prompt_logprobs)
         finally:
-            self._load.leave(request.session_id)
+            self._pin.load.leave(request.session_id)
             self._up.in_background(self._release(request))
 
     async def _next(self, request: Request, mark: int, deadline: Deadline) -> int:
@@ -138,7 +114,7 @@ class RoundLoop:
         while True:
             try:
                 return await self._round(request, mark)
-            except _VerifierGone as gone:
+            except VerifierGone as gone:
                 await self._resume(request, gone.failure, deadline)
                 mark = now()
 
@@ -186,8 +162,8 @@ class RoundLoop:
         try:
             verdict = await request.links.verifier.call(check)
         except Failure as e:
-            if e.code in _VERIFIER_GONE:
-                raise _VerifierGone(e) from e
+            if e.code in GONE:
+                raise VerifierGone(e) from e
             raise
         finally:
             verify_call = now() - t
@@ -206,7 +182,7 @@ class RoundLoop:
         path = verdict.accepted_indices or range(verdict.num_accepted)
         cursor.commit([*(drafts[i] for i in path), verdict.next_token_id, *verdict.decoded_token_ids], verdict.length,
                       drafter_holds_them=request.ready is not None)
-        self._load.report(request.session_id, 1 + len(drafts), len(cursor.last))
+        self._pin.load.report(request.session_id, 1 + len(drafts), len(cursor.last))
         end = now()
         gate.record(asked, len(cursor.last), (end - mark) / 1e6)
         gate.extend(cursor.last)
@@ -251,7 +227,7 @@ class RoundLoop:
         scores = list(proposal.draft_scores)
         if len(scores) != len(proposal.draft_token_ids):
             scores = []
-        other_rows, other_gain = self._load.others(request.session_id)
+        other_rows, other_gain = self._pin.load.others(request.session_id)
         size = tokentree.worth_verifying([s * request.plan.score_scale for s in scores],
                                          list(self._target.forward_ms_by_rows), draft_ms + ROUND_OVERHEAD_MS,
                                          other_rows, other_gain) if scores else None
@@ -295,7 +271,7 @@ class RoundLoop:
         plan, up = request.plan, self._up
         name = request.links.segment.name if request.links.segment else ""
         t = request.measured.prefill_mark = now()
-        prefill = up.call(self._verifier.Prefill, self._prefill_request(request), "verify",
+        prefill = up.call(self._pin.stub.Prefill, prefill_request(request), "verify",
                           deadline.for_prefill(len(plan.prompt_ids)))
         started = None
         if request.drafting:
@@ -308,8 +284,11 @@ class RoundLoop:
             verified, started = await asyncio.gather(prefill, self._start(start, deadline), return_exceptions=True)
         else:
             verified = (await asyncio.gather(prefill, return_exceptions=True))[0]
-        if isinstance(verified, Failure) and verified.code in _VERIFIER_GONE:  # its replica died before answering
-            verified = await self._reprefill(request, verified, deadline)
+        if isinstance(verified, Failure) and verified.code in GONE:  # its replica died before answering
+            lost = now()
+            verified = await self._pin.reopen(request, verified, deadline)
+            request.measured.resumes += 1
+            request.measured.resume_ns += now() - lost
         elif isinstance(verified, BaseException):
             raise verified
         if isinstance(started, Failure) and plan.may_fall_back and started.code in _NO_DRAFTER:
@@ -323,7 +302,7 @@ class RoundLoop:
         if links.segment is not None:
             links.shm_verify = payloads.proves(verified.shm_nonce, links.segment, "verify")
             links.shm_draft = started is not None and payloads.proves(started.shm_nonce, links.segment, "draft")
-        links.verifier = await up.verify_link(self._verifier, verified.fast_path if links.shm_verify else "", deadline)
+        links.verifier = await up.verify_link(self._pin.stub, verified.fast_path if links.shm_verify else "", deadline)
         if request.drafting:
             try:
                 links.drafter = await up.draft_link(self._drafter, started.fast_path if links.shm_draft else "",
@@ -339,20 +318,6 @@ class RoundLoop:
         if plan.needs_features and request.drafting:
             request.features = verified.features
 
-    def _prefill_request(self, request: Request, resume: bool = False) -> vpb.PrefillRequest:
-        """The session's Prefill: its prompt; to resume it on another replica, the prompt and every
-        committed token (PrefillRequest.resume), without the prompt's log-probabilities again."""
-        plan = request.plan
-        logprobs = cpb.LogprobsRequest()
-        logprobs.CopyFrom(plan.logprobs)
-        logprobs.prompt = logprobs.prompt and not resume
-        return vpb.PrefillRequest(
-            session_id=request.session_id, prompt_token_ids=[*plan.prompt_ids, *request.cursor.output] if resume
-            else plan.prompt_ids, return_features=plan.needs_features, sampling=plan.sampling,
-            shm_segment=request.links.segment.name if request.links.segment else "",
-            skip_prefix_cache=plan.skip_prefix_cache and not resume, logprobs=logprobs,
-            stop_token_ids=sorted(plan.eos_ids), resume=resume)
-
     async def _resume(self, request: Request, failure: Failure, deadline: Deadline) -> None:
         """The session's verify replica died (or restarted) under a round: it is re-opened on a live
         replica with everything it committed, and its round link with it. Greedy and seeded output
@@ -362,56 +327,19 @@ class RoundLoop:
         request.ready = None  # a pre-draft assumed the lost round's outcome
         links = request.links
         links.verifier.close()
-        verified = await self._reprefill(request, failure, deadline, resume=True)
+        verified = await self._pin.reopen(request, failure, deadline, resume=True)
         if verified.length != request.cursor.length:
             raise Failure(grpc.StatusCode.INTERNAL, f"session {request.session_id} resumed at length "
                                                     f"{verified.length}, not {request.cursor.length}")
         if links.segment is not None:
             links.shm_verify = payloads.proves(verified.shm_nonce, links.segment, "verify")
-        links.verifier = await self._up.verify_link(self._verifier, verified.fast_path if links.shm_verify else "",
+        links.verifier = await self._up.verify_link(self._pin.stub, verified.fast_path if links.shm_verify else "",
                                                     deadline)
         links.fast_path = bool(links.shm_verify and verified.fast_path)
         request.measured.resumes += 1
         request.measured.resume_ns += now() - t
         log.warning("session %s resumed on verify replica %s after %d tokens (%.0f ms): %s", request.session_id,
-                    self._verify.address, request.cursor.generated, (now() - t) / 1e6, failure)
-
-    async def _reprefill(self, request: Request, failure: Failure, deadline: Deadline,
-                         resume: bool = False) -> vpb.PrefillResponse:
-        """The session's Prefill (resume: with what it committed) on a live verify replica, another
-        than the one that failed where there is one; waits up to resume_wait_s for one to take it,
-        then fails UNAVAILABLE saying so. The session is pinned to that replica from then on."""
-        lost, message = self._verify.address, self._prefill_request(request, resume)
-        give_up = time.monotonic() + self._resume_wait_s
-        while True:
-            replica = self._other_verify({lost}) or self._other_verify(set())
-            if replica is not None:
-                if replica is not self._verify:  # what the old one may still hold, if it did not die
-                    self._up.in_background(_release(self._verifier, request.session_id))
-                self._repin_verify(request, replica)
-                try:
-                    return await self._up.call(self._verifier.Prefill, message, "verify",
-                                               deadline.for_prefill(len(message.prompt_token_ids)))
-                except Failure as e:
-                    if e.code == grpc.StatusCode.ALREADY_EXISTS:  # it did not die: it still holds the session
-                        await _release(self._verifier, request.session_id)
-                    elif e.code not in _VERIFIER_GONE:
-                        raise
-                    failure = e
-            if time.monotonic() >= give_up:
-                raise Failure(grpc.StatusCode.UNAVAILABLE, f"{failure.message}; no verify replica took the session "
-                                                           f"back within {self._resume_wait_s:g} s")
-            await asyncio.sleep(RESUME_POLL_S)
-
-    def _repin_verify(self, request: Request, replica: Replica) -> None:
-        """The session's verify replica is `replica` from now on (counted there, its load there)."""
-        if replica is self._verify:
-            return
-        self._load.leave(request.session_id)
-        self._verify.sessions -= 1
-        replica.sessions += 1
-        self._verify, self._verifier, self._load = replica, replica.stub, replica.load
-        self._load.enter(request.session_id)
+                    self._pin.replica.address, request.cursor.generated, (now() - t) / 1e6, failure)
 
     async def _start(self, start: dpb.StartSessionRequest, deadline: Deadline):
         """StartSession under the DraftWatch (a stalled draft replica fails it as DEADLINE_EXCEEDED);
@@ -451,7 +379,7 @@ class RoundLoop:
             for link in (request.links.verifier, request.links.drafter):
                 if link is not None:
                     link.close()
-            calls = [self._verifier.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
+            calls = [self._pin.stub.Release(vpb.ReleaseRequest(session_id=request.session_id), timeout=5)]
             if request.drafting or request.lost or request.start_abandoned:  # a stalled drafter may hold it
                 calls.append(self._drafter.EndSession(dpb.EndSessionRequest(
                     session_id=request.session_id, base_length=request.cursor.base,
