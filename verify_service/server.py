@@ -20,13 +20,14 @@ from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import LoadedModel
 from specsplit.serving import shm, wire
 from specsplit.serving.server import Rounds
-from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
+from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionTable, TableFull
 from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
 from specsplit.spec.sampling import Logprobs
 from verify_service.decoding import Decoding, decodes
-from verify_service.engine import ContextFull, LengthMismatch, Prefilling, Target, TargetSession
+from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
+from verify_service.statuses import failure
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
@@ -165,7 +166,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 steps.append(self._plan_prefill(call, calls) if isinstance(call, _Prefill) else self._plan_verify(call))
                 planned.append(i)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
-                outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+                outcomes[i] = failure(e) if isinstance(call, pb.VerifyRequest) else e
                 self._ahead.pop(call.session_id, None)
         for i, step, result in zip(planned, steps, self._target.run(steps)):
             call = calls[i]
@@ -177,7 +178,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 else:
                     outcomes[i] = self._verified(call, result)
             except BaseException as e:  # noqa: BLE001 -- this call's outcome
-                outcomes[i] = _failure(e) if isinstance(call, pb.VerifyRequest) else e
+                outcomes[i] = failure(e) if isinstance(call, pb.VerifyRequest) else e
                 self._ahead.pop(call.session_id, None)
         for i, call in enumerate(calls):
             if isinstance(call, _Prefill) and not isinstance(outcomes[i], Again):
@@ -258,7 +259,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             return self._target.plan_verify(session, request.length, list(request.draft_token_ids), proposals,
                                             list(request.draft_parents) or None)
         except Exception as e:  # noqa: BLE001 -- mapped to its status
-            raise _failure(e) from None
+            raise failure(e) from None
 
     def _plan_decode(self, request: pb.VerifyRequest):
         """A decode-ahead's next step: the next token after what it committed (its first: at the
@@ -271,7 +272,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             length = len(session.tokens) if decoding.results else request.length
             return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve()))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
-            raise _failure(e) from None
+            raise failure(e) from None
 
     def _verified(self, request: pb.VerifyRequest, result) -> pb.VerifyResponse | Again:
         """The answer; Again while a decode-ahead has tokens to go (its forwards are kept until then)."""
@@ -382,20 +383,6 @@ class _Prefill:
     chunks: int = 0
     forward_ns: int = 0  # over its chunks
     last: tuple[int, float] | None = None  # the previous chunk's (rows, forward ms)
-
-
-def _failure(e: BaseException) -> BaseException:
-    """A round's error as the status its caller can act on (others pass through: bugs)."""
-    if isinstance(e, Failure):
-        return e
-    if isinstance(e, SessionNotFound):
-        return Failure(grpc.StatusCode.NOT_FOUND, f"unknown session {e}")
-    for kind, code in ((LengthMismatch, grpc.StatusCode.FAILED_PRECONDITION),
-                       (ContextFull, grpc.StatusCode.OUT_OF_RANGE), (CacheFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                       (ValueError, grpc.StatusCode.INVALID_ARGUMENT)):
-        if isinstance(e, kind):
-            return Failure(code, str(e))
-    return e
 
 
 def first_id(lm: LoadedModel) -> int:
