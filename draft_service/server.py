@@ -15,7 +15,7 @@ from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as pb
 from specsplit.api.draft.v1 import draft_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
-from specsplit.model.modeling import pairing_problem
+from specsplit.model.identity import pairing_problem
 from specsplit.serving import shm, wire
 from specsplit.serving.server import Rounds
 from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull

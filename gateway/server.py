@@ -27,7 +27,8 @@ from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.model.modeling import chat_prompt_ids, pairing_problem, tokenizer_fingerprint
+from specsplit.model.identity import pairing_problem, tokenizer_fingerprint
+from specsplit.model.modeling import chat_prompt_ids
 from specsplit.serving import shm, wire
 from specsplit.serving.server import unix_path
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings

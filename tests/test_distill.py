@@ -9,7 +9,8 @@ import torch
 from conftest import write_prompts
 
 from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
-from specsplit.model.modeling import load_model, weights_fingerprint
+from specsplit.model.identity import weights_fingerprint
+from specsplit.model.modeling import load_model
 from specsplit.spec.drafting import Proposal
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import builtin_prompts, load_prompts

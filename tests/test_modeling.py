@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draft_service.drafters.model import ModelDrafter
-from specsplit.model.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model, tokenizer_fingerprint
+from specsplit.model.identity import tokenizer_fingerprint
+from specsplit.model.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model
 from verify_service.engine import LengthMismatch, Target
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]

@@ -11,7 +11,7 @@ import torch
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
 from specsplit.model.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, NativeHead, TorchHead
-from specsplit.model.modeling import weights_fingerprint
+from specsplit.model.identity import weights_fingerprint
 from specsplit.spec.drafting import Proposal, candidates, chain_tree, choose, sampled_from
 from specsplit.spec.tokentree import Tree
 

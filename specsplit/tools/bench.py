@@ -20,7 +20,7 @@ import grpc
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.serving import roundtime
-from specsplit.tools.launcher import Stack, StackConfig
+from specsplit.tools.launcher import Stack, StackConfig, gateway_stub
 from specsplit.tools.records import Record, depth_counts, first_divergence, print_table, summarise
 from specsplit.tools.workload import REQUEST, Prompt, Variant, load_prompts, request, warmup
 
@@ -220,26 +220,6 @@ def busy_spell(stub, prompts: list[Prompt], max_new_tokens: int, n: int) -> None
         when = f"beside {n} busy for {SPELL_S:.0f} s" if phase == "busy" else "after it"
         print(f"{task} AUTO {when}: {sum(st.speculation_used for st in stats)}/{len(stats)} speculated ("
               + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")")
-
-
-@contextlib.contextmanager
-def gateway_stub(address: str | None, config: StackConfig, token_file: str | None = None):
-    """(stub, stack): a stub for the gateway at `address` (sending the bearer token in `token_file`,
-    if any), or for a stack started here from `config` (stack None otherwise); the stack is
-    stopped on exit."""
-    from gateway.access import with_token
-
-    stack = None
-    try:
-        if not address:
-            stack = Stack(config)
-            print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
-            address = stack.start()
-        with grpc.insecure_channel(address) as channel:
-            yield pb_grpc.GatewayStub(with_token(channel, token_file if not stack else None)), stack
-    finally:
-        if stack is not None:
-            stack.stop()
 
 
 def main(args, config: StackConfig) -> int:

@@ -19,8 +19,7 @@ from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 from specsplit.serving.settings import ControllerSettings
-from specsplit.tools.bench import gateway_stub
-from specsplit.tools.launcher import StackConfig
+from specsplit.tools.launcher import StackConfig, gateway_stub
 from specsplit.tools.workload import Prompt, load_prompts, request, warmup
 
 FORCED = Decision(True, 0, "forced")  # observed for statistics only: calibration decides itself

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.serving.settings import ControllerSettings, DraftSettings, GatewaySettings, VerifySettings
 
 _PR_SET_PDEATHSIG = 1
@@ -254,6 +256,26 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def gateway_stub(address: str | None, config: StackConfig, token_file: str | None = None):
+    """(stub, stack): a stub for the gateway at `address` (sending the bearer token in `token_file`,
+    if any), or for a stack started here from `config` (stack None otherwise); the stack is
+    stopped on exit."""
+    from gateway.access import with_token
+
+    stack = None
+    try:
+        if not address:
+            stack = Stack(config)
+            print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
+            address = stack.start()
+        with grpc.insecure_channel(address) as channel:
+            yield pb_grpc.GatewayStub(with_token(channel, token_file if not stack else None)), stack
+    finally:
+        if stack is not None:
+            stack.stop()
 
 
 def wait_serving(address: str, timeout_s: float) -> None:

@@ -68,7 +68,7 @@ async def _serve_stub(kind: str, listen: str, address_file: str, shared_memory: 
     from transformers import AutoTokenizer
 
     from specsplit.model import catalog
-    from specsplit.model.modeling import tokenizer_fingerprint
+    from specsplit.model.identity import tokenizer_fingerprint
     from specsplit.serving.server import serve
     from specsplit.serving.sessions import SessionTable
     from specsplit.serving.settings import ServerSettings

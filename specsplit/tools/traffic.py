@@ -22,7 +22,7 @@ OFF, AUTO = "off", "default"
 
 def main(args, config) -> int:
     """`bench --traffic`: a stack started here from `config` (or `--gateway`), warmed up, then run()."""
-    from specsplit.tools.bench import gateway_stub
+    from specsplit.tools.launcher import gateway_stub
 
     prompts = load_prompts(args.prompts or "general", args.limit)
     step_ms = None

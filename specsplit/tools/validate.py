@@ -21,9 +21,8 @@ from gateway import policy
 from gateway.controller import p95
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.tools.bench import gateway_stub
 from specsplit.tools.calibrate import describe
-from specsplit.tools.launcher import StackConfig
+from specsplit.tools.launcher import StackConfig, gateway_stub
 from specsplit.tools.validatereport import write_report
 from specsplit.tools.workload import Prompt, load_prompts, request, warmup
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, attention.inc
+SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, attention_*.inc
 PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h", ".inc"})
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
          "-fopenmp"]

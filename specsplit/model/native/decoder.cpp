@@ -363,7 +363,8 @@ class Decoder {
     }
   }
 
-#include "attention.inc"
+#include "attention_avx512.inc"
+#include "attention_amx.inc"
 
   // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
   inline __m512 key(const void* base, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {

@@ -168,16 +168,16 @@ inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t* p) {
 // int32 (two chains summed for 1-2 rows, whose latency they hide; one from 3 rows on: the same
 // integer either way), corrected, converted to float and scaled into the row's float accumulator,
 // block after block in input order (the same for every row count).
-// FMT: 0 q8_0, 1 q4_0 (offset 8), 2 q4_1 (no offset; adds m * qs * sum(q) per block, after the
-// block's product), 3 q8_h (the chains are the block's halves, quads 0-3 and 4-7, each scaled and
-// added in turn; then m * qs * sum(q) where the matrix has mins). META: how scales and mins are
+// K, the block format: kQ8 (q8_0), kQ4 (q4_0, offset 8), kQ41 (q4_1: no offset; adds m * qs * sum(q)
+// per block, after the block's product), kQ8H (q8_h: the chains are the block's halves, quads 0-3
+// and 4-7, each scaled and added in turn; then m * qs * sum(q) where the matrix has mins). META: how scales and mins are
 // stored (packing.h); factored ones are multiplied out here, exactly.
-template <int R, int FMT, Meta META>
+template <int R, Kind K, Meta META>
 void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, const int32_t* xi, const float* xsum,
               int64_t stride, float* y, int64_t ldy) {
-  constexpr bool Q4 = FMT == 1 || FMT == 2, HALVES = FMT == 3;
+  constexpr bool Q4 = K == Kind::kQ4 || K == Kind::kQ41, HALVES = K == Kind::kQ8H;
   constexpr int64_t kParts = HALVES ? 2 : 1;  // scales a block
-  constexpr int32_t kOffset = FMT == 1 ? 8 : FMT == 2 ? 0 : 128;  // stored weight - q
+  constexpr int32_t kOffset = K == Kind::kQ4 ? 8 : K == Kind::kQ41 ? 0 : 128;  // stored weight - q
   const int64_t blocks = w.k2 / kBlock, xblocks = stride / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -257,7 +257,7 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
       if constexpr (kOffset != 0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(kOffset * (xir[0] + xir[1])));
       const __m512 scale = _mm512_mul_ps(ws, _mm512_set1_ps(xs[r * xblocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
-      if constexpr (FMT == 2) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[r * xblocks + b]), acc[r]);
+      if constexpr (K == Kind::kQ41) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xsum[r * xblocks + b]), acc[r]);
     }
   }
   const int64_t o = panel * kLanes;
@@ -265,11 +265,11 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + o, m, acc[r]);
 }
 
-template <int R, int FMT>
+template <int R, Kind K>
 void panel_q(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   const int64_t blocks = x.stride / kBlock;
-  auto run = w.meta == Meta::kF16 ? panel_q8<R, FMT, Meta::kF16>
-             : w.meta == Meta::kFactored ? panel_q8<R, FMT, Meta::kFactored> : panel_q8<R, FMT, Meta::kF32>;
+  auto run = w.meta == Meta::kF16 ? panel_q8<R, K, Meta::kF16>
+             : w.meta == Meta::kFactored ? panel_q8<R, K, Meta::kFactored> : panel_q8<R, K, Meta::kF32>;
   run(w, panel, x.q.data() + row * x.stride, x.qs.data() + row * blocks, x.qi.data() + row * blocks * 2,
       x.qsum.data() + row * blocks, x.stride, y + row * ldy, ldy);
 }
@@ -277,10 +277,10 @@ void panel_q(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* 
 template <int R>
 void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float* y, int64_t ldy) {
   switch (w.kind) {
-    case Kind::kQ8: panel_q<R, 0>(w, panel, x, row, y, ldy); break;
-    case Kind::kQ4: panel_q<R, 1>(w, panel, x, row, y, ldy); break;
-    case Kind::kQ41: panel_q<R, 2>(w, panel, x, row, y, ldy); break;
-    case Kind::kQ8H: panel_q<R, 3>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ8: panel_q<R, Kind::kQ8>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ4: panel_q<R, Kind::kQ4>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ41: panel_q<R, Kind::kQ41>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ8H: panel_q<R, Kind::kQ8H>(w, panel, x, row, y, ldy); break;
     case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;

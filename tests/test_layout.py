@@ -1,0 +1,149 @@
+"""The layout's rules (docs/architecture.md#layout), kept by a test so that a change that breaks one
+fails naming the file: no hand-written Python module of the product over 400 lines, no native
+source over 500, the speculation core (`specsplit/spec/`) importing only the standard library, torch
+and itself, and no import cycle between the product's modules (lazy imports inside functions
+count: a cycle is a cycle however late it closes)."""
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("specsplit", "gateway", "verify_service", "draft_service")
+PYTHON_LINES, NATIVE_LINES = 400, 500
+
+
+def _generated(path: Path) -> bool:
+    return path.name.endswith(("_pb2.py", "_pb2_grpc.py"))  # python -m specsplit.api.protogen
+
+
+def modules() -> dict[str, Path]:
+    """The product's modules by dotted name (a package by its own name)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if _generated(path):
+                continue
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imported(path: Path) -> set[str]:
+    """Every absolute module name `path` imports, at any depth (`from a import b` names a and a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the product modules it imports (a name resolved to its longest known prefix)."""
+    edges = {}
+    for name, path in found.items():
+        targets = set()
+        for target in imported(path):
+            while target and target not in found:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+        edges[name] = targets
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_python_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > PYTHON_LINES}
+    assert not long, f"over {PYTHON_LINES} lines (split by what the parts do): {long}"
+
+
+def test_no_native_source_over_500_lines():
+    native = ROOT / "specsplit" / "model" / "native"
+    sources = [p for p in sorted(native.iterdir()) if p.suffix in {".cpp", ".h", ".inc"}]
+    assert sources, f"no native sources found in {native}"
+    long = {p.name: n for p in sources if (n := len(p.read_text().splitlines())) > NATIVE_LINES}
+    assert not long, f"over {NATIVE_LINES} lines (split by what the parts do): {long}"
+
+
+def test_the_speculation_core_imports_only_the_standard_library_torch_and_itself():
+    core = ROOT / "specsplit" / "spec"
+    allowed = set(sys.stdlib_module_names) | {"torch"}
+    wrong = {}
+    for path in sorted(core.rglob("*.py")):
+        for name in imported(path):
+            top = name.split(".")[0]
+            if top not in allowed and not name.startswith("specsplit.spec") and top != "__future__":
+                wrong.setdefault(path.name, set()).add(name)
+    assert not wrong, f"specsplit/spec/ must not import these (it is plain maths, no services): {wrong}"
+
+
+def test_no_import_cycle_between_modules():
+    found = modules()
+    assert "gateway.rounds" in found and "specsplit.spec.cursor" in found  # the walk sees the product
+    loops = cycles(graph(found))
+    assert not loops, f"import cycles (move what both need below them): {loops}"
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    assert sorted(cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}})) == [["a", "b"], ["c", "d"]]
+
+
+def layer(module: str) -> tuple[int, str]:
+    """(its layer, its room within the layer): docs/architecture.md#modules."""
+    parts = module.split(".")
+    if parts[0] in ("verify_service", "draft_service", "gateway"):
+        return 3, parts[0]
+    sub = parts[1] if len(parts) > 1 else ""
+    order = {"spec": 0, "model": 1, "serving": 2, "tools": 4, "cli": 5}
+    return (order[sub], sub) if sub in order else (-1, sub)  # errors, extras, api: under everything
+
+
+def test_each_layer_imports_only_those_before_it_and_no_service_another():
+    edges = graph(modules())
+    upward = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                    if layer(b)[0] > layer(a)[0] or (layer(a)[0] == layer(b)[0] == 3 and layer(a)[1] != layer(b)[1]))
+    assert not upward, f"imports against the layers spec -> model -> serving -> services -> tools -> cli: {upward}"
