@@ -155,7 +155,7 @@ class Instruments:
 
     def finished(self, request: Request, generated: int) -> pb.GenerationStats:
         """The request's stats; also records its metrics, spans and the controller's observation."""
-        plan, drafting = request.plan, request.drafting or bool(request.lost)
+        plan, drafting = request.plan, request.drafter.drafting or bool(request.drafter.lost)
         records = [_record(r) for r in request.measured.rounds]
         stats = _stats(request, records, generated, self._exact)
         common = self._common(request)
@@ -167,13 +167,13 @@ class Instruments:
         for record, position in zip(records, positions):
             self._metrics.round(record, plan.task_type, drafter, position)
         self._metrics.request(stats)
-        if not request.lost:  # a failover mid-request says nothing about what speculation is worth
+        if not request.drafter.lost:  # a failover mid-request says nothing about what speculation is worth
             self._controller.observe(plan.task_type, plan.drafter, plan.decision, outcome(stats), plan.predraft)
         span = trace.get_current_span()
         _describe(span, stats, {**common, "specsplit.prompt_digest": _digest(plan.prompt_ids)})
-        if request.lost and span.is_recording():
-            span.add_event("drafter-lost", {"specsplit.error": request.lost,
-                                            "specsplit.rounds_after": len(records) - request.lost_at})
+        if request.drafter.lost and span.is_recording():
+            span.add_event("drafter-lost", {"specsplit.error": request.drafter.lost,
+                                            "specsplit.rounds_after": len(records) - request.drafter.lost_at})
         return stats
 
     @contextlib.contextmanager
@@ -233,7 +233,7 @@ def _prefill_network_ms(request: Request) -> float:
 
 
 def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact: bool) -> pb.GenerationStats:
-    plan, drafting = request.plan, request.drafting or bool(request.lost)
+    plan, drafting = request.plan, request.drafter.drafting or bool(request.drafter.lost)
     drafted = sum(r.drafted for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.depth)
@@ -252,7 +252,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         gateway_ms=sum(r.gateway_ms for r in rounds), exact=exact, task_type=plan.task_type,
         round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
         seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
-        speculation_reason=request.fallback or plan.decision.reason,
+        speculation_reason=request.drafter.fallback or plan.decision.reason,
         shared_memory=request.links.shm_verify and request.links.shm_draft and drafting,
         fast_path=request.links.fast_path,
         predraft_attempts=request.measured.predraft_attempts, predraft_hits=request.measured.predraft_hits,

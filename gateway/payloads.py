@@ -4,15 +4,29 @@ mapped it, inline otherwise (specsplit.serving.shm)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
-from gateway.state import Links
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.errors import Failure
 from specsplit.serving import shm
 
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class Links:
+    """The session's ways to its two services: its shared memory and round links (gateway.upstream)."""
+
+    segment: shm.Segment | None = None  # the session's shared memory (co-located fast path)
+    shm_verify: bool = False  # the verify service mapped it
+    shm_draft: bool = False  # the draft service mapped it
+    verifier: object = None  # the session's round link to each service (gateway.upstream)
+    drafter: object = None
+    fast_path: bool = False  # rounds went over the fast path (both services)
+
 
 
 def join(pending: cpb.Features | None, new: cpb.Features | None, segment: shm.Segment | None) -> cpb.Features | None:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gateway.controller import Decision
+from gateway.drafts import DraftSide
 from gateway.gate import Gate, Prior
+from gateway.payloads import Links
 from specsplit.api.common.v1 import common_pb2 as cpb
-from specsplit.api.draft.v1 import draft_pb2 as dpb
-from specsplit.serving import shm
 from specsplit.spec.cursor import Cursor
 
 
@@ -63,18 +63,6 @@ class Round(NamedTuple):
 
 
 @dataclass
-class Links:
-    """The session's ways to its two services (gateway.upstream, gateway.payloads)."""
-
-    segment: shm.Segment | None = None  # the session's shared memory (co-located fast path)
-    shm_verify: bool = False  # the verify service mapped it
-    shm_draft: bool = False  # the draft service mapped it
-    verifier: object = None  # the session's round link to each service (gateway.upstream)
-    drafter: object = None
-    fast_path: bool = False  # rounds went over the fast path (both services)
-
-
-@dataclass
 class Measured:
     """What the request's stats, spans and metrics are made of (gateway.instruments), after the answer."""
 
@@ -97,25 +85,16 @@ class Measured:
 @dataclass
 class Request:
     """A request between rounds, by owner: its plan; its place in the round protocol (`cursor`, the
-    speculation core's); its links; whether it drafts and what its drafter is owed; its measurements."""
+    speculation core's); its drafter side (gateway.drafts: whether it drafts, what the drafter is
+    owed, its pre-draft); its links; its measurements."""
 
     plan: Plan
     session_id: str
     cursor: Cursor
-    drafting: bool
+    drafter: DraftSide
     links: Links = field(default_factory=Links)
     gate: Gate = field(default_factory=Gate)  # whether each round asks the drafter (AUTO: judged per round)
     measured: Measured = field(default_factory=Measured)
-    features: cpb.Features | None = None  # target features not yet delivered to the drafter
-    ready: dpb.ProposeResponse | None = None  # a pre-draft whose assumption held: next round's drafts
-    # Why the request has no drafter though its plan speculates (its stats' speculation_reason):
-    # drafter-down (at the start), drafter-full (its session table), drafter-lost (mid-request).
-    fallback: str = ""
-    lost: str = ""  # drafter-lost: the failure (the rounds after it ran target-only)
-    lost_at: int = 0  # the round it was lost in
-    # A StartSession the gateway gave up on may still have run on a draft service that only stalled:
-    # the release ends it too.
-    start_abandoned: bool = False
     # With plan.logprobs: one per committed token, in order (the emitted tokens are a prefix), and
     # the prompt's.
     logprobs: list[cpb.TokenLogprob] = field(default_factory=list)
