@@ -22,6 +22,7 @@ from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, Se
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA
 from specsplit.serving.worker import ModelWorker
 from specsplit.spec.drafting import Proposal
+from specsplit.spec.sampling import Method
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -74,14 +75,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                   request.target_tokenizer_fingerprint, request.target_model_fingerprint)
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        params, method = wire.sampling(request.sampling)
         try:
-            params.check()
+            params = wire.sampling(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         start = time.perf_counter_ns()
         session = await self._worker.run(drafter.start, list(request.prompt_token_ids))
-        session.sampling, session.method, session.proposal_top_k = params, method, self._proposal_top_k
+        session.sampling, session.proposal_top_k = params, self._proposal_top_k
         session.verify_ms_by_rows = list(request.target_forward_ms_by_rows)
         session.task_type = request.task_type
         prefill_ns = time.perf_counter_ns() - start
@@ -234,7 +234,7 @@ def _timed(steps: Steps) -> Steps:
 def _draft_probs(session: DraftSession, proposal: Proposal) -> list[tuple[list[int], list[float]]]:
     """Rejection sessions get the distribution of every draft token: the drafter's sampled q, or a
     point mass for a token it chose deterministically (exact: such a token has q = 1)."""
-    if session.sampling.temperature == 0 or session.method != "rejection":
+    if session.sampling.verification is not Method.REJECTION:
         return []
     if proposal.probs is None:
         return [([t], [1.0]) for t in proposal.tokens]

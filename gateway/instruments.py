@@ -15,7 +15,7 @@ from opentelemetry.metrics import Observation
 from gateway.controller import Controller, Outcome, RoundFacts
 from gateway.state import Request
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.serving import roundtime, wire
+from specsplit.serving import roundtime
 from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, tracer
 
@@ -237,7 +237,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
     drafted = sum(r.drafted for r in rounds)
     accepted = sum(r.accepted for r in rounds)
     bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.depth)
-    params, method = wire.sampling(plan.sampling)
+    params = plan.sampling
     sampled = params.temperature > 0
     end = time.perf_counter_ns()
     return pb.GenerationStats(
@@ -251,7 +251,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         network_ms=sum(r.network_ms for r in rounds) + _prefill_network_ms(request),
         gateway_ms=sum(r.gateway_ms for r in rounds), exact=exact, task_type=plan.task_type,
         round_records=rounds, bonus_tokens=bonus, recovered_tokens=sum(1 for r in rounds if r.drafted) - bonus,
-        seed=params.seed if sampled else 0, verify_method=method if sampled else "greedy",
+        seed=params.seed if sampled else 0, verify_method=params.verification.value,
         speculation_reason=request.drafter.fallback or plan.decision.reason,
         shared_memory=request.links.shm_verify and request.links.shm_draft and drafting,
         fast_path=request.links.fast_path,

@@ -25,7 +25,7 @@ from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.serving import shm
+from specsplit.serving import shm, wire
 from specsplit.spec.cursor import Cursor
 
 log = logging.getLogger("specsplit.gateway")
@@ -188,7 +188,7 @@ class RoundLoop:
             start = dpb.StartSessionRequest(
                 session_id=request.session_id, drafter=plan.drafter, prompt_token_ids=plan.prompt_ids,
                 target_tokenizer_fingerprint=self._target.tokenizer_fingerprint,
-                target_model_fingerprint=self._target.model_fingerprint, sampling=plan.sampling,
+                target_model_fingerprint=self._target.model_fingerprint, sampling=wire.sampling_message(plan.sampling),
                 shm_segment=name, target_forward_ms_by_rows=self._target.forward_ms_by_rows,
                 task_type=plan.task_type)
             verified, started = await asyncio.gather(prefill, drafter.start(start, deadline), return_exceptions=True)

@@ -364,19 +364,12 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return chat_prompt_ids(tokenizer, messages)
 
     @staticmethod
-    def _check_sampling(sampling: pb.SamplingParams) -> cpb.Sampling:
-        """The verifier's Sampling for the request; a seed is drawn when none is given."""
-        top_p = sampling.top_p or 1.0  # 0: off
+    def _check_sampling(sampling: pb.SamplingParams) -> SamplingParams:
+        """The request's sampling, checked once, here at the edge; a seed is drawn when none is given."""
         try:
-            SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p).check()
+            return wire.sampling(sampling, seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63))
         except ValueError as e:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        method = sampling.method or cpb.VERIFY_METHOD_COUPLED
-        if method not in (cpb.VERIFY_METHOD_COUPLED, cpb.VERIFY_METHOD_REJECTION):
-            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"unknown verify method {sampling.method}")
-        seed = sampling.seed if sampling.HasField("seed") else secrets.randbits(63)
-        return cpb.Sampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=top_p, seed=seed,
-                            method=method)
 
 
 def register(server: grpc.aio.Server, servicer: GatewayServicer) -> None:

@@ -13,6 +13,7 @@ from gateway.gate import Gate, Prior
 from gateway.payloads import Links
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.spec.cursor import Cursor
+from specsplit.spec.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Plan:
     drafter: str
     task_type: str
     needs_features: bool = False  # the drafter reads target features: the verifier returns them
-    sampling: cpb.Sampling = field(default_factory=cpb.Sampling)  # temperature 0: greedy
+    sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
     decision: Decision = Decision(True, 4, "forced")  # the controller's, for this request
     predraft: bool = False  # asynchronous drafting: draft the next block while Verify is in flight
     tree_budget: int = 0  # most draft tokens per round in a token tree; 0: chains of gamma

@@ -17,6 +17,7 @@ from gateway.upstream import Deadline, Upstream
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
+from specsplit.serving import wire
 
 # A verify call that failed because its replica died or restarted (its sessions went with it: the
 # connection is gone, the session unknown, or the call cut off by a shutdown).
@@ -41,7 +42,7 @@ def prefill_request(request: Request, resume: bool = False) -> vpb.PrefillReques
     logprobs.prompt = logprobs.prompt and not resume
     return vpb.PrefillRequest(
         session_id=request.session_id, prompt_token_ids=[*plan.prompt_ids, *request.cursor.output] if resume
-        else plan.prompt_ids, return_features=plan.needs_features, sampling=plan.sampling,
+        else plan.prompt_ids, return_features=plan.needs_features, sampling=wire.sampling_message(plan.sampling),
         shm_segment=request.links.segment.name if request.links.segment else "",
         skip_prefix_cache=plan.skip_prefix_cache and not resume, logprobs=logprobs,
         stop_token_ids=sorted(plan.eos_ids), resume=resume)

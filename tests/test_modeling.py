@@ -262,21 +262,21 @@ def test_coupled_sampling_commits_the_same_text_whatever_is_drafted(models):
 def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
     import torch
 
-    from specsplit.spec.sampling import SamplingParams
+    from specsplit.spec.sampling import Method, SamplingParams
 
     target = Target(load_model(models["target"], "float32"))
-    params = SamplingParams(temperature=1.0, seed=3)
-    session, _ = target.prefill(PROMPT, sampling=params, method="rejection")
+    params = SamplingParams(temperature=1.0, seed=3, method=Method.REJECTION)
+    session, _ = target.prefill(PROMPT, sampling=params)
     with pytest.raises(ValueError, match="one proposal distribution per draft token"):
         target.verify(session, len(session.tokens), [5, 6])
     certain = (torch.tensor([5]), torch.tensor([1.0]))  # a deterministic drafter: q is one-hot
     result = target.verify(session, len(session.tokens), [5], [certain])
     assert result.length == len(session.tokens) and 0 <= result.num_accepted <= 1
-    again, _ = target.prefill(PROMPT, sampling=params, method="rejection")
+    again, _ = target.prefill(PROMPT, sampling=params)
     target.verify(again, len(again.tokens), [5], [certain])
     assert again.tokens == session.tokens  # same seed, same draws
     with pytest.raises(ValueError, match="unknown verify method"):
-        target.prefill(PROMPT, sampling=params, method="magic")
+        target.prefill(PROMPT, sampling=SamplingParams(temperature=1.0, method="magic"))
 
 
 @pytest.mark.parametrize("quantize,dtype", [("int8", "bfloat16"), ("q8_0", "bfloat16"), ("q8_0", "float32"),

@@ -8,7 +8,7 @@ import torch
 
 from specsplit.spec import acceptance
 from specsplit.spec.acceptance import coupled_accept, rejection_accept
-from specsplit.spec.sampling import SamplingParams, coupled_choice, sample, warp
+from specsplit.spec.sampling import Method, SamplingParams, coupled_choice, sample, warp
 
 
 def dense(*probs: float) -> torch.Tensor:
@@ -158,14 +158,14 @@ def test_drafter_choice_per_method():
     greedy = choose(session, logits, None, 6)
     assert (greedy.token, greedy.q) == (5, None) and greedy.top_prob == pytest.approx(float(logits.softmax(-1)[5]))
     params = SamplingParams(temperature=1.0, seed=4)
-    session.sampling, session.method = params, "coupled"
+    session.sampling = params
     session.drafting = 1
     coupled = choose(session, logits, None, 6)
     assert coupled.token == coupled_choice(warp(logits[None], params)[0], 4, 3 + 1) and coupled.q is None
-    session.method, session.proposal_top_k = "rejection", 3
+    session.proposal_top_k = 3
     seen = set()
     for seed in range(40):
-        session.sampling = SamplingParams(temperature=1.0, seed=seed)
+        session.sampling = SamplingParams(temperature=1.0, seed=seed, method=Method.REJECTION)
         choice = choose(session, logits, None, 6)
         ids, q = choice.q
         assert sorted(ids.tolist()) == [0, 1, 5] and float(q.sum()) == pytest.approx(1.0)

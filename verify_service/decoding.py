@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.api.verify.v1 import verify_pb2 as pb
+from specsplit.spec.sampling import Method
 from verify_service.engine import TargetSession
 
 
@@ -44,7 +45,7 @@ class Decoding:
         budget; none under rejection sampling (no q)."""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
-        rejects = session.sampling.verified_by(session.method) == "rejection"
+        rejects = session.sampling.verification is Method.REJECTION
         room = session.agreement.depth(room, step_ms) if room > 0 and not rejects else 0
         draft = session.index.follows(session.tokens, room)
         self.looked = len(draft)

@@ -15,12 +15,11 @@ from specsplit.spec import tokentree
 from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
 from specsplit.spec.lookup import Agreement, BigramIndex
 from specsplit.spec.rollback import TreeRollback
-from specsplit.spec.sampling import Logprobs, SamplingParams, token_logprobs, warp
+from specsplit.spec.sampling import Logprobs, Method, SamplingParams, token_logprobs, warp
 
 if TYPE_CHECKING:
     from specsplit.model.prefixcache import PrefixCache
 
-METHODS = ("coupled", "rejection")
 
 
 class ContextFull(ValueError):
@@ -39,8 +38,7 @@ class TargetSession:
     kv: Sequence
     tokens: list[int] = field(default_factory=list)
     with_features: bool = False  # return the features of newly committed positions
-    sampling: SamplingParams = SamplingParams()  # temperature 0: greedy
-    method: str = "coupled"  # with temperature > 0: coupled | rejection
+    sampling: SamplingParams = SamplingParams()  # temperature 0: greedy; its method above that
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
@@ -137,11 +135,11 @@ class Target:
         self.batches = lm.native is not None and self.verifies_trees
 
     def prefill(self, prompt: list[int], with_features: bool = False, sampling: SamplingParams = SamplingParams(),
-                method: str = "coupled", chunk: int | None = None) -> tuple[TargetSession, VerifyResult]:
+                chunk: int | None = None) -> tuple[TargetSession, VerifyResult]:
         """Returns the new session and its first generated token (as a result with no drafts;
         features, if asked, cover the prompt); the prompt fed in chunks of `chunk` tokens (None:
         one call)."""
-        prefilling = self.start_prefill(prompt, with_features, sampling, method)
+        prefilling = self.start_prefill(prompt, with_features, sampling)
         while True:
             result = self.run_one(self.plan_prefill(prefilling, chunk))
             if prefilling.finished:
@@ -159,8 +157,8 @@ class Target:
         return outcome
 
     def start_prefill(self, prompt: list[int], with_features: bool = False,
-                      sampling: SamplingParams = SamplingParams(), method: str = "coupled",
-                      use_cache: bool = True, logprobs: Logprobs = Logprobs(), resume: bool = False) -> Prefilling:
+                      sampling: SamplingParams = SamplingParams(), use_cache: bool = True,
+                      logprobs: Logprobs = Logprobs(), resume: bool = False) -> Prefilling:
         """A new session whose prompt is still to be fed (by plan_prefill's steps); a prefix of it
         already in the prefix cache is loaded into its cache at once (unless not use_cache, or the
         prompt's own log-probabilities are asked for: they need every prompt row's logits). With
@@ -168,8 +166,6 @@ class Target:
         the rest is fed, and it is appended as the answer."""
         sampling.check()
         logprobs.check()
-        if method not in METHODS:
-            raise ValueError(f"unknown verify method {method!r}; use one of {METHODS}")
         self._check_room(len(prompt) + 1)
         resumed = prompt[-1] if resume else None
         if resume:
@@ -177,7 +173,7 @@ class Target:
                 raise ValueError("a resumed session holds its prompt and at least one committed token")
             prompt = prompt[:-1]
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
-                                sampling=sampling, method=method, logprobs=logprobs)
+                                sampling=sampling, logprobs=logprobs)
         prefilling = Prefilling(session, list(prompt), resumed=resumed)
         # The whole prompt's room at once: grown chunk by chunk, the cache would be copied at every
         # doubling (tens of ms at thousands of tokens: a stall for every session sharing that forward).
@@ -326,16 +322,16 @@ class Target:
 
     @staticmethod
     def _rejects(session: TargetSession) -> bool:
-        return session.sampling.verified_by(session.method) == "rejection"
+        return session.sampling.verification is Method.REJECTION
 
     def _decide(self, session: TargetSession, logits: torch.Tensor, draft: list[int],
                 proposals: list, start: int, parents: list[int] | None) -> tuple[list[int], int]:
         """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token)."""
         params = session.sampling
-        how = params.verified_by(session.method)
-        if how == "greedy":
+        how = params.verification
+        if how is Method.GREEDY:
             return greedy_accept(logits, draft, parents)
-        if how == "coupled":
+        if how is Method.COUPLED:
             return coupled_accept(_Warped(logits, params), draft, params.seed, start, parents)
         path, token, _ = rejection_accept(_Warped(logits, params), draft, proposals, params.seed, start, parents)
         return path, token

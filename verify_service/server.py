@@ -24,7 +24,7 @@ from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, Se
 from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
-from specsplit.spec.sampling import Logprobs
+from specsplit.spec.sampling import Logprobs, SamplingParams
 from verify_service.decoding import Decoding, decodes
 from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
 from verify_service.statuses import failure
@@ -100,13 +100,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a resumed session holds its prompt and at least one "
                                                                   "committed token, and asks no prompt logprobs")
         try:
-            sampling, method = wire.sampling(request.sampling)
-            sampling.check()
+            sampling = wire.sampling(request.sampling)
             logprobs = wire.logprobs(request.logprobs)
             logprobs.check()
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        call = _Prefill(request.session_id, prompt, request.return_features, sampling, method,
+        call = _Prefill(request.session_id, prompt, request.return_features, sampling,
                         trace.get_current_span(), request.skip_prefix_cache, logprobs, request.resume)
         try:
             session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK),
@@ -190,7 +189,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """The prefill's next chunk, sized for the batch it runs in; its first also loads what the
         prefix cache holds of the prompt. SessionEnded once its caller released it (gave up)."""
         if call.state is None:
-            call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling, call.method,
+            call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling,
                                                     use_cache=not call.skip_cache, logprobs=call.logprobs,
                                                     resume=call.resume)
         elif self._sessions.ended(call.session_id):
@@ -373,8 +372,7 @@ class _Prefill:
     session_id: str
     prompt: list[int]
     with_features: bool
-    sampling: object
-    method: str
+    sampling: SamplingParams
     span: object  # the Prefill's server span: an event per chunk shows the progress
     skip_cache: bool = False  # compute it all (PrefillRequest.skip_prefix_cache)
     logprobs: Logprobs = Logprobs()  # PrefillRequest.logprobs

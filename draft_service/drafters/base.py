@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specsplit.spec.drafting import Proposal
-from specsplit.spec.sampling import SamplingParams
+from specsplit.spec.sampling import Method, SamplingParams
 from specsplit.spec.tokentree import verify_ms
 
 GREEDY = SamplingParams()
@@ -34,7 +34,6 @@ class DraftSession:
 
     feature_dim = 0  # width of the target features the session reads; 0: it reads none
     sampling: SamplingParams = GREEDY  # the session's sampling, as the verifier applies it
-    method = "coupled"  # with temperature > 0: "coupled" (draft with the verifier's noise) or "rejection"
     proposal_top_k = 16  # rejection: sample from (and send) the drafter's top-k, renormalised
     verify_ms_by_rows: list[float] = []  # the target's verify time by rows (StartSession); empty: unknown
     task_type = ""  # the request's label (StartSession)
@@ -66,7 +65,7 @@ class DraftSession:
     @property
     def rejects(self) -> bool:
         """Rejection sampling: drafts are drawn from q, and token trees keep a layout fixed before the draws."""
-        return self.sampling.verified_by(self.method) == "rejection"
+        return self.sampling.verification is Method.REJECTION
 
     @property
     def output(self) -> list[int]:

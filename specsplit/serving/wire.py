@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specsplit.api.common.v1 import common_pb2 as pb
-from specsplit.spec.sampling import Logprobs, SamplingParams, TokenLogprob
+from specsplit.spec.sampling import Logprobs, Method, SamplingParams, TokenLogprob
 
 _WIRE = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.int16),
          "float32": (torch.float32, torch.int32)}
@@ -35,11 +35,25 @@ def decode(message: pb.Features) -> torch.Tensor:
     return flat.reshape(message.rows, message.dim).float()
 
 
-def sampling(message: pb.Sampling) -> tuple[SamplingParams, str]:
-    """A Sampling message -> (params, "coupled" | "rejection")."""
-    method = "rejection" if message.method == pb.VERIFY_METHOD_REJECTION else "coupled"
-    return SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
-                          seed=message.seed), method
+METHODS = {pb.VERIFY_METHOD_UNSPECIFIED: Method.COUPLED, pb.VERIFY_METHOD_COUPLED: Method.COUPLED,
+           pb.VERIFY_METHOD_REJECTION: Method.REJECTION}
+
+
+def sampling(message, seed: int | None = None) -> SamplingParams:
+    """A Sampling message (or the gateway's public SamplingParams, whose fields have the same names)
+    as the one sampling type, checked: ValueError says what is wrong. `seed` replaces the message's."""
+    if message.method not in METHODS:
+        raise ValueError(f"unknown verify method {message.method}")
+    params = SamplingParams(temperature=message.temperature, top_k=message.top_k, top_p=message.top_p or 1.0,
+                            seed=message.seed if seed is None else seed, method=METHODS[message.method])
+    params.check()
+    return params
+
+
+def sampling_message(params: SamplingParams) -> pb.Sampling:
+    method = pb.VERIFY_METHOD_REJECTION if params.method is Method.REJECTION else pb.VERIFY_METHOD_COUPLED
+    return pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                       method=method)
 
 
 def logprobs(message: pb.LogprobsRequest) -> Logprobs:

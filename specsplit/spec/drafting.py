@@ -16,7 +16,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specsplit.spec.sampling import DRAFT, SIBLING_DRAFT, SamplingParams, gumbel, sample, warp
+from specsplit.spec.sampling import DRAFT, SIBLING_DRAFT, Method, SamplingParams, gumbel, sample, warp
 from specsplit.spec.tokentree import Tree
 
 
@@ -24,7 +24,6 @@ class Drafting(Protocol):
     """What the draws read of a drafter's session."""
 
     sampling: SamplingParams  # the session's sampling, as the verifier applies it
-    method: str  # with temperature > 0: "coupled" or "rejection"
     proposal_top_k: int  # rejection: sample from (and send) the drafter's top-k, renormalised
     tokens: list[int]  # the committed sequence as the drafter knows it
     drafting: int  # index of the draft token being chosen (its position: len(tokens) + drafting)
@@ -94,7 +93,7 @@ def choose(session: Drafting, logits: torch.Tensor, ids: torch.Tensor | None, vo
     if len(two.indices) > 1 and float(probs[two.indices[1]]) > 0:
         second = int(two.indices[1])
         runner_up = (second if ids is None else int(ids[second]), float(probs[second]))
-    if params.verified_by(session.method) == "rejection":
+    if params.verification is Method.REJECTION:
         cut = probs.topk(min(session.proposal_top_k, probs.shape[-1]))
         keep = cut.values > 0
         local, values = cut.indices[keep], cut.values[keep]
@@ -151,7 +150,7 @@ def _ranking(session: Drafting, logits: torch.Tensor, ids: torch.Tensor | None,
     log q + the verifier's Gumbel noise for the position being drafted."""
     params = session.sampling
     probs = warp(logits[None], params)[0] if params.temperature > 0 else logits.float().softmax(-1)
-    if params.verified_by(session.method) == "coupled":
+    if params.verification is Method.COUPLED:
         noise = gumbel(params.seed, len(session.tokens) + session.drafting, vocab)
         return probs, probs.log() + (noise if ids is None else noise[ids.cpu()]).to(probs.device)
     return probs, probs
