@@ -34,9 +34,9 @@ def test_a_batched_forward_gives_each_session_its_own_logits(models, dtype):
     prompts = _prompts(4, lm.vocab_size)
     alone = []
     for p in prompts:  # prefill, then a 3-token chain, then a 4-node tree, each session by itself
-        s = KVSequence(lm.model)
+        s = KVSequence(lm)
         alone.append((s.forward(p[:-3], last_only=True), s.forward(p[-3:]), s.forward(p[:4], parents=[-1, 0, 0, 1])))
-    seqs = [KVSequence(lm.model) for _ in prompts]
+    seqs = [KVSequence(lm) for _ in prompts]
     for s, p in zip(seqs, prompts):
         s.reserve(len(p) + 4)
     prefill = lm.native.run([Feed(s, p[:-3], last_only=True) for s, p in zip(seqs, prompts)])
@@ -48,11 +48,11 @@ def test_a_batched_forward_gives_each_session_its_own_logits(models, dtype):
         assert torch.equal(tree[i][0], alone[i][2]), i
         assert seqs[i].length == len(prompts[i]) + 4
     # A batch whose sessions sit at different lengths, with one prefill and one tree among chains.
-    late = KVSequence(lm.model)
+    late = KVSequence(lm)
     late.reserve(6)
     mixed = lm.native.run([Feed(seqs[0], [3]), Feed(late, prompts[3][:6], last_only=True),
                            Feed(seqs[2], [4, 5], parents=[-1, -1])])
-    ref0, ref_late, ref2 = KVSequence(lm.model), KVSequence(lm.model), KVSequence(lm.model)
+    ref0, ref_late, ref2 = KVSequence(lm), KVSequence(lm), KVSequence(lm)
     for ref, p in ((ref0, prompts[0]), (ref2, prompts[2])):
         ref.forward(p[:-3], last_only=True)
         ref.forward(p[-3:])
@@ -206,7 +206,7 @@ def test_the_self_head_drafts_several_sessions_in_one_call_as_it_drafts_each_alo
 
     def started(prompt):
         session = drafter.start(prompt)
-        seq = KVSequence(lm.model)
+        seq = KVSequence(lm)
         session.add_features(0, seq.hidden(prompt[:-1]).float())
         return session
 

@@ -59,12 +59,12 @@ def _exact_and_like_the_dequantized_model(lm, model_dir, prompt: list[int], toke
     """A 5-row verify (and a 3-row one) bit-identical to single steps, and logits close to the
     float32 model's of the dequantized weights: the weights are the file's exactly; what differs
     is the int8 activations and bf16 caches."""
-    one, many = KVSequence(lm.model), KVSequence(lm.model)
+    one, many = KVSequence(lm), KVSequence(lm)
     one.forward(prompt)
     many.forward(prompt)
     singles = torch.stack([one.forward([t])[0] for t in tokens])
     assert torch.equal(singles, torch.cat([many.forward(tokens[:5]), many.forward(tokens[5:])]))
-    reference = KVSequence(load_model(model_dir, "float32").model)
+    reference = KVSequence(load_model(model_dir, "float32"))
     reference.forward(prompt)
     expected = reference.forward(tokens)
     assert (singles.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
@@ -266,7 +266,7 @@ def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_ever
     from specsplit.model.ggufweights import GGUFWeights
 
     tokens = list(range(3, 40, 3))
-    factored = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf").model).forward(tokens)
+    factored = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf")).forward(tokens)
     monkeypatch.setattr(GGUFWeights, "__init__", partialmethod(GGUFWeights.__init__, factored=False))
-    products = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf").model).forward(tokens)
+    products = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf")).forward(tokens)
     assert torch.equal(factored, products)

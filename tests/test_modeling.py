@@ -40,10 +40,10 @@ def test_prefill_in_chunks_gives_the_same_cache_and_logits(models, monkeypatch, 
     lm = load_model(models[model], dtype, quantize=quantize)
     assert lm.native is not None and (path == "amx") == ("AMX" in lm.native.kernel)
     prompt = [(7 * i + 3) % 250 for i in range(53)]
-    whole = KVSequence(lm.model)
+    whole = KVSequence(lm)
     expected = whole.forward(prompt)
     for cuts in ([1, 52], [16, 16, 16, 5], [17, 30, 6]):
-        seq, got, at = KVSequence(lm.model), [], 0
+        seq, got, at = KVSequence(lm), [], 0
         for n in cuts:
             got.append(seq.forward(prompt[at:at + n]))
             at += n
@@ -63,7 +63,7 @@ def test_results_do_not_depend_on_the_thread_count(models, monkeypatch, dtype, q
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            seq = KVSequence(lm.model)
+            seq = KVSequence(lm)
             outs.append((seq.forward(prompt), seq.forward([4, 9, 16, 25, 36])))
     finally:
         torch.set_num_threads(threads)
@@ -77,14 +77,14 @@ def test_verifying_k_tokens_is_bit_identical_to_decoding_them_one_by_one(models,
                                                                         model):
     _kernel_path(monkeypatch, dtype, quantize, path)
     lm = load_model(models[model], dtype, quantize=quantize)
-    one = KVSequence(lm.model)
+    one = KVSequence(lm)
     one.forward(PROMPT)
     tokens, singles = [11], []
     for _ in range(20):
         singles.append(one.forward(tokens[-1:])[0])  # [vocab]
         tokens.append(int(singles[-1].argmax()))
     for width in (5, 17):  # a verify of 5 rows (a chain) and of 17 (more than a tile)
-        many = KVSequence(lm.model)
+        many = KVSequence(lm)
         many.forward(PROMPT)
         chunked = torch.cat([many.forward(tokens[i:i + width]) for i in range(0, 20, width)])[:20]  # [20, vocab]
         assert torch.equal(torch.stack(singles), chunked), width
@@ -105,7 +105,7 @@ TOKENS = [11, 40, 7, 99, 3, 250, 17, 8]
 def _one_by_one_equals_verified(lm) -> torch.Tensor:
     """Asserts that decoding TOKENS one by one after PROMPT gives bit-identical logits to verifying
     them in blocks of 5 and 3; returns those logits [8, vocab]."""
-    one, many = KVSequence(lm.model), KVSequence(lm.model)
+    one, many = KVSequence(lm), KVSequence(lm)
     one.forward(PROMPT)
     many.forward(PROMPT)
     singles = torch.stack([one.forward([t])[0] for t in TOKENS])
@@ -124,7 +124,7 @@ def test_native_kernels_run_where_the_cpu_has_them(models, dtype, monkeypatch):
     if native.unavailable(lm.dtype, lm.device):
         pytest.skip(native.unavailable(lm.dtype, lm.device))
     assert lm.kernels == "native" and lm.native is not None
-    assert type(KVSequence(lm.model)).__name__ == "FastSequence"
+    assert type(KVSequence(lm)).__name__ == "FastSequence"
 
 
 @pytest.mark.parametrize("cls", [FlatLinear, RowInvariantLinear])
@@ -150,14 +150,14 @@ def test_target_rollback_matches_a_from_scratch_forward(models):
     result = target.verify(session, length, [1, 2, 3])
     assert result.length == length + result.num_accepted + 1
     # Round 2: draft exactly what the target would say next (so it is accepted) plus a wrong token.
-    fresh = KVSequence(lm.model)
+    fresh = KVSequence(lm)
     guess = int(fresh.forward(session.tokens, last_only=True)[0].argmax())
     wrong = (guess + 1) % lm.vocab_size
     result = target.verify(session, result.length, [guess, wrong, 4])
     assert result.num_accepted == 1
     assert session.kv.length == len(session.tokens) - 1
 
-    scratch = KVSequence(lm.model)
+    scratch = KVSequence(lm)
     scratch.forward(session.tokens[:-1])
     # The caches agree where it shows: every later position's logits attend over all of them (a
     # stale key left behind by the rollback, or one missing, moves every row below).
@@ -209,7 +209,7 @@ def test_model_drafter_follows_rollbacks(models):
     # The target accepted two of them and chose 99 instead of the third.
     session.sync(len(PROMPT) + 1, drafts[:2] + [99])
     again = drafter.propose(session, 3).tokens
-    fresh = KVSequence(lm.model)
+    fresh = KVSequence(lm)
     logits = fresh.forward(session.tokens, last_only=True)
     assert again[0] == int(logits[0].argmax())
     keep = len(session.tokens) + len(again) - 1
@@ -230,7 +230,7 @@ def test_exact_numerics_compute_the_same_model(models, dtype, tol, prompt_len, m
     prompt = [(7 * i + 3) % 250 for i in range(prompt_len)]
     logits = {}
     for exact in (True, False):  # the default (native where it runs) vs transformers' SDPA path
-        seq = KVSequence(load_model(models[model], dtype, exact=exact, native=exact).model)
+        seq = KVSequence(load_model(models[model], dtype, exact=exact, native=exact))
         logits[exact] = torch.cat([seq.forward(prompt), seq.forward([1, 2, 3])])  # [prompt_len + 3, vocab]
     assert torch.allclose(logits[True], logits[False], atol=tol, rtol=0)
 
@@ -294,7 +294,7 @@ def test_quantized_weights_keep_verification_exact_and_stay_close(models, quanti
     lm = load_model(models["target"], dtype, quantize=quantize)
     assert lm.kernels == f"native {quantize}"
     singles = _one_by_one_equals_verified(lm)
-    full = KVSequence(load_model(models["target"], dtype).model)
+    full = KVSequence(load_model(models["target"], dtype))
     full.forward(PROMPT)
     reference = full.forward(TOKENS)  # [8, vocab] unquantized
     assert not torch.equal(singles, reference)  # the weights did change
@@ -311,10 +311,10 @@ def test_releasing_transformers_weights_keeps_the_native_forward(models):
     lm = load_model(models["target"], "bfloat16")
     if lm.native is None:
         pytest.skip("no native kernels on this machine: nothing to release the transformers weights for")
-    before = KVSequence(lm.model)
+    before = KVSequence(lm)
     expected = before.forward(PROMPT)
     freed = lm.release_transformers_weights()
     layers = sum(p.numel() * p.element_size() for p in lm.model.model.layers.parameters())
     assert freed > 0 and layers == 0  # every layer weight gone, the embedding kept
     assert lm.model.get_input_embeddings().weight.numel() > 0
-    assert torch.equal(KVSequence(lm.model).forward(PROMPT), expected)
+    assert torch.equal(KVSequence(lm).forward(PROMPT), expected)

@@ -49,7 +49,7 @@ def test_qwen2_runs_natively_exact_and_close_to_transformers(qwen2_dir, dtype):
     lm = load_model(qwen2_dir, dtype)
     _needs_native(lm.dtype)
     assert lm.kernels == "native" and lm.vocab_size != 49152
-    one, many = KVSequence(lm.model), KVSequence(lm.model)
+    one, many = KVSequence(lm), KVSequence(lm)
     one.forward(PROMPT)
     many.forward(PROMPT)
     singles = torch.stack([one.forward([t])[0] for t in TOKENS])
@@ -77,7 +77,7 @@ def test_a_native_draft_vocabulary_scores_exactly_the_full_heads_rows(qwen2_dir,
     vocab = draft_vocabulary(qwen2_dir, 150)
     sub = load_model(qwen2_dir, "bfloat16", exact=False, quantize=quantize, head_ids=vocab)
     whole = full or load_model(qwen2_dir, "bfloat16", exact=False, quantize=quantize)
-    a, b = KVSequence(sub.model), KVSequence(whole.model)
+    a, b = KVSequence(sub), KVSequence(whole)
     got, want = a.forward(PROMPT + TOKENS), b.forward(PROMPT + TOKENS)
     assert got.shape[-1] == len(vocab) and want.shape[-1] == whole.vocab_size
     assert torch.equal(got, want[:, vocab])  # each output row is computed alone: bit-identical
@@ -87,7 +87,7 @@ def test_a_native_draft_vocabulary_scores_exactly_the_full_heads_rows(qwen2_dir,
     session = drafter.start(PROMPT)
     session.sync(len(PROMPT), [11])
     drafts = drafter.propose(session, 4).tokens
-    check = KVSequence(whole.model)
+    check = KVSequence(whole)
     logits = check.forward(PROMPT + [11] + drafts[:-1])[-4:]
     assert drafts == [int(vocab[row[vocab].argmax()]) for row in logits]
     assert set(drafts) <= set(vocab.tolist())

@@ -19,7 +19,7 @@ def _sequences(models, native_kernels: bool):
         pytest.skip(f"native kernels: {why}")
     lm = load_model(models["target"], "float32", native=native_kernels)
     tokens = torch.randint(3, 200, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    return (lambda: KVSequence(lm.model)), (lambda cache, i, j: cache.forward(tokens[i:j]))
+    return (lambda: KVSequence(lm)), (lambda cache, i, j: cache.forward(tokens[i:j]))
 
 
 def _head_caches(runner_type):

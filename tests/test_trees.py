@@ -38,11 +38,11 @@ def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype,
     bits of its path decoded alone."""
     lm = native_model(models, dtype, model)
     prompt = [(PROMPT * 5)[i] + i for i in range(prompt_len)]
-    tree = KVSequence(lm.model)
+    tree = KVSequence(lm)
     tree.forward(prompt)
     logits = tree.forward(ROWS, parents=PARENTS)
     for row in range(len(ROWS)):
-        alone = KVSequence(lm.model)
+        alone = KVSequence(lm)
         alone.forward(prompt)
         last = None
         for r in _path(row):
@@ -52,12 +52,12 @@ def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype,
 
 def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models):
     lm = native_model(models, "bfloat16")
-    seq = KVSequence(lm.model)
+    seq = KVSequence(lm)
     seq.forward(PROMPT)
     seq.forward(ROWS, parents=PARENTS)
     seq.keep(len(PROMPT), _path(7))
     assert seq.length == len(PROMPT) + len(_path(7))
-    reference = KVSequence(lm.model)
+    reference = KVSequence(lm)
     reference.forward(PROMPT + [ROWS[r] for r in _path(7)])
     assert torch.equal(seq.forward([5, 6]), reference.forward([5, 6]))
     with pytest.raises(ValueError, match="ascending"):

@@ -126,7 +126,7 @@ class Target:
         """prefix_cache: prompts' keys and values kept for later sessions (native kernels only)."""
         self.lm = lm
         self.prefix_cache = prefix_cache
-        self._new_sequence = new_sequence or (lambda: KVSequence(lm.model))  # a session's cache
+        self._new_sequence = new_sequence or (lambda: KVSequence(lm))  # a session's cache
         # Token trees need a forward that takes a tree mask and a cache that keeps one path (the
         # native kernels); transformers' forward here verifies chains.
         self.verifies_trees = isinstance(self._new_sequence(), TreeRollback)

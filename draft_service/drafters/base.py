@@ -102,6 +102,8 @@ Steps = Generator[object, object, Proposal]
 class Stepped(Protocol):
     """A drafter whose work can share a runner with other sessions' (model drafters)."""
 
+    runner: object  # run(steps) -> results: several sessions' steps in one call
+
     def steps(self, session: DraftSession, gamma: int, budget: int) -> Steps: ...
 
 

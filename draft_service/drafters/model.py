@@ -72,7 +72,7 @@ class ModelDrafter:
         # No forward here: the first propose feeds the prompt. StartSession runs while the verifier
         # prefills; co-located on few cores, two torch processes computing at once oversubscribe
         # the CPU (measured on 2 cores: 2.6 s for both prefills at once vs 0.33 s one after the other).
-        return ModelSession(prompt, KVSequence(self.lm.model))
+        return ModelSession(prompt, KVSequence(self.lm))
 
     def propose(self, session: ModelSession, gamma: int, budget: int = 0) -> Proposal:
         return drive(self.steps(session, gamma, budget), self.runner)

@@ -56,15 +56,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 def _packer(quantize: str, config, model_dir: str | None):
-    """pack(gguf names, the transformers weight, merge=None, rows=None) -> a packed weight: from the
-    float weight (quantized as asked), or for "gguf" from the file's blocks."""
+    """(pack, the GGUF file's weights or None): pack(gguf names, the transformers weight, merge=None,
+    rows=None) -> a packed weight, from the float weight (quantized as asked), or for "gguf" from
+    the file's blocks."""
     code = QUANTIZE[quantize]
 
     def from_weights(names, weight, merge=None, rows=None):
         return dense(weight if rows is None else weight[rows].contiguous(), code)
 
     if quantize != "gguf":
-        return from_weights
+        return from_weights, None
     from specsplit.model.ggufweights import GGUFWeights, gguf_path
 
     if model_dir is None:
@@ -76,8 +77,7 @@ def _packer(quantize: str, config, model_dir: str | None):
             names = [names[0] if names[0] in weights.tensors else names[1]]
         return weights.weight(names, native.module(), merge, rows)
 
-    from_file.served = weights
-    return from_file
+    return from_file, weights
 
 
 def dense(weight: torch.Tensor, quant: int = 0):
@@ -160,7 +160,7 @@ class FastLlama:
         head = model.get_output_embeddings().weight.detach()
         with torch.no_grad():  # cos/sin for every position, as transformers computes them
             cos, sin = base.rotary_emb(embed[:1].float(), torch.arange(self.max_context)[None])
-        pack = _packer(quantize, config, model_dir)
+        pack, file = _packer(quantize, config, model_dir)
         self.decoder = native.module().Decoder(
             config.num_attention_heads, self.kv_heads, self.head_dim, float(config.rms_norm_eps), embed,
             cos[0], sin[0], base.norm.weight.detach(),
@@ -181,7 +181,6 @@ class FastLlama:
                      interleave(mlp.gate_proj.weight, mlp.up_proj.weight), merge=interleave),
                 pack([blk + "ffn_down.weight"], mlp.down_proj.weight), layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach())
-        file = getattr(pack, "served", None)
         if file is not None:
             import logging
 

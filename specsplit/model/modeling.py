@@ -313,7 +313,6 @@ def _native(model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None 
         except (RuntimeError, OSError) as e:  # no compiler, a failed build
             reason = f"the native kernels did not build: {e}"
         else:
-            model.specsplit_native = native  # KVSequence(model) runs on it
             return native, "native" + (f" {quantize}" if quantize else "")
     logging.getLogger("specsplit").info("forward: transformers (%s)", reason)
     return None, f"transformers ({reason})"
@@ -331,11 +330,10 @@ class Sequence(Rollback, Protocol):
                               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def KVSequence(model: nn.Module) -> Sequence:
-    """A new KV-cached sequence on `model`: on the native kernels when load_model prepared them,
-    else on transformers' forward (HFSequence). Both have the same interface."""
-    native = getattr(model, "specsplit_native", None)
-    return native.sequence() if native is not None else HFSequence(model)
+def KVSequence(lm: LoadedModel) -> Sequence:
+    """A new KV-cached sequence on a loaded model: on the native kernels when load_model prepared
+    them, else on transformers' forward (HFSequence). Both have the same interface."""
+    return lm.native.sequence() if lm.native is not None else HFSequence(lm.model)
 
 
 class HFSequence:

@@ -98,7 +98,7 @@ def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 
     from specsplit.model.modeling import KVSequence, load_model
 
     lm = load_model(model_dir, dtype, quantize=quantize)
-    seq = KVSequence(lm.model)
+    seq = KVSequence(lm)
     seq.forward([(i * 7 + 3) % lm.vocab_size for i in range(context)])
     times: dict[int, list[float]] = {1: [], 5: []}
     for i in range(repeats + 3):

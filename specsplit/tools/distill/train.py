@@ -59,7 +59,7 @@ def add_features(target, examples: list[dict]) -> None:
     from specsplit.model.modeling import KVSequence
 
     for ex in examples:
-        ex["features"] = KVSequence(target.model).hidden(ex["ids"][:-1].tolist()).detach().cpu()
+        ex["features"] = KVSequence(target).hidden(ex["ids"][:-1].tolist()).detach().cpu()
 
 
 def build_vocab(examples: list[dict], size: int, eos_ids: list[int], vocab_size: int) -> torch.Tensor:
