@@ -74,3 +74,92 @@ def test_a_build_without_the_tool_or_a_failing_tool_says_so(tmp_path):
     build = _fake_build(tmp_path, 'echo "main: error: unable to load model" >&2\nexit 1\n')
     with pytest.raises(RuntimeError, match="llama-lookup failed .1.: main: error: unable to load model"):
         llamacpp.lookup(build, tmp_path / "model.gguf", "hi", 8)
+
+
+FAKE_SERVER = '''#!{python}
+"""A llama-server stand-in: /health, and /v1/chat/completions answering as many tokens as the
+prompt has characters (drafting 4 and accepting 1 when started with speculation); it appends its
+arguments and every request body to LOG."""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+log = open({log!r}, "a")
+log.write(json.dumps({{"args": args}}) + "\\n"); log.flush()
+speculates = "-md" in args or "--spec-type" in args
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self._answer({{"status": "ok"}})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps({{"body": body}}) + "\\n"); log.flush()
+        text = body["messages"][0]["content"]
+        self._answer({{"usage": {{"completion_tokens": min(len(text), body["max_tokens"])}},
+                      "timings": {{"draft_n": 4 if speculates else 0, "draft_n_accepted": 1 if speculates else 0}}}})
+
+HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+'''
+
+
+def _fake_server(tmp_path):
+    import sys
+
+    log = tmp_path / "server.log"
+    tool = tmp_path / "bin" / "llama-server"
+    tool.parent.mkdir(parents=True, exist_ok=True)
+    tool.write_text(FAKE_SERVER.format(python=sys.executable, log=str(log)))
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return str(tmp_path), log
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_llama_server_runs_plain_and_with_its_speculation_over_its_openai_api(tmp_path, capsys, with_draft):
+    import json
+
+    from specsplit.tools import llamaserver
+
+    build, log = _fake_server(tmp_path)
+    target, draft = tmp_path / "model.gguf", tmp_path / "draft.gguf"
+    target.write_bytes(b"GGUF")
+    draft.write_bytes(b"GGUF")
+    prompts = [SimpleNamespace(prompt="ab", task_type="code"), SimpleNamespace(prompt="abcd", task_type="code"),
+               SimpleNamespace(prompt="abcdef", task_type="open")]
+    served = llamaserver.run(build, target, draft if with_draft else None, prompts, 5)
+    spec = "draft" if with_draft else "ngram-mod"
+    assert list(served) == ["plain", spec]
+    for mode in served.values():  # each prompt once, its own tokens (capped at the budget)
+        assert {k: t.tokens for k, t in mode.items()} == {"code": 2 + 4, "open": 5, "ALL": 11}
+    assert (served[spec]["ALL"].drafted, served[spec]["ALL"].accepted) == (12, 3)
+    assert served["plain"]["ALL"].drafted == 0
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    starts = [e["args"] for e in entries if "args" in e]
+    assert len(starts) == 2 and "-md" not in starts[0] and "--spec-type" not in starts[0]
+    assert (starts[1][starts[1].index("-md") + 1] == str(draft)) if with_draft else "ngram-mod" in starts[1]
+    bodies = [e["body"] for e in entries if "body" in e]
+    assert len(bodies) == 2 * (1 + len(prompts))  # a warm-up, then every prompt, per mode
+    assert all(b["temperature"] == 0 and b["cache_prompt"] is False for b in bodies)
+    rows = [{"drafter": "hybrid", "task_type": t, "tok_s_on": 20.0, "tok_s_off": 10.0} for t in ("code", "ALL")]
+    llamaserver.print_table(served, rows)
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()[2:4]] == ["code", "open"]
+    assert f"llama-server {spec}: 3/12 drafted tokens accepted" in out
+
+
+def test_a_llama_server_that_dies_at_start_says_why(tmp_path):
+    from specsplit.tools import llamaserver
+
+    tool = tmp_path / "bin" / "llama-server"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(RuntimeError, match="llama-server exited .1.: error: failed to load model"):
+        llamaserver.run(str(tmp_path), tmp_path / "model.gguf", None, [SimpleNamespace(prompt="hi", task_type="x")], 4)
+    with pytest.raises(UsageError, match="no bin/llama-server"):
+        llamaserver.run(str(tmp_path / "none"), tmp_path / "model.gguf", None, [], 4)

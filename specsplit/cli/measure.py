@@ -41,8 +41,10 @@ def add(sub) -> None:
                        help="also run transformers in-process (generate plain and with prompt lookup) on the same "
                             "prompts, interleaved, and print the ratios against it")
     bench.add_argument("--anchor-llama-cpp", metavar="DIR",
-                       help="also run llama.cpp's llama-bench (a build in DIR) on the target's GGUF file (model.gguf "
-                            "in its directory) and print its decode rate next to ours")
+                       help="also run llama.cpp from a build in DIR on the target's GGUF file (model.gguf in its "
+                            "directory): llama-bench's decode rate; where built, llama-lookup per prompt, and "
+                            "llama-server end to end over its OpenAI API, plain and with its speculation (-md the "
+                            "draft model's GGUF, else --spec-type ngram-mod); each beside ours")
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and mode; medians are reported")
     bench.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each task type")
     bench.add_argument("--neighbour", type=int, default=0, metavar="N",

@@ -266,7 +266,7 @@ def main(args, config: StackConfig) -> int:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
             return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant,
                                    args.requests)
-    anchor, anchored, profile, llama, lookups = None, [], None, None, None
+    anchor, anchored, profile, llama, lookups, served = None, [], None, None, None, None
     if args.anchor_llama_cpp or args.anchor and args.temperature <= 0:
         from specsplit.model import catalog
         from specsplit.tools import anchor as anchoring
@@ -278,15 +278,22 @@ def main(args, config: StackConfig) -> int:
         from transformers import AutoTokenizer
 
         from specsplit.model.modeling import chat_prompt_ids
-        from specsplit.tools import llamacpp
+        from specsplit.tools import llamacpp, llamaserver
 
         gguf = Path(model_dir) / "model.gguf"
-        print("running llama.cpp's llama-bench and llama-lookup on the same GGUF file ...", file=sys.stderr,
-              flush=True)
+        print("running llama.cpp's llama-bench (and llama-lookup, llama-server where built) on the same GGUF file ...",
+              file=sys.stderr, flush=True)
         llama = llamacpp.decode_tok_s(args.anchor_llama_cpp, gguf)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        chat = lambda text: tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))  # noqa: E731
-        lookups = llamacpp.lookup_by_task(args.anchor_llama_cpp, gguf, prompts, chat, args.max_new_tokens)
+        built = Path(args.anchor_llama_cpp) / "bin"
+        if (built / "llama-lookup").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            chat = lambda text: tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))  # noqa: E731
+            lookups = llamacpp.lookup_by_task(args.anchor_llama_cpp, gguf, prompts, chat, args.max_new_tokens)
+        if (built / "llama-server").is_file():
+            draft_gguf = Path(catalog.resolve(config.draft_model)) / "model.gguf" if config.draft_model else None
+            served = llamaserver.run(args.anchor_llama_cpp, gguf,
+                                     draft_gguf if draft_gguf is not None and draft_gguf.is_file() else None,
+                                     prompts, args.max_new_tokens)
     if args.anchor and args.temperature > 0:
         print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
     elif args.anchor:
@@ -351,6 +358,8 @@ def main(args, config: StackConfig) -> int:
     print_table(rows, header, memory)
     if lookups:
         llamacpp.print_lookup(lookups, rows)
+    if served:
+        llamaserver.print_table(served, rows)
     if args.neighbour:
         print_neighbour(rows, args.neighbour)
     if anchor is not None:
