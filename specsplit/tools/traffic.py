@@ -33,6 +33,14 @@ def main(args, config) -> int:
         print("measuring the target step ...", file=sys.stderr, flush=True)
         step_ms = anchoring.step_profile(str(catalog.resolve(config.target_model)), config.dtype,
                                          config.quantize)["rows1_ms"]
+    served = None
+    if args.anchor_llama_cpp:  # llama-server on the same prompts, before the stack starts
+        from specsplit.model import catalog
+        from specsplit.tools import llamaserver
+
+        print("running llama-server on the same GGUF file and prompts ...", file=sys.stderr, flush=True)
+        served = llamaserver.run(args.anchor_llama_cpp, catalog.resolve(config.target_model) / "model.gguf", None,
+                                 prompts, args.max_new_tokens)
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
         variants = [Variant(n, "", t) for n in (args.drafters or ["ngram", "hybrid"])
                     for t in (args.tree_budgets or [0])]
@@ -40,6 +48,10 @@ def main(args, config) -> int:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, v), timeout=600)
         stub.Generate(request(warmup(prompts), pb.SPECULATION_OFF, 16), timeout=600)
         rows = run(stub, prompts, args.max_new_tokens, args.repeats, variants, step_ms, args.seed)
+    if served:
+        llamaserver.print_table(served, [{"drafter": AUTO, "task_type": key, "tok_s_on": row["tok_s"][AUTO],
+                                          "tok_s_off": row["tok_s"][OFF]}
+                                         for key, row in rows.items() if "tok_s" in row])
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=1))
     return 0
