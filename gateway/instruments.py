@@ -224,7 +224,8 @@ def _record(r) -> pb.RoundRecord:
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
                           expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls,
-                          decoded=r.decoded, lookup_drafted=r.lookup_drafted, lookup_accepted=r.lookup_accepted)
+                          decoded=r.decoded, lookup_drafted=r.lookup_drafted, lookup_accepted=r.lookup_accepted,
+                          forced=r.forced, forced_accepted=r.forced_accepted)
 
 
 def _prefill_network_ms(request: Request) -> float:
@@ -258,7 +259,9 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         predraft_attempts=request.measured.predraft_attempts, predraft_hits=request.measured.predraft_hits,
         tree_budget=plan.tree_budget if drafting else 0, prefix_cached_tokens=request.measured.prefix_cached,
         prefill_chunks=request.measured.prefill_chunks, resumes=request.measured.resumes,
-        resume_ms=request.measured.resume_ns / 1e6)
+        resume_ms=request.measured.resume_ns / 1e6,
+        forced_tokens=sum(r.forced_accepted for r in request.measured.rounds),
+        constraint_complete=plan.constraint is not None and request.measured.constraint_complete)
 
 
 def _digest(ids: list[int]) -> str:

@@ -6,6 +6,8 @@ log-softmax before temperature and top-p, as vLLM's default)."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from specsplit.api.common.v1 import common_pb2 as cpb
@@ -28,8 +30,7 @@ STATUS = {  # gRPC status -> (HTTP status, OpenAI error type)
 SPECULATION = {"auto": pb.SPECULATION_AUTO, "on": pb.SPECULATION_ON, "off": pb.SPECULATION_OFF}
 METHODS = {"coupled": cpb.VERIFY_METHOD_COUPLED, "rejection": cpb.VERIFY_METHOD_REJECTION}
 EXTENSION = {"speculation", "drafter", "gamma", "tree_budget", "task_type", "verify_method", "ignore_eos", "top_k"}
-UNSUPPORTED = {"best_of": 1, "suffix": None, "tools": None, "functions": None, "response_format": None,
-               "logit_bias": None}
+UNSUPPORTED = {"best_of": 1, "suffix": None, "tools": None, "functions": None, "logit_bias": None}
 # Sampling parameters specsplit does not apply: refused when set, never ignored (verification would
 # have to use the penalised distribution).
 REFUSED = ("presence_penalty", "frequency_penalty")
@@ -119,7 +120,25 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
             setattr(request, key, extension[key])
     if extension.get("ignore_eos"):
         request.stop.ignore_eos = True
+    if body.get("response_format") is not None:
+        _response_format(body["response_format"], request.constraint)
     return request
+
+
+def _response_format(value, constraint: cpb.Constraint) -> None:
+    """OpenAI's response_format as a constraint: text (none), json_object, or json_schema (its
+    `schema`; `strict` or not, the output is held to it)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        constraint.json_object = True
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise invalid("response_format.json_schema must be an object with a `schema` object",
+                          "response_format")
+        constraint.json_schema = json.dumps(spec.get("schema", {}))
+    elif kind != "text":
+        raise invalid(f"response_format {value!r}: use type text, json_object or json_schema", "response_format")
 
 
 def choices(body: dict) -> int:

@@ -125,6 +125,8 @@ class RoundLoop:
         finally:
             verify_call = now() - t
             await drafter.landed()
+        if request.plan.constraint is not None:  # the draft as verified: cut, or carried on with forced tokens
+            draft.tokens = list(verdict.verified_draft_ids)
         drafter.heard(request, draft, verdict)
         request.logprobs += verdict.logprobs
         cursor.commit([*draft.accepted(verdict), verdict.next_token_id, *verdict.decoded_token_ids], verdict.length,
@@ -143,7 +145,8 @@ class RoundLoop:
         lookup = request.plan.gamma if decode and drafting and not gate.always else 0
         return vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=draft.tokens,
                                  draft_probs=draft.probs, draft_probs_shm=draft.probs_ref, draft_parents=draft.parents,
-                                 decode_ahead=decode, lookup_gamma=lookup)
+                                 decode_ahead=decode, lookup_gamma=lookup,
+                                 forced_room=cursor.room(request.plan.gamma) if request.plan.constraint else 0)
 
     def _record(self, request: Request, mark: int, draft: Draft, verdict: vpb.VerifyResponse, verify_call: int) -> int:
         """What the round did, for the gate (now) and the stats (after the answer); returns its end."""
@@ -155,7 +158,9 @@ class RoundLoop:
             len(draft.tokens), verdict.num_accepted, draft.draft_ns, draft.call_ns, verdict.forward_ns, verify_call,
             end - mark, draft.source, draft.feature_bytes, payloads.proposal_bytes(draft.probs, draft.probs_ref),
             draft.predrafted, draft.depth, draft.expected, verdict.batch_rows, verdict.batch_calls,
-            len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted))
+            len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.forced,
+            verdict.forced_accepted))
+        request.measured.constraint_complete = verdict.constraint_complete
         return end
 
     def _segment(self, request: Request) -> shm.Segment | None:

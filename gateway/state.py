@@ -38,6 +38,7 @@ class Plan:
     skip_prefix_cache: bool = False  # a cold prefill (GenerateRequest.skip_prefix_cache)
     logprobs: cpb.LogprobsRequest = field(default_factory=cpb.LogprobsRequest)  # GenerateRequest.logprobs
     prior: Prior | None = None  # the gate's start (gateway.gate); None: ask the drafter every round
+    constraint: cpb.Constraint | None = None  # structured output (the verifier masks every choice)
 
 
 class Round(NamedTuple):
@@ -61,6 +62,8 @@ class Round(NamedTuple):
     decoded: int = 0  # tokens the verifier committed on its own after next_token (VerifyRequest.decode_ahead)
     lookup_drafted: int = 0  # of which its own prompt-lookup drafts (VerifyRequest.lookup_gamma)
     lookup_accepted: int = 0
+    forced: int = 0  # drafts the verifier made because the constraint forced them
+    forced_accepted: int = 0
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Measured:
     predraft_hits: int = 0
     resumes: int = 0  # times the session was re-opened on a verify replica after its own died
     resume_ns: int = 0  # the time that took: waiting for a replica, and the re-prefill
+    constraint_complete: bool = False  # the output is a whole sentence of its constraint's language (last verdict)
 
 
 @dataclass

@@ -45,7 +45,8 @@ def prefill_request(request: Request, resume: bool = False) -> vpb.PrefillReques
         else plan.prompt_ids, return_features=plan.needs_features, sampling=wire.sampling_message(plan.sampling),
         shm_segment=request.links.segment.name if request.links.segment else "",
         skip_prefix_cache=plan.skip_prefix_cache and not resume, logprobs=logprobs,
-        stop_token_ids=sorted(plan.eos_ids), resume=resume)
+        stop_token_ids=sorted(plan.eos_ids), resume=resume, constraint=plan.constraint,
+        output_tokens=len(request.cursor.output) if resume else 0)
 
 
 async def release(verifier, session_id: str) -> None:

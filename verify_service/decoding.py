@@ -34,6 +34,10 @@ class Decoding:
         return sum(r.num_accepted for r in self.results)
 
     @property
+    def forced(self) -> tuple[int, int]:  # under a constraint: tokens it forced as drafts, and accepted
+        return sum(r.forced for r in self.results), sum(r.forced_accepted for r in self.results)
+
+    @property
     def committed(self) -> int:
         return len(self.results) + self.accepted
 
@@ -53,6 +57,8 @@ class Decoding:
 
     def add(self, result, session: TargetSession) -> None:
         self.results.append(result)
+        if result.constrained:  # the lookup as verified: cut to the language, the rest forced
+            self.looked = len(result.draft) - result.forced
         self.drafted += self.looked
         self.copying = self.looked > 0 and result.num_accepted == self.looked
         if self.looked:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
+from specsplit.serving.grammar import Language, Matcher
 from specsplit.spec import tokentree
 from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
 from specsplit.spec.lookup import Agreement, BigramIndex
@@ -44,6 +45,7 @@ class TargetSession:
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
     index: BigramIndex = field(default_factory=BigramIndex)  # prompt lookup over its tokens (decode-ahead)
     agreement: Agreement = field(default_factory=Agreement)  # how often the target follows its lookups
+    matcher: Matcher | None = None  # structured output: the output's place in its language (serving.grammar)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,14 @@ class VerifyResult:
     cached: int = 0  # a prefill: prompt tokens whose keys and values came from the prefix cache
     logprobs: tuple = ()  # the committed tokens' (token, logprob, top ids, top logprobs), if asked
     prompt_logprobs: tuple = ()  # a prefill's prompt tokens 1.. likewise
+    # Under a constraint: the draft as verified (cut to what the language allows, carried on with
+    # what it forces), how many of its tokens were forced and of those accepted, and whether the
+    # output is a whole sentence of the language.
+    constrained: bool = False
+    draft: tuple[int, ...] = ()
+    forced: int = 0
+    forced_accepted: int = 0
+    complete: bool = False
 
 
 @dataclass
@@ -81,15 +91,6 @@ class Prefilling:
     @property
     def finished(self) -> bool:
         return self.done == len(self.prompt) and len(self.session.tokens) > len(self.prompt)
-
-
-def check_tree(parents: list[int], size: int) -> None:
-    """A token tree as the wire carries it: one parent per draft token, an earlier index or -1."""
-    if len(parents) != size:
-        raise ValueError(f"draft_parents has {len(parents)} entries for {size} draft tokens")
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"draft_parents[{i}] = {parent}: a parent must be an earlier draft index or -1")
 
 
 class _Warped:
@@ -158,12 +159,14 @@ class Target:
 
     def start_prefill(self, prompt: list[int], with_features: bool = False,
                       sampling: SamplingParams = SamplingParams(), use_cache: bool = True,
-                      logprobs: Logprobs = Logprobs(), resume: bool = False) -> Prefilling:
+                      logprobs: Logprobs = Logprobs(), resume: bool = False, language: Language | None = None,
+                      output_tokens: int = 0) -> Prefilling:
         """A new session whose prompt is still to be fed (by plan_prefill's steps); a prefix of it
         already in the prefix cache is loaded into its cache at once (unless not use_cache, or the
         prompt's own log-probabilities are asked for: they need every prompt row's logits). With
         `resume`, the prompt's last token is the session's last committed one (PrefillRequest.resume):
-        the rest is fed, and it is appended as the answer."""
+        the rest is fed, and it is appended as the answer. `language`: structured output, every
+        token chosen in it (a resumed session's last `output_tokens` prompt tokens are its output)."""
         sampling.check()
         logprobs.check()
         self._check_room(len(prompt) + 1)
@@ -174,6 +177,10 @@ class Target:
             prompt = prompt[:-1]
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, logprobs=logprobs)
+        if language is not None:
+            session.matcher = language.matcher()
+            if resume:
+                session.matcher.consume([*prompt, resumed][len(prompt) + 1 - output_tokens:] if output_tokens else [])
         prefilling = Prefilling(session, list(prompt), resumed=resumed)
         # The whole prompt's room at once: grown chunk by chunk, the cache would be copied at every
         # doubling (tens of ms at thousands of tokens: a stall for every session sharing that forward).
@@ -213,6 +220,8 @@ class Target:
                 return VerifyResult(0, prefilling.resumed, len(session.tokens), 0, cached=prefilling.cached)
             _, first = self._decide(session, logits, [], [], len(prompt), None)
             session.tokens.append(first)
+            if session.matcher is not None:
+                session.matcher.consume([first])
             features = torch.cat(prefilling.features) if session.with_features else None
             return VerifyResult(0, first, len(session.tokens), 0, features, cached=prefilling.cached,
                                 logprobs=tuple(token_logprobs(logits, [first], asked.top) if asked.generated else ()),
@@ -226,10 +235,12 @@ class Target:
 
     def plan_verify(self, session: TargetSession, length: int, draft: list[int],
                     proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    parents: list[int] | None = None) -> Step:
+                    parents: list[int] | None = None, fill: int = 0) -> Step:
         """proposals: for rejection sampling, the sparse distribution (ids, probs) each draft token
         was sampled from. parents: the draft is a token tree (draft[i]'s parent is draft[parents[i]],
-        -1: the last committed token); None or a chain's parents: a chain."""
+        -1: the last committed token); None or a chain's parents: a chain. Under a constraint, a
+        draft is cut where the language no longer allows it, and one left empty is filled with up
+        to `fill` tokens the language forces."""
         if length != len(session.tokens):
             raise LengthMismatch(f"session has {len(session.tokens)} committed tokens, request says {length}")
         vocab = self.lm.vocab_size
@@ -237,12 +248,19 @@ class Target:
         if bad:
             raise ValueError(f"draft token ids {bad[:4]} out of range for vocab size {vocab}")
         if parents is not None:
-            check_tree(parents, len(draft))
+            tokentree.check(parents, len(draft))
             if tokentree.is_chain(parents):
                 parents = None
+        if parents is not None and session.matcher is not None:
+            raise ValueError("a constrained session verifies chains only: send no draft_parents")
         proposals = proposals or []
         if self._rejects(session):
             self._check_proposals(draft, proposals)
+        forced = 0
+        if session.matcher is not None:  # a forced token's q is 1 on it (exact: rejection sampling takes any q)
+            draft, keep, forced = session.matcher.fit(draft, fill)
+            proposals = [*proposals[:keep], *((torch.tensor([t]), torch.tensor([1.0])) for t in draft[keep:]
+                                              if self._rejects(session))]
         if parents is not None and not isinstance(session.kv, TreeRollback):
             raise ValueError("this target runs on transformers' forward, which verifies chains only "
                              "(Info.tree_verify is false): send no draft_parents")
@@ -266,13 +284,18 @@ class Target:
                 session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
             committed = [*(draft[i] for i in path), next_token]
             session.tokens += committed
+            if session.matcher is not None:
+                session.matcher.consume(committed)
             kept = [0, *(i + 1 for i in path)]  # the rows that chose the committed tokens, in order
             if features is not None:
                 features = features[kept]
             asked = session.logprobs
             logprobs = token_logprobs(logits[kept], committed, asked.top) if asked.generated else ()
             return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path),
-                                logprobs=tuple(logprobs))
+                                logprobs=tuple(logprobs), constrained=session.matcher is not None,
+                                draft=tuple(draft) if session.matcher is not None else (), forced=forced,
+                                forced_accepted=min(len(path), forced),
+                                complete=session.matcher is not None and session.matcher.complete)
 
         return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.with_features)
 
@@ -326,8 +349,11 @@ class Target:
 
     def _decide(self, session: TargetSession, logits: torch.Tensor, draft: list[int],
                 proposals: list, start: int, parents: list[int] | None) -> tuple[list[int], int]:
-        """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token)."""
+        """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token).
+        Under a constraint each row's logits keep only the tokens the language allows there."""
         params = session.sampling
+        if session.matcher is not None:
+            logits = logits.masked_fill(~session.matcher.masks(draft), float("-inf"))
         how = params.verification
         if how is Method.GREEDY:
             return greedy_accept(logits, draft, parents)

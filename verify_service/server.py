@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass
 
 import grpc
-import torch
 from opentelemetry import trace
 
 from specsplit.api.common.v1 import common_pb2 as cpb
@@ -19,6 +18,7 @@ from specsplit.errors import Failure
 from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import LoadedModel
 from specsplit.serving import shm, wire
+from specsplit.serving.grammar import Language
 from specsplit.serving.server import Rounds
 from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionTable, TableFull
 from specsplit.serving.settings import MAX_DRAFT
@@ -103,10 +103,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             sampling = wire.sampling(request.sampling)
             logprobs = wire.logprobs(request.logprobs)
             logprobs.check()
+            language = await asyncio.to_thread(Language, request.constraint, self._lm.tokenizer, self._lm.vocab_size) \
+                if request.HasField("constraint") else None
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        call = _Prefill(request.session_id, prompt, request.return_features, sampling,
-                        trace.get_current_span(), request.skip_prefix_cache, logprobs, request.resume)
+        call = _Prefill(request.session_id, prompt, request.return_features, sampling, trace.get_current_span(),
+                        request.skip_prefix_cache, logprobs, request.resume, language, request.output_tokens)
         try:
             session, result = await self._worker.run_gathered(self.run_calls, call, min(len(prompt), PREFILL_CHUNK),
                                                               self._company_wait(), self._prefill_joined)
@@ -191,7 +193,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if call.state is None:
             call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling,
                                                     use_cache=not call.skip_cache, logprobs=call.logprobs,
-                                                    resume=call.resume)
+                                                    resume=call.resume, language=call.language,
+                                                    output_tokens=call.output_tokens)
         elif self._sessions.ended(call.session_id):
             raise SessionEnded(call.session_id)
         return self._target.plan_prefill(call.state, self._chunk(call, len(calls) > 1))
@@ -254,9 +257,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 ref = request.draft_probs_shm
                 dists = [cpb.SparseProbs(token_ids=ids, probs=probs)
                          for ids, probs in session.segment.read_proposal(ref.offset, ref.length)]
-            proposals = [sparse_from(d) for d in dists]
+            proposals = [wire.sparse(d) for d in dists]
             return self._target.plan_verify(session, request.length, list(request.draft_token_ids), proposals,
-                                            list(request.draft_parents) or None)
+                                            list(request.draft_parents) or None,
+                                            fill=max(request.forced_room, len(request.draft_token_ids)))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 
@@ -269,7 +273,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if decoding is None:
                 decoding = self._ahead[request.session_id] = Decoding()
             length = len(session.tokens) if decoding.results else request.length
-            return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve()))
+            return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve()),
+                                            fill=max(0, request.decode_ahead - decoding.committed))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 
@@ -290,12 +295,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 features=_features(decoding.merged(), request.length - 1, session.segment),
                 batch_rows=result.batch_rows, batch_calls=result.batch_calls,
                 logprobs=wire.token_logprobs([lp for r in decoding.results for lp in r.logprobs]),
-                lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted)
+                lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted - decoding.forced[1],
+                forced=decoding.forced[0], forced_accepted=decoding.forced[1], constraint_complete=result.complete)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),
                                  accepted_indices=result.path, batch_rows=result.batch_rows,
-                                 batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs))
+                                 batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs),
+                                 forced=result.forced, forced_accepted=result.forced_accepted,
+                                 constraint_complete=result.complete,
+                                 verified_draft_ids=result.draft)
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -348,21 +357,8 @@ def measure_rows(target: Target, token: int) -> list[float]:
     return list(itertools.accumulate(costs, max))
 
 
-def sparse_from(message: cpb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, probs); ValueError unless it is a probability distribution."""
-    if len(message.token_ids) != len(message.probs) or not message.token_ids:
-        raise ValueError(f"a proposal has {len(message.token_ids)} ids and {len(message.probs)} probabilities")
-    if len(set(message.token_ids)) != len(message.token_ids):
-        raise ValueError("a proposal lists a token id more than once")
-    probs = list(message.probs)
-    if any(not math.isfinite(x) or x < 0 for x in probs) or abs(sum(probs) - 1) > 1e-3:
-        raise ValueError(f"a proposal's probabilities must be finite, >= 0 and sum to 1 (sum {sum(probs):.4f})")
-    return torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(probs, dtype=torch.float32)
-
-
 def _features(result, start: int, segment: shm.Segment | None):
     return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
-
 
 
 @dataclass(eq=False)
@@ -377,6 +373,8 @@ class _Prefill:
     skip_cache: bool = False  # compute it all (PrefillRequest.skip_prefix_cache)
     logprobs: Logprobs = Logprobs()  # PrefillRequest.logprobs
     resume: bool = False  # PrefillRequest.resume
+    language: Language | None = None  # PrefillRequest.constraint, compiled
+    output_tokens: int = 0  # PrefillRequest.output_tokens
     state: Prefilling | None = None  # begun: the session and how far its prompt is in
     chunks: int = 0
     forward_ns: int = 0  # over its chunks

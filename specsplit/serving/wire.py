@@ -1,7 +1,10 @@
 """Conversions between the wire's common messages and the maths' plain values: target features
-(a [rows, dim] tensor <-> specsplit.common.v1.Features), sampling settings and log-probabilities."""
+(a [rows, dim] tensor <-> specsplit.common.v1.Features), sampling settings, log-probabilities and
+proposal distributions."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -63,3 +66,15 @@ def logprobs(message: pb.LogprobsRequest) -> Logprobs:
 def token_logprobs(values: list[TokenLogprob]) -> list[pb.TokenLogprob]:
     """(token, logprob, top ids, top logprobs) tuples -> messages."""
     return [pb.TokenLogprob(token_id=t, logprob=lp, top_ids=ids, top_logprobs=top) for t, lp, ids, top in values]
+
+
+def sparse(message: pb.SparseProbs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, probs); ValueError unless it is a probability distribution."""
+    if len(message.token_ids) != len(message.probs) or not message.token_ids:
+        raise ValueError(f"a proposal has {len(message.token_ids)} ids and {len(message.probs)} probabilities")
+    if len(set(message.token_ids)) != len(message.token_ids):
+        raise ValueError("a proposal lists a token id more than once")
+    probs = list(message.probs)
+    if any(not math.isfinite(x) or x < 0 for x in probs) or abs(sum(probs) - 1) > 1e-3:
+        raise ValueError(f"a proposal's probabilities must be finite, >= 0 and sum to 1 (sum {sum(probs):.4f})")
+    return torch.tensor(list(message.token_ids), dtype=torch.long), torch.tensor(probs, dtype=torch.float32)

@@ -12,6 +12,15 @@ import heapq
 from itertools import count
 
 
+def check(parents: list[int], size: int) -> None:
+    """A token tree as the wire carries it: one parent per draft token, an earlier index or -1."""
+    if len(parents) != size:
+        raise ValueError(f"draft_parents has {len(parents)} entries for {size} draft tokens")
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"draft_parents[{i}] = {parent}: a parent must be an earlier draft index or -1")
+
+
 def depths(parents: list[int]) -> list[int]:
     """Depth of each node, 1 for a child of the committed tokens."""
     out: list[int] = []

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$specsplit/api/common/v1/common.proto\x12\x13specsplit.common.v1\"a\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06in_shm\x18\x06 \x01(\x08\"(\n\x06ShmRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\r\"~\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\x06method\x18\x05 \x01(\x0e\x32!.specsplit.common.v1.VerifyMethod\"/\n\x0bSparseProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"A\n\x0fLogprobsRequest\x12\x11\n\tgenerated\x18\x01 \x01(\x08\x12\x0b\n\x03top\x18\x02 \x01(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\x08\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02*e\n\x0cVerifyMethod\x12\x1d\n\x19VERIFY_METHOD_UNSPECIFIED\x10\x00\x12\x19\n\x15VERIFY_METHOD_COUPLED\x10\x01\x12\x1b\n\x17VERIFY_METHOD_REJECTION\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$specsplit/api/common/v1/common.proto\x12\x13specsplit.common.v1\"a\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06in_shm\x18\x06 \x01(\x08\"(\n\x06ShmRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\r\"~\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x31\n\x06method\x18\x05 \x01(\x0e\x32!.specsplit.common.v1.VerifyMethod\"/\n\x0bSparseProbs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"A\n\x0fLogprobsRequest\x12\x11\n\tgenerated\x18\x01 \x01(\x08\x12\x0b\n\x03top\x18\x02 \x01(\r\x12\x0e\n\x06prompt\x18\x03 \x01(\x08\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"c\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind*e\n\x0cVerifyMethod\x12\x1d\n\x19VERIFY_METHOD_UNSPECIFIED\x10\x00\x12\x19\n\x15VERIFY_METHOD_COUPLED\x10\x01\x12\x1b\n\x17VERIFY_METHOD_REJECTION\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.api.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYMETHOD']._serialized_start=536
-  _globals['_VERIFYMETHOD']._serialized_end=637
+  _globals['_VERIFYMETHOD']._serialized_start=637
+  _globals['_VERIFYMETHOD']._serialized_end=738
   _globals['_FEATURES']._serialized_start=61
   _globals['_FEATURES']._serialized_end=158
   _globals['_SHMREF']._serialized_start=160
@@ -45,4 +45,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOGPROBSREQUEST']._serialized_end=444
   _globals['_TOKENLOGPROB']._serialized_start=446
   _globals['_TOKENLOGPROB']._serialized_end=534
+  _globals['_CONSTRAINT']._serialized_start=536
+  _globals['_CONSTRAINT']._serialized_end=635
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,142 @@
+"""Structured output on llguidance (measured on this project's 2-core CPUs against xgrammar: a mask
+over SmolLM2's 49,152 ids in 13 µs median, 44 µs P90 on a nested JSON schema, against xgrammar's
+2 / 7 µs; both under 1 % of a 1.9 ms step. llguidance is chosen for what speculation needs: forced
+tokens (`compute_ff_tokens`), how much of a draft the language allows (`validate_tokens`) and
+rollback, in one maintained library that vLLM and SGLang also use).
+
+`Language` is a checked constraint for one tokenizer; `Matcher` follows one output through it: the
+mask of the tokens allowed at each row of a draft, the forced continuation, what it consumed."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+from specsplit.api.common.v1 import common_pb2 as cpb
+
+_TOKENIZERS: dict[int, object] = {}  # id(HF tokenizer) -> its LLTokenizer (≈ 0.7 s to build)
+_LOCK = threading.Lock()
+_BITS = torch.arange(32, dtype=torch.int32)
+# JSON as one line with fixed separators: keys, quotes, colons and commas are then forced, and
+# forced tokens cost no drafting (and no choice: the verifier drafts them itself).
+JSON = {"whitespace_flexible": False}
+
+
+def kind(constraint: cpb.Constraint | None) -> str:
+    """"" when there is no constraint, else its kind (json_schema, json_object, regex, lark)."""
+    return "" if constraint is None else (constraint.WhichOneof("kind") or "")
+
+
+def _ll_tokenizer(tokenizer, vocab: int):
+    import llguidance.hf
+
+    with _LOCK:
+        key = id(tokenizer)
+        if key not in _TOKENIZERS:
+            _TOKENIZERS[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab))
+        return _TOKENIZERS[key][1]
+
+
+class Language:
+    """A constraint compiled for a tokenizer whose ids run to `vocab` (the model's logits width).
+    ValueError says what is wrong with it."""
+
+    def __init__(self, constraint: cpb.Constraint, tokenizer, vocab: int):
+        import llguidance
+
+        which = kind(constraint)
+        if which == "json_schema":
+            try:
+                schema = json.loads(constraint.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("json_schema must be a JSON object (a schema)")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, JSON)
+        elif which == "json_object":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON)
+        elif which == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+        elif which == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(constraint.lark)
+        else:
+            raise ValueError("a constraint needs one of json_schema, json_object, regex or lark")
+        self.tokenizer = _ll_tokenizer(tokenizer, vocab)
+        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if problem and not problem.startswith("WARNING"):
+            raise ValueError(f"{which}: {problem.strip()}")
+        self.grammar, self.vocab, self.kind = grammar, vocab, which
+
+    def matcher(self) -> Matcher:
+        return Matcher(self)
+
+
+class Matcher:
+    """One output's place in its language. It consumes only committed tokens; `masks` looks ahead
+    along a draft and comes back."""
+
+    def __init__(self, language: Language):
+        import llguidance
+
+        self._m = llguidance.LLMatcher(language.tokenizer, language.grammar, log_level=0)
+        self._vocab = language.vocab
+        self._words = (language.tokenizer.vocab_size + 31) // 32
+        if self._m.is_error():
+            raise ValueError(self._m.get_error())
+
+    def allowed(self, draft: list[int]) -> int:
+        """How many leading tokens of a draft the language allows from here."""
+        return self._m.validate_tokens(draft) if draft else 0
+
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` tokens that are the only continuation the language allows from here."""
+        return list(self._m.compute_ff_tokens())[:most] if most > 0 else []
+
+    def fit(self, draft: list[int], most: int) -> tuple[list[int], int, int]:
+        """A draft cut to what the language allows, its start checked against what the language
+        forces and carried on with it up to `most` tokens (forced tokens are the canonical
+        tokenization of a forced text: the target may still choose another, so they are verified
+        like any draft). Returns (the draft, how many of the given tokens it keeps, how many of its
+        leading tokens the language forced)."""
+        keep = self.allowed(draft)
+        draft = draft[:keep]
+        forced = self.forced(max(most, keep))
+        common = min(keep, len(forced))
+        if not forced or draft[:common] != forced[:common]:
+            return draft, keep, 0
+        return (forced if len(forced) > keep else draft), keep, len(forced)
+
+    def masks(self, draft: list[int]) -> torch.Tensor:
+        """[len(draft) + 1, vocab] bool: row i allows the tokens that may follow draft[:i]. The
+        draft must be allowed (allowed(draft) == len(draft)); the matcher ends where it began."""
+        words = torch.empty(len(draft) + 1, self._words, dtype=torch.int32)
+        consumed = 0
+        try:
+            for i in range(len(draft) + 1):
+                self._m.unsafe_compute_mask_ptr(words[i].data_ptr(), self._words * 4)
+                if i < len(draft) and not self._m.is_stopped():  # past the end only its stop (EOS) follows
+                    if not self._m.consume_token(draft[i]):
+                        raise ValueError(f"draft token {draft[i]} at {i} is outside the constraint's language")
+                    consumed += 1
+        finally:
+            if consumed:
+                self._m.rollback(consumed)
+        bits = ((words.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)  # [rows, 32 * words]
+        allowed = torch.zeros(len(draft) + 1, self._vocab, dtype=torch.bool)
+        width = min(self._vocab, bits.shape[1])
+        allowed[:, :width] = bits[:, :width]
+        return allowed
+
+    def consume(self, tokens: list[int]) -> None:
+        """The committed tokens (chosen under the masks, so always allowed)."""
+        if not tokens or self._m.is_stopped():  # past the language's end only its stop (EOS) follows
+            return
+        if self._m.try_consume_tokens(tokens) < len(tokens) and not self._m.is_stopped():
+            raise RuntimeError(f"the constraint refused committed tokens {tokens}: {self._m.get_error()}")
+
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole sentence of the language."""
+        return self._m.is_accepting() or self._m.is_stopped()
