@@ -146,7 +146,7 @@ class RoundLoop:
         return vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=draft.tokens,
                                  draft_probs=draft.probs, draft_probs_shm=draft.probs_ref, draft_parents=draft.parents,
                                  decode_ahead=decode, lookup_gamma=lookup,
-                                 forced_room=cursor.room(request.plan.gamma) if request.plan.constraint else 0)
+                                 forced_room=cursor.room(DECODE_AHEAD) if request.plan.constraint and drafting else 0)
 
     def _record(self, request: Request, mark: int, draft: Draft, verdict: vpb.VerifyResponse, verify_call: int) -> int:
         """What the round did, for the gate (now) and the stats (after the answer); returns its end."""

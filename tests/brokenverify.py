@@ -51,8 +51,8 @@ if __name__ == "__main__":
 
     quiet_spin(os.environ)  # as `specsplit serve` does, before torch is imported
     from specsplit.cli import main
-    from verify_service import engine
+    from verify_service import choice
 
-    engine.rejection_accept, engine.coupled_accept = broken_rejection_accept, broken_coupled_accept
+    choice.rejection_accept, choice.coupled_accept = broken_rejection_accept, broken_coupled_accept
     sys.argv = ["specsplit", "serve", "verify", *sys.argv[1:]]
     sys.exit(main())

@@ -13,10 +13,10 @@ import torch
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.serving.grammar import Language, Matcher
 from specsplit.spec import tokentree
-from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
 from specsplit.spec.lookup import Agreement, BigramIndex
 from specsplit.spec.rollback import TreeRollback
-from specsplit.spec.sampling import Logprobs, Method, SamplingParams, token_logprobs, warp
+from specsplit.spec.sampling import Logprobs, Method, SamplingParams, token_logprobs
+from verify_service.choice import decide
 
 if TYPE_CHECKING:
     from specsplit.model.prefixcache import PrefixCache
@@ -91,19 +91,6 @@ class Prefilling:
     @property
     def finished(self) -> bool:
         return self.done == len(self.prompt) and len(self.session.tokens) > len(self.prompt)
-
-
-class _Warped:
-    """The warped distribution of a row of logits, computed when a verification reads it (a
-    tree's walk reads only the rows on its path)."""
-
-    def __init__(self, logits: torch.Tensor, params: SamplingParams):
-        self._logits, self._params, self._rows = logits, params, {}
-
-    def __getitem__(self, row: int) -> torch.Tensor:
-        if row not in self._rows:
-            self._rows[row] = warp(self._logits[row:row + 1], self._params)[0]
-        return self._rows[row]
 
 
 @dataclass
@@ -347,20 +334,17 @@ class Target:
     def _rejects(session: TargetSession) -> bool:
         return session.sampling.verification is Method.REJECTION
 
-    def _decide(self, session: TargetSession, logits: torch.Tensor, draft: list[int],
-                proposals: list, start: int, parents: list[int] | None) -> tuple[list[int], int]:
-        """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token).
-        Under a constraint each row's logits keep only the tokens the language allows there."""
-        params = session.sampling
-        if session.matcher is not None:
-            logits = logits.masked_fill(~session.matcher.masks(draft), float("-inf"))
-        how = params.verification
-        if how is Method.GREEDY:
-            return greedy_accept(logits, draft, parents)
-        if how is Method.COUPLED:
-            return coupled_accept(_Warped(logits, params), draft, params.seed, start, parents)
-        path, token, _ = rejection_accept(_Warped(logits, params), draft, proposals, params.seed, start, parents)
-        return path, token
+    @staticmethod
+    def _decide(session: TargetSession, logits: torch.Tensor, draft: list[int], proposals: list, start: int,
+                parents: list[int] | None) -> tuple[list[int], int]:
+        """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token),
+        under a constraint along the matcher's walk (verify_service.choice)."""
+        walk = session.matcher.walk(draft) if session.matcher is not None else None
+        try:
+            return decide(session.sampling, logits, draft, proposals, start, parents, walk)
+        finally:
+            if walk is not None:
+                walk.close()
 
     def _check_proposals(self, draft: list[int], proposals: list) -> None:
         if len(proposals) != len(draft):

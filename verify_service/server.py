@@ -273,8 +273,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if decoding is None:
                 decoding = self._ahead[request.session_id] = Decoding()
             length = len(session.tokens) if decoding.results else request.length
+            room = max(0, request.decode_ahead - decoding.committed)
             return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve()),
-                                            fill=max(0, request.decode_ahead - decoding.committed))
+                                            fill=min(request.forced_room, room))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 

@@ -19,6 +19,9 @@ MODES = (
     ("--traffic", "instead: the default request as users send it: the prompts (default: the general workload, six "
                   "categories) shuffled and unlabelled, AUTO beside spec-off and forced spec-on with each drafter; "
                   "per category the ratios, and spec-off's decode rate through the services vs the bare forward's"),
+    ("--structured", "instead: structured output: prompts each with a JSON schema (default: the built-in workload), "
+                     "constrained spec-off, AUTO and forced on beside the same prompts unconstrained; validity, "
+                     "the share of tokens the schema forced, and the mask's cost against a step"),
     ("--tracing-overhead", "instead: spec-on requests alternated between a stack with tracing off and one with "
                            "tracing on (OTLP-JSON file), and the median cost of tracing per token"),
 )

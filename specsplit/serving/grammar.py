@@ -108,25 +108,18 @@ class Matcher:
             return draft, keep, 0
         return (forced if len(forced) > keep else draft), keep, len(forced)
 
-    def masks(self, draft: list[int]) -> torch.Tensor:
-        """[len(draft) + 1, vocab] bool: row i allows the tokens that may follow draft[:i]. The
-        draft must be allowed (allowed(draft) == len(draft)); the matcher ends where it began."""
-        words = torch.empty(len(draft) + 1, self._words, dtype=torch.int32)
-        consumed = 0
-        try:
-            for i in range(len(draft) + 1):
-                self._m.unsafe_compute_mask_ptr(words[i].data_ptr(), self._words * 4)
-                if i < len(draft) and not self._m.is_stopped():  # past the end only its stop (EOS) follows
-                    if not self._m.consume_token(draft[i]):
-                        raise ValueError(f"draft token {draft[i]} at {i} is outside the constraint's language")
-                    consumed += 1
-        finally:
-            if consumed:
-                self._m.rollback(consumed)
-        bits = ((words.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)  # [rows, 32 * words]
-        allowed = torch.zeros(len(draft) + 1, self._vocab, dtype=torch.bool)
-        width = min(self._vocab, bits.shape[1])
-        allowed[:, :width] = bits[:, :width]
+    def walk(self, draft: list[int]) -> Walk:
+        """The matcher walked along a chain draft as a verification reads its rows."""
+        return Walk(self, draft)
+
+    def _mask(self) -> torch.Tensor:
+        """[vocab] bool: the tokens allowed from here (the mask costs ~0.1 ms on a JSON schema)."""
+        words = torch.empty(1, self._words, dtype=torch.int32)
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), self._words * 4)
+        bits = ((words.unsqueeze(-1) >> _BITS) & 1).bool().flatten()
+        allowed = torch.zeros(self._vocab, dtype=torch.bool)
+        width = min(self._vocab, bits.shape[0])
+        allowed[:width] = bits[:width]
         return allowed
 
     def consume(self, tokens: list[int]) -> None:
@@ -140,3 +133,36 @@ class Matcher:
     def complete(self) -> bool:
         """The output so far is a whole sentence of the language."""
         return self._m.is_accepting() or self._m.is_stopped()
+
+
+class Walk:
+    """A matcher along a chain draft, row by row in order (row i follows draft[:i]): whether a token
+    is allowed at a row (a check of one token, microseconds), and the row's whole mask only when a
+    verification needs it. close() brings the matcher back to where it began."""
+
+    def __init__(self, matcher: Matcher, draft: list[int]):
+        self._matcher, self._draft, self._at, self._consumed = matcher, draft, 0, 0
+
+    def _reach(self, row: int) -> None:
+        if row < self._at:
+            raise ValueError(f"row {row} read after row {self._at}: a walk goes forward")
+        m = self._matcher._m
+        while self._at < row:
+            if not m.is_stopped():  # past the language's end only its stop (EOS) follows
+                if not m.consume_token(self._draft[self._at]):
+                    raise ValueError(f"draft token {self._draft[self._at]} is outside the constraint's language")
+                self._consumed += 1
+            self._at += 1
+
+    def allows(self, row: int, token: int) -> bool:
+        self._reach(row)
+        return self._matcher.allowed([token]) == 1
+
+    def mask(self, row: int) -> torch.Tensor:
+        self._reach(row)
+        return self._matcher._mask()
+
+    def close(self) -> None:
+        if self._consumed:
+            self._matcher._m.rollback(self._consumed)
+        self._consumed = self._at = 0

@@ -223,6 +223,10 @@ def busy_spell(stub, prompts: list[Prompt], max_new_tokens: int, n: int) -> None
 
 
 def main(args, config: StackConfig) -> int:
+    if args.structured:  # its own workload: prompts with schemas
+        from specsplit.tools import structured
+
+        return structured.main(args, config)
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
                    predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])
@@ -243,6 +247,7 @@ def main(args, config: StackConfig) -> int:
         from specsplit.tools import traffic
 
         return traffic.main(args, config)
+
     if args.controlled:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             code = controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
