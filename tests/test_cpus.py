@@ -91,11 +91,14 @@ def half_a_cpu():
             made.rmdir()
 
 
-@pytest.mark.parametrize("confine", ["affinity", "cgroup"])
+@pytest.mark.parametrize("confine", ["affinity", "cgroup", "pinned"])
 def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(models, tmp_path, request, confine):
-    # affinity: as `taskset -c 0 specsplit up`; cgroup: a real CPU quota of 0.5, as a container's limit
-    join = ("os.sched_setaffinity(0, {0})" if confine == "affinity"
-            else f"open({str(request.getfixturevalue('half_a_cpu'))!r}, 'w').write(str(os.getpid()))")
+    # affinity: as `taskset -c 0 specsplit up`; cgroup: a real CPU quota of 0.5, as a container's limit;
+    # pinned: `up --pin verify=0 --pin draft=0 --pin gateway=0`, each service pinning itself (serve --cpus)
+    join = {"affinity": "os.sched_setaffinity(0, {0})", "pinned": "",
+            "cgroup": f"open({str(request.getfixturevalue('half_a_cpu'))!r}, 'w').write(str(os.getpid()))"
+            if confine == "cgroup" else ""}[confine]
+    pins = {"verify": "0", "draft": "0", "gateway": "0"} if confine == "pinned" else {}
     script = textwrap.dedent(f"""
         import os, grpc
         {join}
@@ -103,7 +106,7 @@ def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(mode
         from specsplit.api.gateway.v1 import gateway_pb2 as pb, gateway_pb2_grpc as pbg
         with Stack(StackConfig(target_model={str(models["target"])!r}, draft_model={str(models["draft"])!r},
                                dtype="float32", draft_dtype="float32", drafter="ngram", self_head="none",
-                               run_dir={str(tmp_path / "up")!r})) as stack:
+                               run_dir={str(tmp_path / "up")!r}, pins={pins!r})) as stack:
             with grpc.insecure_channel(stack.start()) as ch:
                 out = pbg.GatewayStub(ch).Generate(pb.GenerateRequest(text="def add(a, b):", max_new_tokens=8,
                                                                       speculation=pb.SPECULATION_ON), timeout=60)
@@ -119,4 +122,4 @@ def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(mode
         line = next(line for line in done.stdout.splitlines() if line.startswith(name))
         assert " 1 torch thread (" in line, line
     verify = next(line for line in done.stdout.splitlines() if line.startswith("verify"))
-    assert ("affinity 1 CPUs" if confine == "affinity" else "cgroup CPU limit 0.5") in verify, verify
+    assert ("cgroup CPU limit 0.5" if confine == "cgroup" else "affinity 1 CPUs") in verify, verify

@@ -48,6 +48,9 @@ def threads_flag(p: argparse.ArgumentParser) -> None:
 
 def server_flags(p: argparse.ArgumentParser, default_listen: str) -> None:
     p.add_argument("--listen", default=default_listen, help="unix:///path.sock or host:port (port 0: any free port)")
+    p.add_argument("--cpus", type=cpu_list, default=(), metavar="CPUS",
+                   help="run on these CPUs only (0,2-3: as taskset takes them), set before anything starts; "
+                        "the thread count follows (--threads 0)")
     p.add_argument("--address-file", help="write the bound address here once SERVING")
     threads_flag(p)
     p.add_argument("--fixed-threads", action="store_true",
@@ -133,6 +136,9 @@ def stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-replicas", type=int, default=1,
                    help="verify processes behind the gateway (each restarted when it exits; a request whose "
                         "replica dies resumes on another)")
+    p.add_argument("--pin", action="append", default=[], metavar="SERVICE=CPUS", type=pin_flag,
+                   help="run a service on these CPUs only (e.g. --pin verify=1 --pin draft=0 on 2 cores; CPUS: "
+                        "a list and ranges as taskset takes them, 0,2-3); each then takes that many threads")
 
 
 def stack_config(a: argparse.Namespace):
@@ -146,7 +152,27 @@ def stack_config(a: argparse.Namespace):
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
                        http_listen=getattr(a, "http_listen", ""), policy=getattr(a, "policy", None),
-                       verify_replicas=a.verify_replicas)
+                       verify_replicas=a.verify_replicas, pins=dict(getattr(a, "pin", []) or []))
+
+
+def cpu_list(spec: str) -> tuple[int, ...]:
+    """0,2-3 as (0, 2, 3); argparse reports the error as a bad value."""
+    cpus = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise argparse.ArgumentTypeError(f"{spec!r}: a list of CPU numbers and ranges, as 0,2-3")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(cpus))
+
+
+def pin_flag(value: str) -> tuple[str, str]:
+    """SERVICE=CPUS as (service, CPUS) for that service's --cpus."""
+    service, _, spec = value.partition("=")
+    if service not in ("verify", "draft", "gateway"):
+        raise argparse.ArgumentTypeError(f"{value!r}: use SERVICE=CPUS with SERVICE verify, draft or gateway")
+    cpu_list(spec)
+    return service, spec
 
 
 def auth_flag(p: argparse.ArgumentParser, help: str) -> None:

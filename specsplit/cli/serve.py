@@ -226,6 +226,8 @@ def run_serve(a: argparse.Namespace) -> int:
     from specsplit.tools.launcher import die_with_launcher
 
     die_with_launcher()
+    if a.cpus:  # before torch starts its threads: they follow the affinity
+        os.sched_setaffinity(0, a.cpus)
     settings = _settings(a)
     if a.role == "verify":
         from verify_service.main import run

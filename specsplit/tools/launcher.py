@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -77,6 +77,7 @@ class StackConfig:
     http_listen: str = ""  # host:port: the gateway's OpenAI-compatible HTTP door ("" none)
     verify_replicas: int = 1  # verify processes behind the gateway: verify, verify-2, ...
     policy: str | None = None  # the gateway's --policy (from `specsplit calibrate` or `validate`)
+    pins: dict = field(default_factory=dict)  # service -> its --cpus (0,2-3; verify: every replica)
 
 
 def sweep_shared_memory() -> list[str]:
@@ -129,6 +130,8 @@ class Stack:
             cmd += ["--threads", str(self.config.threads)]
         if not self.config.shared_memory:
             cmd.append("--no-shm")
+        if service_of(name) in self.config.pins:
+            cmd += ["--cpus", self.config.pins[service_of(name)]]
         if self.config.metrics_port:
             offset = (METRICS_OFFSET[name] if name in METRICS_OFFSET
                       else len(METRICS_OFFSET) + self.verify_names.index(name) - 1)
