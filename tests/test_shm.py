@@ -225,6 +225,7 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
         assert future.result(120).stats.resumes == 1
         assert _poll(lambda: _segments(shm_dir) == [])
         assert _poll(lambda: _succeeds(gw))
+        assert _poll(lambda: _segments(shm_dir) == [])  # the probe's own segment goes in its background release
 
         # The gateway killed mid-request: its segment and lock are left behind until something starts.
         future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))
