@@ -30,7 +30,6 @@ from specsplit.errors import Failure
 from specsplit.model.identity import pairing_problem, tokenizer_fingerprint
 from specsplit.model.modeling import chat_prompt_ids
 from specsplit.serving import shm, wire
-from specsplit.serving.grammar import Language
 from specsplit.serving.server import unix_path
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings
 from specsplit.spec.sampling import SamplingParams
@@ -239,8 +238,6 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             # A long prompt is tokenized off the event loop (6,000 tokens with the chat template: ~20 ms
             # during which every other stream through this gateway would wait).
             ids = await asyncio.to_thread(self._prompt_ids, request) if _long(request) else None
-            if request.HasField("constraint"):  # compiled off the event loop (a grammar may take 100s of ms)
-                await asyncio.to_thread(self._check_constraint, request.constraint)
             plan = self.plan(request, ids)
             # The session's state lives on one replica of each service: all its calls go there. With
             # none serving (restarting), a request waits as a resumed one does, within its deadline.
@@ -333,13 +330,6 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
                     prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
                     constraint=request.constraint if request.HasField("constraint") else None)
-
-    def _check_constraint(self, constraint: cpb.Constraint) -> None:
-        """INVALID_ARGUMENT naming what is wrong with a constraint, before anything is generated."""
-        try:
-            Language(constraint, self._backends.tokenizer, self._backends.target.vocab_size)
-        except ValueError as e:
-            raise Failure(grpc.StatusCode.INVALID_ARGUMENT, f"constraint: {e}") from None
 
     @staticmethod
     def _check_logprobs(asked: cpb.LogprobsRequest) -> cpb.LogprobsRequest:

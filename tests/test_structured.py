@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from conftest import free_ports, running_stack
+from conftest import free_ports, running_stack, wait_released
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
@@ -129,7 +129,8 @@ async def test_a_bad_constraint_is_invalid_argument_before_anything_runs(tiny, c
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await generate(stub, ON, constraint, "Answer:")
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in failed.value.details()
-    async with grpc.aio.insecure_channel(stack.verify) as channel:  # the verifier checks it too
+    assert await wait_released(stack) == (0, 0)  # the drafter's session, started beside the Prefill, ended
+    async with grpc.aio.insecure_channel(stack.verify) as channel:  # the verifier is where it is checked
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await vpb_grpc.VerifierStub(channel).Prefill(
                 vpb.PrefillRequest(session_id="bad-constraint", prompt_token_ids=[5, 6, 7], constraint=constraint))
@@ -182,3 +183,35 @@ async def test_json_schema_outputs_validate_and_speculation_changes_nothing_on_t
                                                      response_format={"type": "xml"})
         finally:
             await client.close()
+
+
+def test_a_resumed_session_goes_on_in_its_language_exactly(models):
+    """A constrained session re-opened elsewhere (PrefillRequest.resume with output_tokens): its new
+    matcher has seen the output so far, and the rest is what the first session would have chosen."""
+    from specsplit.model.modeling import load_model
+    from specsplit.serving.grammar import Language
+    from verify_service.engine import Target
+
+    lm = load_model(models["target"], "float32")
+    target, language = Target(lm), Language(cpb.Constraint(regex=REGEX), lm.tokenizer, lm.vocab_size)
+    prompt = lm.tokenizer("Answer:").input_ids
+
+    def decode(session, steps):
+        for _ in range(steps):
+            target.verify(session, len(session.tokens), [])
+        return session.tokens[len(prompt):]
+
+    whole = decode(_prefilled(target, prompt, language), 8)
+    first = decode(_prefilled(target, prompt, language), 3)
+    resumed = target.start_prefill([*prompt, *first], language=language, resume=True, output_tokens=len(first))
+    while not resumed.finished:
+        target.run_one(target.plan_prefill(resumed))
+    assert decode(resumed.session, 5) == whole
+    assert re.fullmatch(r"(yes|no|maybe).*", lm.tokenizer.decode(whole))
+
+
+def _prefilled(target, prompt, language):
+    prefilling = target.start_prefill(prompt, language=language)
+    while not prefilling.finished:
+        target.run_one(target.plan_prefill(prefilling))
+    return prefilling.session

@@ -167,7 +167,7 @@ class Target:
         if language is not None:
             session.matcher = language.matcher()
             if resume:
-                session.matcher.consume([*prompt, resumed][len(prompt) + 1 - output_tokens:] if output_tokens else [])
+                session.matcher.consume([*prompt, resumed][-output_tokens:] if output_tokens else [])
         prefilling = Prefilling(session, list(prompt), resumed=resumed)
         # The whole prompt's room at once: grown chunk by chunk, the cache would be copied at every
         # doubling (tens of ms at thousands of tokens: a stall for every session sharing that forward).

@@ -290,14 +290,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 return Again(1)
             del self._ahead[request.session_id]
             committed = session.tokens[request.length:]  # its first token answers as next_token_id
+            forced, forced_accepted = decoding.forced
             return pb.VerifyResponse(
                 num_accepted=0, next_token_id=committed[0], decoded_token_ids=committed[1:],
                 length=result.length, forward_ns=sum(r.forward_ns for r in decoding.results),
                 features=_features(decoding.merged(), request.length - 1, session.segment),
                 batch_rows=result.batch_rows, batch_calls=result.batch_calls,
                 logprobs=wire.token_logprobs([lp for r in decoding.results for lp in r.logprobs]),
-                lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted - decoding.forced[1],
-                forced=decoding.forced[0], forced_accepted=decoding.forced[1], constraint_complete=result.complete)
+                lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted - forced_accepted,
+                forced=forced, forced_accepted=forced_accepted, constraint_complete=result.complete)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
                                  features=_features(result, request.length - 1, session.segment),

@@ -24,11 +24,6 @@ _BITS = torch.arange(32, dtype=torch.int32)
 JSON = {"whitespace_flexible": False}
 
 
-def kind(constraint: cpb.Constraint | None) -> str:
-    """"" when there is no constraint, else its kind (json_schema, json_object, regex, lark)."""
-    return "" if constraint is None else (constraint.WhichOneof("kind") or "")
-
-
 def _ll_tokenizer(tokenizer, vocab: int):
     import llguidance.hf
 
@@ -46,7 +41,7 @@ class Language:
     def __init__(self, constraint: cpb.Constraint, tokenizer, vocab: int):
         import llguidance
 
-        which = kind(constraint)
+        which = constraint.WhichOneof("kind")
         if which == "json_schema":
             try:
                 schema = json.loads(constraint.json_schema)
@@ -67,14 +62,14 @@ class Language:
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if problem and not problem.startswith("WARNING"):
             raise ValueError(f"{which}: {problem.strip()}")
-        self.grammar, self.vocab, self.kind = grammar, vocab, which
+        self.grammar, self.vocab = grammar, vocab
 
     def matcher(self) -> Matcher:
         return Matcher(self)
 
 
 class Matcher:
-    """One output's place in its language. It consumes only committed tokens; `masks` looks ahead
+    """One output's place in its language. It consumes only committed tokens; a `walk` looks ahead
     along a draft and comes back."""
 
     def __init__(self, language: Language):
