@@ -152,7 +152,7 @@ def stack_config(a: argparse.Namespace):
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
                        http_listen=getattr(a, "http_listen", ""), policy=getattr(a, "policy", None),
-                       verify_replicas=a.verify_replicas, pins=dict(getattr(a, "pin", []) or []))
+                       verify_replicas=a.verify_replicas, pins=dict(a.pin))
 
 
 def cpu_list(spec: str) -> tuple[int, ...]:

@@ -138,13 +138,12 @@ def main(args, config) -> int:
     from specsplit.model import catalog
     from specsplit.tools import anchor as anchoring
     from specsplit.tools.launcher import gateway_stub
-    from specsplit.tools.workload import REQUEST
 
     rows = load(args.prompts if args.prompts not in (None, "structured") else None)
     if args.limit:
         rows = rows[:args.limit]
-    if REQUEST["temperature"] or args.temperature:
-        print("--structured measures greedy decoding", file=sys.stderr)
+    if args.temperature:
+        print("--structured measures greedy decoding (--temperature is not applied)", file=sys.stderr)
     model_dir = step_ms = None
     if not args.gateway:
         model_dir = str(catalog.resolve(config.target_model))
