@@ -3,6 +3,8 @@ file's, in transformers' row order (q and k un-permuted), and verification stays
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -270,3 +272,56 @@ def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_ever
     monkeypatch.setattr(GGUFWeights, "__init__", partialmethod(GGUFWeights.__init__, factored=False))
     products = KVSequence(load_model(wider_every_type_dir, "bfloat16", quantize="gguf")).forward(tokens)
     assert torch.equal(factored, products)
+
+
+def test_auto_serves_a_gguf_sourced_model_from_its_blocks_measured_once(every_type_dir, tmp_path, monkeypatch):
+    """`--quantize auto` (the default): a model directory with its model.gguf is served from the
+    file's blocks when their perplexity is not worse than the dequantized weights' beyond 1 %;
+    the verdict is measured once, kept in the cache, and read back (by a later start, and by
+    `specsplit models`) without loading the model again."""
+    _needs_vnni()
+    from draft_service.main import draft_quantization
+    from specsplit.model import weightchoice
+    from specsplit.serving import runtime
+    from specsplit.serving.settings import ModelSettings
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "cache"))
+    assert weightchoice.recorded(every_type_dir) is None
+    choice = weightchoice.choose(every_type_dir)
+    assert choice.quantize == "gguf" and "perplexity" in choice.why, choice
+    assert weightchoice.recorded(every_type_dir) == choice
+
+    def measured_again(*_):
+        raise AssertionError("measured again: the recorded verdict was not read")
+
+    monkeypatch.setattr(weightchoice, "measure", measured_again)
+    assert weightchoice.choose(every_type_dir) == choice
+    assert runtime.load(ModelSettings(str(every_type_dir), quantize="auto")).kernels == "native gguf"
+    assert draft_quantization(ModelSettings(str(every_type_dir), quantize="auto")) == "gguf"
+
+    plain = tmp_path / "plain"  # a model without a GGUF file: its dtype (a drafter: q8_0)
+    plain.mkdir()
+    for f in every_type_dir.iterdir():
+        if f.name != "model.gguf":
+            (plain / f.name).symlink_to(f)
+    assert weightchoice.choose(plain).quantize == "" and "no model.gguf" in weightchoice.choose(plain).why
+    assert runtime.load(ModelSettings(str(plain), quantize="auto")).kernels == "native"
+    assert draft_quantization(ModelSettings(str(plain), quantize="auto")) == "q8_0"
+
+
+@pytest.mark.parametrize("mean,spread,served", [(0.05, 0.0, ""), (0.012, 0.3, "gguf"), (0.0, 0.0, "gguf")])
+def test_the_blocks_are_refused_only_when_worse_than_one_percent_beyond_the_texts_noise(
+        every_type_dir, mean, spread, served, monkeypatch):
+    """Blocks 5 % worse on every token are refused; 1.2 % worse on average but within the text's
+    per-token noise (the default model's case: +0.96 % to +1.1 % between machines) are served."""
+    from specsplit.model import weightchoice
+
+    base = [2.0 + 0.1 * (i % 7) for i in range(400)]
+
+    def token_nll(model_dir, dtype, quantize, text):
+        return base if quantize == "" else [x + mean + spread * (-1) ** i for i, x in enumerate(base)]
+
+    monkeypatch.setattr(weightchoice, "_token_nll", token_nll)
+    measured = weightchoice.measure(every_type_dir, "bfloat16")
+    assert measured.ratio == pytest.approx(math.exp(mean), rel=1e-9)
+    assert measured.choice("bfloat16").quantize == served

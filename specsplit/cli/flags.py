@@ -85,7 +85,10 @@ def target_flags(p: argparse.ArgumentParser, quantize_help: str) -> None:
                    help="local HF model dir, or 'default' (embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="bfloat16 | float32 | float16")
     p.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
-    p.add_argument("--quantize", choices=QUANTIZE, default=ENV("SPECSPLIT_QUANTIZE", ""), help=quantize_help)
+    p.add_argument("--quantize", choices=["auto", *QUANTIZE], default=ENV("SPECSPLIT_QUANTIZE", "auto"),
+                   help=quantize_help + "; '' its --dtype; auto: a GGUF-sourced model (every catalog model) from its "
+                        "file's blocks unless their perplexity on a fixed text is more than 1 %% worse, measured "
+                        "once (docs/usage.md), else its --dtype")
     p.add_argument("--no-exact", dest="exact", action="store_false",
                    help="SDPA attention and plain linears: faster, but spec-on may differ from spec-off")
 
@@ -96,10 +99,11 @@ def draft_model_flags(p: argparse.ArgumentParser) -> None:
                    help="a local HF causal LM dir or catalog name for the 'model' drafter ('default': the embedded "
                         "model)")
     p.add_argument("--draft-dtype", default=ENV("SPECSPLIT_DRAFT_DTYPE", "bfloat16"))
-    p.add_argument("--draft-quantize", choices=["auto", "", "int8", "q8_0", "q4_0", "gguf"],
+    p.add_argument("--draft-quantize", choices=["auto", *QUANTIZE],
                    default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
                    help="the draft model's GEMM weights: q8_0, q4_0, int8, gguf (its model.gguf's blocks), '' (its "
-                        "dtype) or auto (q8_0 where the native kernels run and the CPU has VNNI, else int8 for a bf16 "
+                        "dtype) or auto (where the native kernels run and the CPU has VNNI: gguf for a GGUF-sourced model, "
+                        "else q8_0; else int8 for a bf16 "
                         "draft, else its dtype)")
     p.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", str(DraftSettings.draft_vocab))),
                    help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
@@ -142,11 +146,13 @@ def stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def stack_config(a: argparse.Namespace):
+    from specsplit.model import weightchoice
     from specsplit.tools.launcher import StackConfig
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, draft_quantize=a.draft_quantize, draft_vocab=a.draft_vocab,
-                       device=a.device, exact=a.exact, quantize=a.quantize,
+                       device=a.device, exact=a.exact,
+                       quantize=weightchoice.resolve(a.quantize, a.target_model, a.dtype, a.device),
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
                        self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,

@@ -88,9 +88,19 @@ def run_fetch_model(a: argparse.Namespace) -> int:
 
 
 def run_models(a: argparse.Namespace) -> int:
-    from specsplit.model import catalog
+    """One block per catalog entry: what it is, where it comes from, whether it is fetched, and which
+    weights a target start serves it from (`--quantize auto`) once that was measured here."""
+    from specsplit.model import catalog, weightchoice
 
-    print("\n".join(catalog.describe()))
+    for e in catalog.MODELS.values():
+        where = catalog.model_dir(e.name)
+        fetched = (where / "config.json").is_file()
+        print(f"{e.name}\n  {e.title}; licence {e.licence}\n  source: {e.source}")
+        if e.sha256:
+            print(f"  file: {e.file_bytes:,} bytes, sha256 {e.sha256}")
+        print(f"  converted to {e.dtype}: {f'ready in {where}' if fetched else 'not fetched'}")
+        choice = weightchoice.recorded(where) if fetched else None
+        print(f"  served (--quantize auto, bfloat16): {choice.why if choice else weightchoice.UNMEASURED}")
     return 0
 
 

@@ -201,16 +201,3 @@ def fetch(name: str) -> Path:
     if name not in MODELS:
         raise UsageError(f"{name!r} is not in the catalog ({', '.join(MODELS)}); `specsplit models` lists them")
     return ensure(MODELS[name])
-
-
-def describe() -> list[str]:
-    """`specsplit models`: one block per entry."""
-    lines = []
-    for e in MODELS.values():
-        where = model_dir(e.name)
-        state = f"ready in {where}" if (where / "config.json").is_file() else "not fetched"
-        lines.append(f"{e.name}\n  {e.title}; licence {e.licence}\n  source: {e.source}")
-        if e.sha256:
-            lines.append(f"  file: {e.file_bytes:,} bytes, sha256 {e.sha256}")
-        lines.append(f"  converted to {e.dtype}: {state}")
-    return lines

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from specsplit.model import catalog
+from specsplit.model import catalog, weightchoice
 from specsplit.model.modeling import LoadedModel, load_model
 from specsplit.serving import cpus
 from specsplit.serving.settings import ModelSettings
@@ -27,8 +27,9 @@ def configure_process(threads: int, role: str, most: int | None = None) -> str:
 
 
 def load(settings: ModelSettings, head_ids: torch.Tensor | None = None) -> LoadedModel:
+    quantize = weightchoice.resolve(settings.quantize, settings.path, settings.dtype, settings.device)
     return load_model(catalog.resolve(settings.path), settings.dtype, settings.device, settings.exact,
-                      quantize=settings.quantize, head_ids=head_ids)
+                      quantize=quantize, head_ids=head_ids)
 
 
 def tune_threads(worker, role: str, invariant: bool, fixed: bool) -> str:

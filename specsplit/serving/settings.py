@@ -17,7 +17,7 @@ class ModelSettings:
     dtype: str = "bfloat16"
     device: str = "cpu"
     exact: bool = True
-    quantize: str = ""  # "int8": weight-only int8 GEMMs (native kernels only); a draft model's may be "auto"
+    quantize: str = ""  # the GEMM weights: "" (the dtype), int8, q8_0, q4_0, gguf, or auto (weightchoice)
 
 
 @dataclass(frozen=True)

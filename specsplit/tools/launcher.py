@@ -62,7 +62,7 @@ class StackConfig:
     draft_vocab: int = DraftSettings.draft_vocab  # the model drafter's draft vocabulary (0: all)
     device: str = "cpu"
     exact: bool = True
-    quantize: str = ""  # the target's weights: "" (its dtype) or "int8"
+    quantize: str = ""  # the target's weights: as serve verify's --quantize ("" its dtype; the CLI resolves auto)
     batch_wait_ms: float = VerifySettings.batch_wait_ms  # the verify service's --batch-wait-ms
     drafter: str = DraftSettings.default_drafter  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
@@ -209,9 +209,8 @@ class Stack:
         c = self.config
         try:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
-            quantize = ["--quantize", c.quantize] if c.quantize else []
             for name in self.verify_names:
-                self._spawn(name, ["--target-model", c.target_model, *model_flags, *quantize,
+                self._spawn(name, ["--target-model", c.target_model, *model_flags, "--quantize", c.quantize,
                                    "--batch-wait-ms", str(c.batch_wait_ms)])
             draft_flags = ["--default-drafter", c.drafter, "--device", c.device, "--self-head", c.self_head,
                            "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]
