@@ -99,6 +99,30 @@ def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, sh
     assert 0 < row["median"] < 1000 and row["network"] > 0
 
 
+async def test_bench_measures_the_target_step_per_forward_not_per_round(models, tmp_path):
+    """The drafter's cost column divides by one target step: the spec-off request's verify time per
+    forward. Spec-off rounds decode ahead (many forwards a round), so per round it would be many
+    steps, and all of them together could not fit in the request's wall time."""
+    import asyncio
+
+    import grpc
+    from conftest import running_stack
+
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.tools.bench import run_prompt
+    from specsplit.tools.workload import Prompt, Variant
+
+    prompt = Prompt("code", "Write a Python function that adds two numbers.")
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        def run():
+            with grpc.insecure_channel(stack.gateway) as channel:
+                return run_prompt(pb_grpc.GatewayStub(channel), prompt, 32, 1, [Variant("ngram")])
+
+        [record] = await asyncio.to_thread(run)
+    assert record.off_tokens == 32 and record.target_step_ms > 0
+    assert record.target_step_ms * (record.off_tokens - 1) <= record.off_s * 1e3  # the decode's forwards fit in it
+
+
 async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(models, tmp_path):
     """`bench --traffic` against the real services: every prompt runs spec-off, AUTO without a task
     type and forced on per drafter; the table has a row per category and ALL, counts each mode's

@@ -42,7 +42,8 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
             last[d] = stub.Generate(request(p, pb.SPECULATION_ON, max_new_tokens, d), timeout=600)
             on_times[d].append(time.perf_counter() - start)
         also()
-    step_ms = off.stats.verify_ms / off.stats.rounds if off.stats.rounds else 0.0
+    forwards = sum(1 + r.decoded for r in off.stats.round_records)  # a decode-ahead round runs 1 + decoded
+    step_ms = off.stats.verify_ms / forwards if forwards else 0.0
     records = []
     for d in drafters:
         on, s = last[d], last[d].stats
