@@ -101,7 +101,8 @@ class Handler(BaseHTTPRequestHandler):
         log.write(json.dumps({{"body": body}}) + "\\n"); log.flush()
         text = body["messages"][0]["content"]
         self._answer({{"usage": {{"completion_tokens": min(len(text), body["max_tokens"])}},
-                      "timings": {{"draft_n": 4 if speculates else 0, "draft_n_accepted": 1 if speculates else 0}}}})
+                      "timings": {{"draft_n": 4 if speculates else 0, "draft_n_accepted": 1 if speculates else 0,
+                                  "prompt_ms": 10.0 * len(text)}}}})
 
 HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
 '''
@@ -144,9 +145,12 @@ def test_llama_server_runs_plain_and_with_its_speculation_over_its_openai_api(tm
     bodies = [e["body"] for e in entries if "body" in e]
     assert len(bodies) == 2 * (1 + len(prompts))  # a warm-up, then every prompt, per mode
     assert all(b["temperature"] == 0 and b["cache_prompt"] is False for b in bodies)
-    rows = [{"drafter": "hybrid", "task_type": t, "tok_s_on": 20.0, "tok_s_off": 10.0} for t in ("code", "ALL")]
+    assert served["plain"]["ALL"].prompt_ms == [20.0, 40.0, 60.0]  # the server's own prompt timing, per prompt
+    rows = [{"drafter": "hybrid", "task_type": t, "tok_s_on": 20.0, "tok_s_off": 10.0, "prefill_ms_off": 20.0}
+            for t in ("code", "ALL")]
     llamaserver.print_table(served, rows)
     out = capsys.readouterr().out
+    assert "llama-server 40.0 ms, ours 20.0 ms (0.50x its time)" in out
     assert [line.split()[0] for line in out.splitlines()[2:4]] == ["code", "open"]
     assert f"llama-server {spec}: 3/12 drafted tokens accepted" in out
 

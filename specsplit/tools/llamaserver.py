@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specsplit.errors import UsageError
@@ -21,12 +22,14 @@ from specsplit.errors import UsageError
 
 @dataclass
 class Served:
-    """One mode's totals over a task type's prompts: tokens generated, wall seconds, drafts."""
+    """One mode's totals over a task type's prompts: tokens generated, wall seconds, drafts, and
+    each prompt's processing time as the server reports it (its timings.prompt_ms)."""
 
     tokens: int = 0
     seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    prompt_ms: list[float] = field(default_factory=list)
 
     @property
     def tok_s(self) -> float:
@@ -90,8 +93,8 @@ class LlamaServer:
                 self._proc.kill()
                 self._proc.wait()
 
-    def chat(self, prompt: str, max_tokens: int, timeout_s: float = 900.0) -> tuple[int, float, int, int]:
-        """One chat request: (tokens generated, wall seconds, drafted, accepted)."""
+    def chat(self, prompt: str, max_tokens: int, timeout_s: float = 900.0) -> tuple[int, float, int, int, float]:
+        """One chat request: (tokens generated, wall seconds, drafted, accepted, prompt processing ms)."""
         body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                            "temperature": 0, "seed": 0, "cache_prompt": False}).encode()
         request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=body,
@@ -102,7 +105,7 @@ class LlamaServer:
         seconds = time.perf_counter() - start
         timings = answer.get("timings") or {}
         return (int(answer["usage"]["completion_tokens"]), seconds, int(timings.get("draft_n", 0)),
-                int(timings.get("draft_n_accepted", 0)))
+                int(timings.get("draft_n_accepted", 0)), float(timings.get("prompt_ms", 0.0)))
 
 
 def run(build: str, target_gguf: Path, draft_gguf: Path | None, prompts, max_tokens: int,
@@ -114,11 +117,12 @@ def run(build: str, target_gguf: Path, draft_gguf: Path | None, prompts, max_tok
         with LlamaServer(build, target_gguf, extra, threads) as server:
             server.chat(prompts[0].prompt, 8)
             for p in prompts:
-                tokens, seconds, drafted, accepted = server.chat(p.prompt, max_tokens)
+                tokens, seconds, drafted, accepted, prompt_ms = server.chat(p.prompt, max_tokens)
                 for key in (p.task_type, "ALL"):
                     t = totals.setdefault(key, Served())
                     t.tokens, t.seconds = t.tokens + tokens, t.seconds + seconds
                     t.drafted, t.accepted = t.drafted + drafted, t.accepted + accepted
+                    t.prompt_ms.append(prompt_ms)
     return out
 
 
@@ -143,6 +147,12 @@ def print_table(served: dict[str, dict[str, Served]], rows: list[dict]) -> None:
             line += (f" {rate:>16.1f} {rate / plain:>6.2f}x {rate / spec:>9.2f}x" if rate and plain and spec
                      else f" {'-':>16} {'-':>7} {'-':>10}")
         print(line)
+    plain, ours = served[names[0]].get("ALL", Served()).prompt_ms, [r["prefill_ms_off"] for r in rows
+                                                                     if r["task_type"] == "ALL"][:1]
+    if plain and ours and all(plain):
+        print(f"prompt processing, median per prompt (cold; the server's timings.prompt_ms, our stats.prefill_ms "
+              f"spec-off): llama-server {statistics.median(plain):.1f} ms, ours {ours[0]:.1f} ms "
+              f"({ours[0] / statistics.median(plain):.2f}x its time)")
     for n in names[1:]:
         t = served[n].get("ALL", Served())
         if t.drafted:

@@ -37,6 +37,7 @@ class Record:
     off_ids: list[int] = None  # the spec-off output's token ids
     parts: dict = None  # the last spec-on run's time by part (specsplit.serving.roundtime.request_split), ms
     by_depth: list = None  # per draft depth d (1, 2, ...): [rounds that drafted that deep, rounds that accepted d]
+    prefill_ms: float = 0.0  # the spec-off request's prompt processing (stats.prefill_ms: cold, to the first token)
 
 
 def depth_counts(rounds) -> list[list[int]]:
@@ -96,6 +97,7 @@ def summarise(records: list[Record]) -> list[dict]:
             "by_depth": _merge_depths(rs),
             "proposal_bytes_per_round": sum(r.proposal_bytes for r in rs) / rounds if rounds else 0.0,
             "predraft_attempts": sum(r.predraft[0] for r in rs), "predraft_hits": sum(r.predraft[1] for r in rs),
+            "prefill_ms_off": statistics.median(r.prefill_ms for r in rs),
         })
     return rows
 
