@@ -297,16 +297,15 @@ def test_auto_serves_a_gguf_sourced_model_from_its_blocks_measured_once(every_ty
     monkeypatch.setattr(weightchoice, "measure", measured_again)
     assert weightchoice.choose(every_type_dir) == choice
     assert runtime.load(ModelSettings(str(every_type_dir), quantize="auto")).kernels == "native gguf"
-    assert draft_quantization(ModelSettings(str(every_type_dir), quantize="auto")) == "gguf"
 
-    plain = tmp_path / "plain"  # a model without a GGUF file: its dtype (a drafter: q8_0)
+    plain = tmp_path / "plain"  # a model without a GGUF file: its dtype
     plain.mkdir()
     for f in every_type_dir.iterdir():
         if f.name != "model.gguf":
             (plain / f.name).symlink_to(f)
     assert weightchoice.choose(plain).quantize == "" and "no model.gguf" in weightchoice.choose(plain).why
     assert runtime.load(ModelSettings(str(plain), quantize="auto")).kernels == "native"
-    assert draft_quantization(ModelSettings(str(plain), quantize="auto")) == "q8_0"
+    assert draft_quantization(ModelSettings(str(plain), quantize="auto")) == "q4_0"  # a drafter: cheap, not exact
 
 
 @pytest.mark.parametrize("mean,spread,served", [(0.05, 0.0, ""), (0.012, 0.3, "gguf"), (0.0, 0.0, "gguf")])

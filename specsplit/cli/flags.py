@@ -102,8 +102,7 @@ def draft_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantize", choices=["auto", *QUANTIZE],
                    default=ENV("SPECSPLIT_DRAFT_QUANTIZE", "auto"),
                    help="the draft model's GEMM weights: q8_0, q4_0, int8, gguf (its model.gguf's blocks), '' (its "
-                        "dtype) or auto (where the native kernels run and the CPU has VNNI: gguf for a GGUF-sourced model, "
-                        "else q8_0; else int8 for a bf16 "
+                        "dtype) or auto (q4_0 where the native kernels run and the CPU has VNNI, else int8 for a bf16 "
                         "draft, else its dtype)")
     p.add_argument("--draft-vocab", type=int, default=int(ENV("SPECSPLIT_DRAFT_VOCAB", str(DraftSettings.draft_vocab))),
                    help="the model drafter scores only this many token ids (its draft_vocab.json if it has one; "
