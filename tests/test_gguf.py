@@ -274,6 +274,37 @@ def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_ever
     assert torch.equal(factored, products)
 
 
+def test_six_bit_values_streamed_as_six_bits_give_the_bits_of_eight(every_type_dir, wider_every_type_dir, monkeypatch):
+    """Q6_K (and Q4_K stacked with it) packed as q6_h, 6 bits a value, multiply to exactly the
+    logits of the same values as q8_h, 8 bits a value, for 1 to 9 rows (a mis-placed high bit pair
+    fails); a matrix with Q8_0 values stays 8 bits."""
+    _needs_vnni()
+    from functools import partialmethod
+
+    from specsplit.model.ggufweights import GGUFWeights
+    from specsplit.model.native import module
+
+    weights = GGUFWeights(every_type_dir / "model.gguf", load_model(every_type_dir, "bfloat16").model.config)
+    assert weights.weight(["blk.0.attn_v.weight"], module()).kind == "q6_h"  # Q6_K
+    mixed = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]  # Q4_K, Q4_K, Q6_K
+    assert weights.weight(mixed, module()).kind == "q6_h"
+    assert weights.weight(["blk.1.ffn_down.weight"], module()).kind == "q8_0"
+    weights.narrow = False
+    assert weights.weight(["blk.0.attn_v.weight"], module()).kind == "q8_h"
+    for model_dir in (every_type_dir, wider_every_type_dir):
+        six = KVSequence(load_model(model_dir, "bfloat16", quantize="gguf"))
+        with monkeypatch.context() as m:
+            m.setattr(GGUFWeights, "__init__", partialmethod(GGUFWeights.__init__, narrow=False))
+            eight = KVSequence(load_model(model_dir, "bfloat16", quantize="gguf"))
+        prefix = list(range(3, 40, 3))
+        assert torch.equal(six.forward(prefix), eight.forward(prefix))
+        for rows in range(1, 10):
+            tokens = [(7 * i + rows) % 200 + 3 for i in range(rows)]
+            assert torch.equal(six.forward(tokens), eight.forward(tokens)), rows
+            six.truncate(len(prefix))
+            eight.truncate(len(prefix))
+
+
 def test_auto_serves_a_gguf_sourced_model_from_its_blocks_measured_once(every_type_dir, tmp_path, monkeypatch):
     """`--quantize auto` (the default): a model directory with its model.gguf is served from the
     file's blocks when their perplexity is not worse than the dequantized weights' beyond 1 %;

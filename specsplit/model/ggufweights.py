@@ -45,11 +45,13 @@ class GGUFWeights:
     """The packed weights of one model from its GGUF file; `weight(name, hf_weight)` packs one
     matrix (rows in transformers' order) as the file has it."""
 
-    def __init__(self, path: Path, config, factored: bool = True):
+    def __init__(self, path: Path, config, factored: bool = True, narrow: bool = True):
         """factored: K-quant scales travel as the file keeps them (int8 factors of a float16 base per
-        256 inputs), else as their float32 products (the same values: tests compare the two)."""
+        256 inputs), else as their float32 products. narrow: 6-bit values (Q6_K, and Q4_K stacked
+        with it) stream as 6 bits (q6_h), else as 8 (q8_h). Either way the same values and bits:
+        tests compare them."""
         self.arch, self.tensors = read(path)
-        self.factored = factored
+        self.factored, self.narrow = factored, narrow
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.requantized: list[str] = []
@@ -118,7 +120,7 @@ class GGUFWeights:
             d, m = merged["d_factor"], merged.get("m_factor")
             bases = {"d_base": merged["d_base"], "m_base": merged.get("m_base")}
         if kind == "Q8_16":
-            return native.Weight.q8_h(merged["q"], d, m, inputs, **bases)
+            return native.Weight.q8_h(merged["q"], d, m, inputs, **bases, narrow=self.narrow)
         return native.Weight.q4_1(merged["nibbles"], d, m, inputs, **bases)
 
     def _dequantized(self, name: str) -> torch.Tensor:

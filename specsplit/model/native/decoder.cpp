@@ -399,13 +399,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("q8_0", &Weight::q8_0)
       .def_static("q8_h", &Weight::q8_h, pybind11::arg("q"), pybind11::arg("d"), pybind11::arg("m"),
                   pybind11::arg("k"), pybind11::arg("d_base") = pybind11::none(),
-                  pybind11::arg("m_base") = pybind11::none())
+                  pybind11::arg("m_base") = pybind11::none(), pybind11::arg("narrow") = true)
       .def_static("q4_0", &Weight::q4_0)
       .def_static("q4_1", &Weight::q4_1, pybind11::arg("nibbles"), pybind11::arg("d"), pybind11::arg("m"),
                   pybind11::arg("k"), pybind11::arg("d_base") = pybind11::none(),
                   pybind11::arg("m_base") = pybind11::none())
       .def_property_readonly("outputs", &Weight::outputs)
       .def_property_readonly("amx", &Weight::on_amx)
+      .def_property_readonly("kind", &Weight::kind_name)
       .def_property_readonly("inputs", &Weight::inputs);
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,

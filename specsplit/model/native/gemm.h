@@ -175,13 +175,13 @@ inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t* p) {
 template <int R, Kind K, Meta META>
 void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, const int32_t* xi, const float* xsum,
               int64_t stride, float* y, int64_t ldy) {
-  constexpr bool Q4 = K == Kind::kQ4 || K == Kind::kQ41, HALVES = K == Kind::kQ8H;
+  constexpr bool SIX = K == Kind::kQ6H, Q4 = K == Kind::kQ4 || K == Kind::kQ41, HALVES = K == Kind::kQ8H || SIX;
   constexpr int64_t kParts = HALVES ? 2 : 1;  // scales a block
-  constexpr int32_t kOffset = K == Kind::kQ4 ? 8 : K == Kind::kQ41 ? 0 : 128;  // stored weight - q
+  constexpr int32_t kOffset = K == Kind::kQ4 ? 8 : K == Kind::kQ41 ? 0 : SIX ? 32 : 128;  // stored weight - q
   const int64_t blocks = w.k2 / kBlock, xblocks = stride / kBlock;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : kBlock * kLanes;  // 256 or 512 bytes a block
+  constexpr int64_t kBlockBytes = Q4 ? kBlock * kLanes / 2 : SIX ? kBlock * kLanes * 3 / 4 : kBlock * kLanes;  // 256, 384, 512
   const uint8_t* wp = static_cast<const uint8_t*>(w.ptr) + panel * blocks * kBlockBytes;
   using Stored = std::conditional_t<META == Meta::kF32, float, std::conditional_t<META == Meta::kF16, uint16_t, int8_t>>;
   const Stored* sp = static_cast<const Stored*>(w.block_scale) + panel * blocks * kParts * kLanes;
@@ -205,12 +205,24 @@ void panel_q8(const Packed& w, int64_t panel, const int8_t* x, const float* xs, 
     }
     const uint8_t* wb = wp + b * kBlockBytes;
     __m512i wq[kQuads];
-    if constexpr (Q4) {
+    if constexpr (Q4 || SIX) {
       for (int v = 0; v < kQuads / 2; ++v) {
         const __m512i packed = _mm512_loadu_si512(wb + v * 4 * kLanes);
         _mm_prefetch(reinterpret_cast<const char*>(wb + v * 4 * kLanes) + kBlockPrefetchBytes, _MM_HINT_T0);
         wq[v] = _mm512_and_si512(packed, nibble);
         wq[v + kQuads / 2] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      }
+      if constexpr (SIX) {  // bits 2s..2s+1 of high vector t are bits 4..5 of quad 4t + s
+        const __m512i pair = _mm512_set1_epi8(0x30);
+        for (int t = 0; t < 2; ++t) {
+          const uint8_t* hp = wb + (4 + t) * 4 * kLanes;
+          const __m512i high = _mm512_loadu_si512(hp);
+          _mm_prefetch(reinterpret_cast<const char*>(hp) + kBlockPrefetchBytes, _MM_HINT_T0);
+          wq[4 * t] = _mm512_or_si512(wq[4 * t], _mm512_and_si512(_mm512_slli_epi16(high, 4), pair));
+          wq[4 * t + 1] = _mm512_or_si512(wq[4 * t + 1], _mm512_and_si512(_mm512_slli_epi16(high, 2), pair));
+          wq[4 * t + 2] = _mm512_or_si512(wq[4 * t + 2], _mm512_and_si512(high, pair));
+          wq[4 * t + 3] = _mm512_or_si512(wq[4 * t + 3], _mm512_and_si512(_mm512_srli_epi16(high, 2), pair));
+        }
       }
     } else {
       for (int j = 0; j < kQuads; ++j) {
@@ -281,6 +293,7 @@ void panel_any(const Packed& w, int64_t panel, const Rows& x, int64_t row, float
     case Kind::kQ4: panel_q<R, Kind::kQ4>(w, panel, x, row, y, ldy); break;
     case Kind::kQ41: panel_q<R, Kind::kQ41>(w, panel, x, row, y, ldy); break;
     case Kind::kQ8H: panel_q<R, Kind::kQ8H>(w, panel, x, row, y, ldy); break;
+    case Kind::kQ6H: panel_q<R, Kind::kQ6H>(w, panel, x, row, y, ldy); break;
     case Kind::kBF16: panel_pairs<R, false>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kI8: panel_pairs<R, true>(w, panel, x.h.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;
     case Kind::kF32: panel_f32<R>(w, panel, x.f.data() + row * x.stride, x.stride, y + row * ldy, ldy); break;

@@ -45,10 +45,16 @@ struct Weight {
   }
   // d [n, blocks, 2]: a scale per 16 inputs; m [n, blocks] or None: w = d q + m. With d_base (and
   // m_base for m), float16 [n, blocks / 8], d and m are int8 factors of it (packing.h, Meta).
+  // narrow: values that fit 6 bits are stored as 6 (q6_h, the same products); false keeps 8 (tests).
   static Weight q8_h(const torch::Tensor& q, const torch::Tensor& d, const std::optional<torch::Tensor>& m, int64_t k,
-                     const std::optional<torch::Tensor>& d_base, const std::optional<torch::Tensor>& m_base) {
+                     const std::optional<torch::Tensor>& d_base, const std::optional<torch::Tensor>& m_base,
+                     bool narrow) {
     return Weight{blocks_q8(q, d, m.value_or(torch::Tensor()), k, d_base.value_or(torch::Tensor()),
-                            m_base.value_or(torch::Tensor()))};
+                            m_base.value_or(torch::Tensor()), narrow)};
+  }
+  std::string kind_name() const {
+    static const char* names[] = {"bf16", "f32", "int8", "q8_0", "q4_0", "q4_1", "q8_h", "q6_h"};
+    return names[static_cast<int>(p.kind)];
   }
   static Weight q4_0(const torch::Tensor& nibbles, const torch::Tensor& d, int64_t k) {
     return Weight{blocks_q4(nibbles, d, torch::Tensor(), k)};
@@ -63,7 +69,7 @@ struct Weight {
 
 Act act_of(Kind kind) {
   switch (kind) {
-    case Kind::kQ8: case Kind::kQ4: case Kind::kQ41: case Kind::kQ8H: return Act::kQ8;
+    case Kind::kQ8: case Kind::kQ4: case Kind::kQ41: case Kind::kQ8H: case Kind::kQ6H: return Act::kQ8;
     case Kind::kF32: return Act::kF32;
     default: return Act::kBF16;
   }

@@ -13,7 +13,7 @@
 #pragma once
 
 // A packed weight matrix and how to multiply rows by it.
-enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41, kQ8H };
+enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41, kQ8H, kQ6H };
 // What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, q8_0 (int8 weights and
 // activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
 enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
@@ -77,6 +77,11 @@ Packed pack_int8(const torch::Tensor& weight) {
 //   vector v of a block holds quad v (low nibbles) and quad v + 4 (high), widened in registers.
 // - q8_h: q8_0's quads with a scale per 16 inputs and optionally q4_1's m per block: GGUF's Q6_K
 //   (6-bit values, a scale per 16), and any mix of block formats stacked in one matrix (q, k, v).
+// - q6_h: q8_h whose values all fit 6 bits (q in [-32, 31]: Q6_K, and Q4_K stacked with it), 384
+//   bytes a block of 16 outputs instead of 512: u = q + 32, its low nibbles as q4's (vector v:
+//   quads v and v + 4), then two vectors of high bit pairs (vector t, bits 2s..2s+1: quad 4t + s).
+//   The GEMM rebuilds u in registers and takes 32 out, where q8_h stores q + 128 and takes 128 out:
+//   the same int32 block sums, so the same bits as q8_h.
 // Scales and mins are float16 when every one of them is exactly a float16 (GGUF's own d and m;
 // re-quantized blocks round d to float16 as llama.cpp does), factored where they come so (Q4_K's
 // d * sc and dmin * min, Q6_K's d * sc), else float32.
@@ -129,9 +134,10 @@ void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m,
 }
 
 // q [n, blocks, 32] int8, d [n, blocks] (q8_0) or [n, blocks, 2] (q8_h: a scale per 16 inputs, and
-// m [n, blocks] or undefined).
+// m [n, blocks] or undefined; as q6_h where the values fit 6 bits, unless `narrow` is false).
 Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t k,
-                 const torch::Tensor& d_base = torch::Tensor(), const torch::Tensor& m_base = torch::Tensor()) {
+                 const torch::Tensor& d_base = torch::Tensor(), const torch::Tensor& m_base = torch::Tensor(),
+                 bool narrow = true) {
   Packed p;
   p.kind = d.dim() == 3 ? Kind::kQ8H : Kind::kQ8;
   TORCH_CHECK(d.dim() == 2 || d.size(2) == 2, "q8_h scales must be [n, blocks, 2]");
@@ -140,6 +146,23 @@ Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Te
   p.k = k;
   p.k2 = q.size(1) * kBlock;
   TORCH_CHECK(q.size(2) == kBlock && p.k2 >= k && p.k2 - k < kBlock, "q8_0 blocks must be [n, ceil(k / 32), 32]");
+  if (p.kind == Kind::kQ8H && narrow && q.min().item<int8_t>() >= -32 && q.max().item<int8_t>() <= 31) {
+    p.kind = Kind::kQ6H;
+    const int64_t blocks = q.size(1);
+    auto u = torch::full({p.panels() * kLanes, blocks, kBlock}, 32, torch::kUInt8);
+    u.narrow(0, 0, p.n).copy_((q.to(torch::kInt16) + 32).to(torch::kUInt8));
+    auto low = torch::bitwise_and(u, 15), high = torch::bitwise_right_shift(u, 4);  // [outputs, blocks, 32]
+    auto nibbles = torch::bitwise_or(low.narrow(2, 0, kBlock / 2), torch::bitwise_left_shift(low.narrow(2, kBlock / 2, kBlock / 2), 4));
+    auto lo = nibbles.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4});  // [panels][blocks][v][16][4]
+    auto pairs = high.view({p.panels() * kLanes, blocks, 2, 4, 4});  // [.., t, s, byte]: quad 4t + s
+    auto hi = pairs.select(3, 0);
+    for (int s = 1; s < 4; ++s) hi = torch::bitwise_or(hi, torch::bitwise_left_shift(pairs.select(3, s), 2 * s));
+    auto his = hi.view({p.panels(), kLanes, blocks, 2, 4}).permute({0, 2, 3, 1, 4});  // [panels][blocks][t][16][4]
+    p.data = torch::cat({lo.reshape({p.panels(), blocks, 4 * kLanes * 4}), his.reshape({p.panels(), blocks, 2 * kLanes * 4})}, 2)
+                 .contiguous().view({-1});
+    finish_blocks(p, d, m, d_base, m_base);
+    return p;
+  }
   auto padded = torch::full({p.panels() * kLanes, p.k2}, 128, torch::kUInt8);
   padded.narrow(0, 0, p.n).copy_((q.reshape({p.n, p.k2}).to(torch::kInt16) + 128).to(torch::kUInt8));
   p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
