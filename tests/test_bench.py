@@ -99,10 +99,11 @@ def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, sh
     assert 0 < row["median"] < 1000 and row["network"] > 0
 
 
-async def test_bench_measures_the_target_step_per_forward_not_per_round(models, tmp_path):
+async def test_bench_measures_the_target_step_per_forward_and_the_default_request_beside_drafters(models, tmp_path):
     """The drafter's cost column divides by one target step: the spec-off request's verify time per
     forward. Spec-off rounds decode ahead (many forwards a round), so per round it would be many
-    steps, and all of them together could not fit in the request's wall time."""
+    steps, and all of them together could not fit in the request's wall time. The "default" variant
+    is the request users send (AUTO), set beside the forced drafters and checked against spec-off."""
     import asyncio
 
     import grpc
@@ -116,9 +117,11 @@ async def test_bench_measures_the_target_step_per_forward_not_per_round(models, 
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
         def run():
             with grpc.insecure_channel(stack.gateway) as channel:
-                return run_prompt(pb_grpc.GatewayStub(channel), prompt, 32, 1, [Variant("ngram")])
+                return run_prompt(pb_grpc.GatewayStub(channel), prompt, 32, 1, [Variant("ngram"), Variant("default")])
 
-        [record] = await asyncio.to_thread(run)
+        record, default = await asyncio.to_thread(run)
+    assert (record.drafter, default.drafter) == ("ngram", "default")
+    assert default.identical and default.on_tokens == 32
     assert record.off_tokens == 32 and record.target_step_ms > 0
     assert record.target_step_ms * (record.off_tokens - 1) <= record.off_s * 1e3  # the decode's forwards fit in it
 

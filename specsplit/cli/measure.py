@@ -81,8 +81,9 @@ def add(sub) -> None:
     for flag, what in MODES:
         bench.add_argument(flag, action="store_true", help=what)
     bench.add_argument("--drafters", default="", type=list_of(str, "drafter names"),
-                       help="comma-separated drafters to compare side by side, e.g. ngram,self "
-                            "(default: every drafter of the started stack; with --gateway, its default)")
+                       help="comma-separated drafters to compare side by side, e.g. ngram,self; 'default': the "
+                            "default request (AUTO, no drafter named) as users send it (default: every drafter "
+                            "of the started stack and the default request; with --gateway, its default drafter)")
 
     soak = sub.add_parser("soak", help="N clients for M minutes against a stack started here (optionally with "
                                        "chaos); errors, latency, memory drift and what was left behind")

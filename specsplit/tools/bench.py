@@ -22,7 +22,7 @@ from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.serving import roundtime
 from specsplit.tools.launcher import Stack, StackConfig, gateway_stub
 from specsplit.tools.records import Record, depth_counts, first_divergence, print_table, summarise
-from specsplit.tools.workload import REQUEST, Prompt, Variant, load_prompts, request, warmup
+from specsplit.tools.workload import DEFAULT_REQUEST, REQUEST, Prompt, Variant, load_prompts, request, warmup
 
 
 def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant],
@@ -54,8 +54,11 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
             counts[1] += r.drafted
             counts[2] += r.accepted
         div = first_divergence(list(off.token_ids), list(on.token_ids))
-        label = f"{s.drafter}/{d.method}" if d.method else s.drafter
-        label += f"+tree{s.tree_budget}" if s.tree_budget else ""
+        if d.drafter == DEFAULT_REQUEST:
+            label = d.label  # whatever AUTO chose, round by round
+        else:
+            label = f"{s.drafter}/{d.method}" if d.method else s.drafter
+            label += f"+tree{s.tree_budget}" if s.tree_budget else ""
         records.append(Record(p.task_type, p.prompt, label,
                               statistics.median(off_times),
                               statistics.median(on_times[d]), len(off.token_ids), len(on.token_ids),
@@ -309,8 +312,8 @@ def main(args, config: StackConfig) -> int:
         anchor.warmup(prompts[0].prompt)
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         names = list(args.drafters)
-        if not names:  # every drafter the stack's draft service hosts; else the gateway's default
-            names = list(_draft_memory(stack.addresses["draft"])) if stack else [""]
+        if not names:  # every drafter the stack's draft service hosts, and the default request; else the gateway's default
+            names = [*_draft_memory(stack.addresses["draft"]), DEFAULT_REQUEST] if stack else [""]
         methods = list(args.methods) if args.temperature > 0 else [""]
         trees = list(args.tree_budgets) or [0]
         drafters = [Variant(n, m, t) for n in names for m in methods for t in trees]

@@ -61,7 +61,12 @@ class Variant:
 REQUEST = {"temperature": 0.0, "seed": 0, "predraft": pb.PREDRAFT_OFF}
 
 
+DEFAULT_REQUEST = "default"  # as a Variant's drafter: the request users send (AUTO, no drafter named)
+
+
 def request(p: Prompt, speculation: int, max_new_tokens: int, variant: Variant = Variant("")) -> pb.GenerateRequest:
+    if variant.drafter == DEFAULT_REQUEST and speculation == pb.SPECULATION_ON:
+        speculation, variant = pb.SPECULATION_AUTO, Variant("", variant.method, variant.tree_budget)
     method = cpb.VERIFY_METHOD_REJECTION if variant.method == "rejection" else cpb.VERIFY_METHOD_COUPLED
     req = pb.GenerateRequest(max_new_tokens=max_new_tokens, speculation=speculation, task_type=p.task_type,
                              drafter=variant.drafter, predraft=REQUEST["predraft"], tree_budget=variant.tree_budget,
