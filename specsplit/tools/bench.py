@@ -312,7 +312,7 @@ def main(args, config: StackConfig) -> int:
         anchor.warmup(prompts[0].prompt)
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         names = list(args.drafters)
-        if not names:  # every drafter the stack's draft service hosts, and the default request; else the gateway's default
+        if not names:  # every drafter the stack hosts and the default request; else the gateway's default
             names = [*_draft_memory(stack.addresses["draft"]), DEFAULT_REQUEST] if stack else [""]
         methods = list(args.methods) if args.temperature > 0 else [""]
         trees = list(args.tree_budgets) or [0]
