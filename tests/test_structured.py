@@ -110,6 +110,31 @@ async def test_forced_tokens_are_drafted_by_the_verifier(tiny):
     assert all(r.forced_accepted <= r.forced for r in auto.stats.round_records)
 
 
+def test_a_draft_is_cut_to_the_language_and_carried_on_with_what_it_forces_after_it(models):
+    """The verifier's draft under a constraint: the caller's tokens the language allows, then the
+    tokens the language forces after them (a value's last word, then the fixed text that follows
+    it), each flagged as forced or not; a draft that leaves the language is cut where it does."""
+    from transformers import AutoTokenizer
+
+    from specsplit.serving.grammar import Language
+
+    tokenizer = AutoTokenizer.from_pretrained(models["target"])
+    language = Language(cpb.Constraint(regex=r"The answer is (yes|no), and that is final\."), tokenizer,
+                        len(tokenizer))
+    matcher = language.matcher()
+    ids = tokenizer("The answer is yes", add_special_tokens=False).input_ids
+    tokens, keep, forced = matcher.fit(ids, 32)
+    assert keep == len(ids) and tokens[:keep] == ids and len(forced) == len(tokens)
+    tail = tokens[keep:]
+    assert tail and all(forced[keep:]) and not forced[keep - 1]  # "yes" was a choice, what follows is not
+    assert ", and that is final.".startswith(tokenizer.decode(tail)), tokenizer.decode(tail)
+    assert matcher.fit(ids, keep + 1)[0] == ids + tail[:1]  # no further than asked
+    wrong = tokenizer("The answer is maybe", add_special_tokens=False).input_ids
+    cut, kept, flags = matcher.fit(wrong, 0)
+    assert kept < len(wrong) and cut == wrong[:kept] and len(flags) == kept
+    assert matcher.fit([], 32)[0] == matcher.forced(32)  # nothing drafted: what the language forces from here
+
+
 async def test_a_budget_inside_the_structure_says_so(tiny):
     _, stub = tiny
     out = await generate(stub, ON, cpb.Constraint(regex="[a-z]{60}"), "Answer:", max_new_tokens=3)

@@ -57,12 +57,13 @@ class Decoding:
 
     def add(self, result, session: TargetSession) -> None:
         self.results.append(result)
-        if result.constrained:  # the lookup as verified: cut to the language, the rest forced
+        if result.constrained:  # the lookup as verified: cut to the language, forced tokens aside
             self.looked = len(result.draft) - result.forced
+        own = result.num_accepted - result.forced_accepted  # of the lookup's tokens
         self.drafted += self.looked
-        self.copying = self.looked > 0 and result.num_accepted == self.looked
+        self.copying = self.looked > 0 and own == self.looked
         if self.looked:
-            session.agreement.add(self.looked, result.num_accepted)
+            session.agreement.add(self.looked, own)
 
     def finished(self, request: pb.VerifyRequest, session: TargetSession, max_context: int) -> bool:
         """After the step just added: the budget spent, a stop token committed, or the context full."""

@@ -243,7 +243,7 @@ class Target:
         proposals = proposals or []
         if self._rejects(session):
             self._check_proposals(draft, proposals)
-        forced = 0
+        forced: tuple[bool, ...] = ()  # which draft tokens the language forced
         if session.matcher is not None:  # a forced token's q is 1 on it (exact: rejection sampling takes any q)
             draft, keep, forced = session.matcher.fit(draft, fill)
             proposals = [*proposals[:keep], *((torch.tensor([t]), torch.tensor([1.0])) for t in draft[keep:]
@@ -280,8 +280,8 @@ class Target:
             logprobs = token_logprobs(logits[kept], committed, asked.top) if asked.generated else ()
             return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path),
                                 logprobs=tuple(logprobs), constrained=session.matcher is not None,
-                                draft=tuple(draft) if session.matcher is not None else (), forced=forced,
-                                forced_accepted=min(len(path), forced),
+                                draft=tuple(draft) if session.matcher is not None else (), forced=sum(forced),
+                                forced_accepted=sum(forced[:len(path)]),
                                 complete=session.matcher is not None and session.matcher.complete)
 
         return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.with_features)

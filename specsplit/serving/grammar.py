@@ -89,19 +89,28 @@ class Matcher:
         """Up to `most` tokens that are the only continuation the language allows from here."""
         return list(self._m.compute_ff_tokens())[:most] if most > 0 else []
 
-    def fit(self, draft: list[int], most: int) -> tuple[list[int], int, int]:
-        """A draft cut to what the language allows, its start checked against what the language
-        forces and carried on with it up to `most` tokens (forced tokens are the canonical
-        tokenization of a forced text: the target may still choose another, so they are verified
-        like any draft). Returns (the draft, how many of the given tokens it keeps, how many of its
-        leading tokens the language forced)."""
+    def fit(self, draft: list[int], most: int) -> tuple[list[int], int, tuple[bool, ...]]:
+        """A draft cut to what the language allows, then carried on with what the language forces
+        after it, up to `most` tokens in all (forced tokens are the canonical tokenization of a
+        forced text: the target may still choose another, so they are verified like any draft).
+        Returns (the draft, how many of the given tokens it keeps, which of its tokens the language
+        forced: those of the given ones that are what it forces from here, and the carried-on)."""
         keep = self.allowed(draft)
         draft = draft[:keep]
-        forced = self.forced(max(most, keep))
-        common = min(keep, len(forced))
-        if not forced or draft[:common] != forced[:common]:
-            return draft, keep, 0
-        return (forced if len(forced) > keep else draft), keep, len(forced)
+        start = self.forced(keep)
+        lead = next((i for i, (a, b) in enumerate(zip(draft, start)) if a != b), min(keep, len(start)))
+        tail = self._forced_after(draft, most - keep)
+        return draft + tail, keep, (True,) * lead + (False,) * (keep - lead) + (True,) * len(tail)
+
+    def _forced_after(self, tokens: list[int], most: int) -> list[int]:
+        """Up to `most` tokens the language forces after `tokens` (allowed from here)."""
+        if most <= 0 or not tokens:
+            return self.forced(most)
+        taken = self._m.try_consume_tokens(tokens)
+        try:
+            return [] if taken < len(tokens) or self._m.is_stopped() else self.forced(most)
+        finally:
+            self._m.rollback(taken)
 
     def walk(self, draft: list[int]) -> Walk:
         """The matcher walked along a chain draft as a verification reads its rows."""
