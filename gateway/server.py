@@ -317,8 +317,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
         # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
         tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else settings.tree_budget)
-        if tree <= 1 or not speculate or not b.target.tree_verify or request.HasField("constraint"):
-            tree = 0  # trees need a verifier that takes them; a constrained session verifies chains
+        if tree <= 1 or not speculate or not b.target.tree_verify:
+            tree = 0  # trees need a verifier that takes them
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,

@@ -64,18 +64,23 @@ async def tiny(models, tmp_path_factory):
 ], ids=["regex", "lark"])
 async def test_every_choice_stays_in_the_language_with_speculation_on_and_off(tiny, constraint, check):
     _, stub = tiny
-    texts = {}
-    for mode, speculation, drafter in (("off", OFF, ""), ("ngram", ON, "ngram"), ("model", ON, "model"),
-                                       ("auto", AUTO, "")):
+    texts, trees = {}, 0
+    for mode, speculation, drafter, tree in (("off", OFF, "", 0), ("ngram", ON, "ngram", 1), ("model", ON, "model", 1),
+                                             ("tree", ON, "model", 8), ("auto", AUTO, "", 0)):
         for prompt in ("Answer:", "Say cat or dog"):
-            out = await generate(stub, speculation, constraint, prompt, drafter=drafter, max_new_tokens=24)
+            out = await generate(stub, speculation, constraint, prompt, drafter=drafter, max_new_tokens=24,
+                                 tree_budget=tree)
             texts[mode, prompt] = out.text
+            if mode == "tree":  # token trees under a constraint: rows masked along each path read
+                assert out.stats.tree_budget == 8
+                trees += sum(r.drafted > r.depth for r in out.stats.round_records)
             if out.stats.constraint_complete:  # a whole sentence: it ended there (EOS), not at the budget
                 assert check(out.text), out.text
                 assert out.finish_reason == pb.FINISH_REASON_EOS
             else:  # the budget cut it: a prefix of a sentence
                 assert out.finish_reason == pb.FINISH_REASON_LENGTH and out.stats.generated_tokens == 24
-    for mode in ("ngram", "model", "auto"):  # greedy: the constraint and the drafts change nothing
+    assert trees  # some rounds branched
+    for mode in ("ngram", "model", "tree", "auto"):  # greedy: the constraint and the drafts change nothing
         assert [texts[mode, p] for p in ("Answer:", "Say cat or dog")] == \
                [texts["off", p] for p in ("Answer:", "Say cat or dog")]
 

@@ -238,13 +238,14 @@ class Target:
             tokentree.check(parents, len(draft))
             if tokentree.is_chain(parents):
                 parents = None
-        if parents is not None and session.matcher is not None:
-            raise ValueError("a constrained session verifies chains only: send no draft_parents")
         proposals = proposals or []
         if self._rejects(session):
             self._check_proposals(draft, proposals)
         forced: tuple[bool, ...] = ()  # which draft tokens the language forced
-        if session.matcher is not None:  # a forced token's q is 1 on it (exact: rejection sampling takes any q)
+        # A chain is cut to the language and carried on with what it forces; a tree is verified as
+        # sent (its rows are masked along each path read, so a token outside the language is never
+        # chosen). A forced token's q is 1 on it (exact: rejection sampling takes any q).
+        if session.matcher is not None and parents is None:
             draft, keep, forced = session.matcher.fit(draft, fill)
             proposals = [*proposals[:keep], *((torch.tensor([t]), torch.tensor([1.0])) for t in draft[keep:]
                                               if self._rejects(session))]
@@ -339,7 +340,7 @@ class Target:
                 parents: list[int] | None) -> tuple[list[int], int]:
         """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token),
         under a constraint along the matcher's walk (verify_service.choice)."""
-        walk = session.matcher.walk(draft) if session.matcher is not None else None
+        walk = session.matcher.walk(draft, parents) if session.matcher is not None else None
         try:
             return decide(session.sampling, logits, draft, proposals, start, parents, walk)
         finally:

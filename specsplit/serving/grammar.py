@@ -112,9 +112,10 @@ class Matcher:
         finally:
             self._m.rollback(taken)
 
-    def walk(self, draft: list[int]) -> Walk:
-        """The matcher walked along a chain draft as a verification reads its rows."""
-        return Walk(self, draft)
+    def walk(self, draft: list[int], parents: list[int] | None = None) -> Walk:
+        """The matcher walked along a draft (a chain, or a token tree: draft[i]'s parent is
+        draft[parents[i]], -1 the last committed token) as a verification reads its rows."""
+        return Walk(self, draft, parents)
 
     def _mask(self) -> torch.Tensor:
         """[vocab] bool: the tokens allowed from here (the mask costs ~0.1 ms on a JSON schema)."""
@@ -140,23 +141,41 @@ class Matcher:
 
 
 class Walk:
-    """A matcher along a chain draft, row by row in order (row i follows draft[:i]): whether a token
+    """A matcher along a draft as a verification reads its rows (row r follows the path to
+    draft[r - 1]: in a chain draft[:r], in a tree that node's ancestors and itself): whether a token
     is allowed at a row (a check of one token, microseconds), and the row's whole mask only when a
-    verification needs it. close() brings the matcher back to where it began."""
+    verification needs it. Moving to another row rolls the matcher back to the paths' common part
+    and consumes the rest (a verification reads the rows of the path it accepts, in order); close()
+    brings the matcher back to where it began. Draft tokens outside the language need no cut to
+    stay out of the output: no row chooses them."""
 
-    def __init__(self, matcher: Matcher, draft: list[int]):
-        self._matcher, self._draft, self._at, self._consumed = matcher, draft, 0, 0
+    def __init__(self, matcher: Matcher, draft: list[int], parents: list[int] | None = None):
+        self._matcher, self._draft, self._parents = matcher, draft, parents
+        self._path: list[tuple[int, bool]] = []  # draft indices consumed along, and whether the matcher took each
+
+    def _nodes(self, row: int) -> list[int]:
+        if self._parents is None:
+            return list(range(row))
+        nodes, node = [], row - 1
+        while node >= 0:
+            nodes.append(node)
+            node = self._parents[node]
+        return nodes[::-1]
 
     def _reach(self, row: int) -> None:
-        if row < self._at:
-            raise ValueError(f"row {row} read after row {self._at}: a walk goes forward")
-        m = self._matcher._m
-        while self._at < row:
-            if not m.is_stopped():  # past the language's end only its stop (EOS) follows
-                if not m.consume_token(self._draft[self._at]):
-                    raise ValueError(f"draft token {self._draft[self._at]} is outside the constraint's language")
-                self._consumed += 1
-            self._at += 1
+        nodes, m = self._nodes(row), self._matcher._m
+        common = 0
+        while common < min(len(nodes), len(self._path)) and self._path[common][0] == nodes[common]:
+            common += 1
+        taken = sum(took for _, took in self._path[common:])
+        if taken:
+            m.rollback(taken)
+        del self._path[common:]
+        for node in nodes[common:]:
+            took = not m.is_stopped()  # past the language's end only its stop (EOS) follows
+            if took and not m.consume_token(self._draft[node]):
+                raise ValueError(f"draft token {self._draft[node]} is outside the constraint's language")
+            self._path.append((node, took))
 
     def allows(self, row: int, token: int) -> bool:
         self._reach(row)
@@ -167,6 +186,7 @@ class Walk:
         return self._matcher._mask()
 
     def close(self) -> None:
-        if self._consumed:
-            self._matcher._m.rollback(self._consumed)
-        self._consumed = self._at = 0
+        taken = sum(took for _, took in self._path)
+        if taken:
+            self._matcher._m.rollback(taken)
+        self._path.clear()
