@@ -4,6 +4,7 @@ file's, in transformers' row order (q and k un-permuted), and verification stays
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -315,6 +316,7 @@ def test_auto_serves_a_gguf_sourced_model_from_its_blocks_measured_once(every_ty
     from specsplit.model import weightchoice
     from specsplit.serving import runtime
     from specsplit.serving.settings import ModelSettings
+    from specsplit.tools.launcher import StackConfig
 
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "cache"))
     assert weightchoice.recorded(every_type_dir) is None
@@ -328,6 +330,8 @@ def test_auto_serves_a_gguf_sourced_model_from_its_blocks_measured_once(every_ty
     monkeypatch.setattr(weightchoice, "measure", measured_again)
     assert weightchoice.choose(every_type_dir) == choice
     assert runtime.load(ModelSettings(str(every_type_dir), quantize="auto")).kernels == "native gguf"
+    stack = StackConfig(target_model=str(every_type_dir), quantize="auto")  # what bench and validate measure
+    assert stack.resolved().quantize == "gguf" and replace(stack, quantize="").resolved().quantize == ""
 
     plain = tmp_path / "plain"  # a model without a GGUF file: its dtype
     plain.mkdir()

@@ -145,13 +145,11 @@ def stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def stack_config(a: argparse.Namespace):
-    from specsplit.model import weightchoice
     from specsplit.tools.launcher import StackConfig
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, draft_quantize=a.draft_quantize, draft_vocab=a.draft_vocab,
-                       device=a.device, exact=a.exact,
-                       quantize=weightchoice.resolve(a.quantize, a.target_model, a.dtype, a.device),
+                       device=a.device, exact=a.exact, quantize=a.quantize,
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
                        self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,

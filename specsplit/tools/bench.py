@@ -227,6 +227,8 @@ def busy_spell(stub, prompts: list[Prompt], max_new_tokens: int, n: int) -> None
 
 
 def main(args, config: StackConfig) -> int:
+    if not args.gateway:  # a stack started here: its target's weights named and measured as served
+        config = config.resolved()
     if args.structured:  # its own workload: prompts with schemas
         from specsplit.tools import structured
 

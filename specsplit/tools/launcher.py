@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -62,7 +62,7 @@ class StackConfig:
     draft_vocab: int = DraftSettings.draft_vocab  # the model drafter's draft vocabulary (0: all)
     device: str = "cpu"
     exact: bool = True
-    quantize: str = ""  # the target's weights: as serve verify's --quantize ("" its dtype; the CLI resolves auto)
+    quantize: str = ""  # the target's weights: as serve verify's --quantize ("" its dtype, auto: weightchoice)
     batch_wait_ms: float = VerifySettings.batch_wait_ms  # the verify service's --batch-wait-ms
     drafter: str = DraftSettings.default_drafter  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
@@ -78,6 +78,13 @@ class StackConfig:
     verify_replicas: int = 1  # verify processes behind the gateway: verify, verify-2, ...
     policy: str | None = None  # the gateway's --policy (from `specsplit calibrate` or `validate`)
     pins: dict = field(default_factory=dict)  # service -> its --cpus (0,2-3; verify: every replica)
+
+    def resolved(self) -> StackConfig:
+        """The config with the target's weights chosen (`--quantize auto`, cached), for a tool that
+        measures the model a stack started here serves (its step, its kernels' name)."""
+        from specsplit.model import weightchoice
+
+        return replace(self, quantize=weightchoice.resolve(self.quantize, self.target_model, self.dtype, self.device))
 
 
 def sweep_shared_memory() -> list[str]:

@@ -213,6 +213,8 @@ def _format_row(name: str, runs: list[PromptRuns], baseline: list[PromptRuns], p
 def main(args, config: StackConfig) -> int:
     from tqdm import tqdm
 
+    if not args.gateway:  # a stack started here: its own weights' row of the matrix named as served
+        config = config.resolved()
     prompts = load_prompts(args.prompts, args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
