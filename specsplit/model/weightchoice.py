@@ -6,9 +6,9 @@ dequantized, so they cost 2-2.5x the time for no gain in fidelity to the file. U
 worse: their perplexity on a fixed text (specsplit/data/perplexity.txt) against the dequantized
 weights', in the dtype asked. The blocks are refused when that text shows them more than 1 % worse
 beyond its own uncertainty: the mean per-token log-likelihood difference less two standard errors
-(about 450 tokens: ±0.8 % on the default model) must exceed log(1.01). A difference within the
-text's noise, or between machines' kernels (the default model measures +0.96 % to +1.1 % on
-machines of this kind), does not flip the choice.
+(about 460 tokens; on the default model two standard errors are 1.4 %) must exceed log(1.01). A
+difference within the text's noise, or between machines' kernels (the default model measures
++0.96 % to +1.1 % on machines of this kind), does not flip the choice.
 
 The verdict is measured once per file, dtype and kernel path, and kept in the cache
 (`<cache>/weights/`), so a verifier that starts later, or `specsplit models`, reads it."""
