@@ -151,6 +151,10 @@ def test_llama_server_runs_plain_and_with_its_speculation_over_its_openai_api(tm
     llamaserver.print_table(served, rows)
     out = capsys.readouterr().out
     assert "llama-server 40.0 ms, ours 20.0 ms (0.50x its time)" in out
+    traffic_rows = [{k: v for k, v in r.items() if k != "prefill_ms_off"} for r in rows]  # bench --traffic's
+    llamaserver.print_table(served, traffic_rows)
+    out = capsys.readouterr().out
+    assert "code" in out and "prompt processing, median" not in out
     assert [line.split()[0] for line in out.splitlines()[2:4]] == ["code", "open"]
     assert f"llama-server {spec}: 3/12 drafted tokens accepted" in out
 

@@ -147,12 +147,13 @@ def print_table(served: dict[str, dict[str, Served]], rows: list[dict]) -> None:
             line += (f" {rate:>16.1f} {rate / plain:>6.2f}x {rate / spec:>9.2f}x" if rate and plain and spec
                      else f" {'-':>16} {'-':>7} {'-':>10}")
         print(line)
-    plain, ours = served[names[0]].get("ALL", Served()).prompt_ms, [r["prefill_ms_off"] for r in rows
-                                                                     if r["task_type"] == "ALL"][:1]
-    if plain and ours and all(plain):
+    plain = served[names[0]].get("ALL", Served()).prompt_ms
+    # The bench's rows carry our spec-off prompt processing (every drafter's: the same runs); --traffic's do not.
+    ours = next((r["prefill_ms_off"] for r in rows if r["task_type"] == "ALL" and "prefill_ms_off" in r), None)
+    if plain and ours is not None and all(plain):
         print(f"prompt processing, median per prompt (cold; the server's timings.prompt_ms, our stats.prefill_ms "
-              f"spec-off): llama-server {statistics.median(plain):.1f} ms, ours {ours[0]:.1f} ms "
-              f"({ours[0] / statistics.median(plain):.2f}x its time)")
+              f"spec-off): llama-server {statistics.median(plain):.1f} ms, ours {ours:.1f} ms "
+              f"({ours / statistics.median(plain):.2f}x its time)")
     for n in names[1:]:
         t = served[n].get("ALL", Served())
         if t.drafted:
