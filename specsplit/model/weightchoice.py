@@ -81,18 +81,16 @@ def choose(model_dir: Path, dtype: str = "bfloat16", device: str = "cpu") -> Cho
     if why_not:
         return Choice("", f"{dtype}: its GGUF blocks need the native kernels with AVX-512 VNNI ({why_not})")
     path = _record_path(model_dir, dtype)
-    if path.is_file():
-        return Measured(**json.loads(path.read_text())).choice(dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the others read its verdict
-        if not path.is_file():
-            log.info("choosing %s's weights: perplexity of its GGUF blocks vs %s (once)", model_dir.name, dtype)
-            measured = measure(model_dir, dtype)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(asdict(measured)))
-            tmp.replace(path)
-    return Measured(**json.loads(path.read_text())).choice(dtype)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the others read its verdict
+            if not path.is_file():
+                log.info("choosing %s's weights: perplexity of its GGUF blocks vs %s (once)", model_dir.name, dtype)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(asdict(measure(model_dir, dtype))))
+                tmp.replace(path)
+    return _verdict(path, dtype)
 
 
 def recorded(model_dir: Path, dtype: str = "bfloat16") -> Choice | None:
@@ -100,7 +98,11 @@ def recorded(model_dir: Path, dtype: str = "bfloat16") -> Choice | None:
     if not (model_dir / "model.gguf").exists():
         return None
     path = _record_path(model_dir, dtype)
-    return Measured(**json.loads(path.read_text())).choice(dtype) if path.is_file() else None
+    return _verdict(path, dtype) if path.is_file() else None
+
+
+def _verdict(path: Path, dtype: str) -> Choice:
+    return Measured(**json.loads(path.read_text())).choice(dtype)
 
 
 def measure(model_dir: Path, dtype: str) -> Measured:

@@ -253,7 +253,6 @@ def main(args, config: StackConfig) -> int:
         from specsplit.tools import traffic
 
         return traffic.main(args, config)
-
     if args.controlled:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             code = controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)

@@ -15,9 +15,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.tools.workload import Prompt, Variant, load_prompts, request, warmup
+from specsplit.tools.workload import DEFAULT_REQUEST, Prompt, Variant, load_prompts, request, warmup
 
-OFF, AUTO = "off", "default"
+OFF, AUTO = "off", DEFAULT_REQUEST
 
 
 def main(args, config) -> int:
