@@ -1,6 +1,6 @@
 import torch
 
-from specsplit.spec.acceptance import greedy_accept
+from specsplit.spec.acceptance import argmax_rows, greedy_accept
 
 
 def logits_with_argmax(choices: list[int], vocab: int = 10) -> torch.Tensor:
@@ -46,3 +46,14 @@ def test_tree_with_no_matching_child_recovers_at_the_root():
 def test_tree_stops_where_the_chosen_token_has_no_child():
     # The target agrees with 3 but then wants 2, and 3's only child is 4.
     assert greedy_accept(logits_with_argmax([3, 0, 2, 0]), [7, 3, 4], [-1, -1, 1]) == ([1], 2)
+
+
+def test_argmax_rows_takes_the_first_maximum_as_torch_does_in_every_dtype():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 4099)
+    logits[1, 17] = logits[1, 900] = logits[1, 4000] = 50.0  # a tie: the first one wins
+    logits[2, :] = 0.0  # all equal: index 0
+    logits[3, 5] = float("inf")
+    for x in (logits, logits.bfloat16(), logits.half(), logits[1:4]):
+        assert argmax_rows(x) == x.argmax(-1).tolist()
+    assert argmax_rows(logits)[1:4] == [17, 0, 5]

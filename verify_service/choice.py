@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.spec.acceptance import coupled_accept, greedy_accept, rejection_accept
+from specsplit.spec.acceptance import argmax_rows, coupled_accept, greedy_accept, rejection_accept
 from specsplit.spec.sampling import Method, SamplingParams, warp
 from specsplit.spec.tokentree import follow
 
@@ -37,7 +37,7 @@ def decide(params: SamplingParams, logits: torch.Tensor, draft: list[int], propo
             return greedy_accept(logits, draft, parents)
 
         def choose(row: int, depth: int) -> int:
-            token = int(logits[row].argmax())
+            token = argmax_rows(logits[row:row + 1])[0]
             if walk.allows(row, token):
                 return token
             return int(logits[row].masked_fill(~walk.mask(row), float("-inf")).argmax())

@@ -16,8 +16,17 @@ def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | N
     target's own argmax choices, and the target's choice right after it — the recovered token at
     the first mismatch, or the bonus token when the path ends in a leaf.
     """
-    choices = logits.argmax(dim=-1).tolist()
+    choices = argmax_rows(logits)
     return follow(lambda row, depth: choices[row], draft, parents)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first maximum, as torch's). A CPU float32 row goes through numpy,
+    whose argmax is 6-8x faster than torch's over a vocabulary (4 vs 30-40 us a row here): a
+    greedy round reads one to nine rows, a decoded token one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def coupled_accept(probs, draft: list[int], seed: int, start: int,
