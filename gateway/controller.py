@@ -34,6 +34,9 @@ class RoundFacts:
     depth: int = 0  # a token tree's longest path; 0: a chain (its depth is drafted)
     expected: float = 0.0  # the drafter's estimate of accepted drafts (sum of scores); 0: unscored
     decoded: int = 0  # a round without a draft that decoded ahead: its times cover 1 + decoded tokens
+    round_ms: float = 0.0  # its wall time on the gateway, everything on its critical path
+    asked: bool = False  # it asked the drafter
+    copy: bool = False  # a copy was in sight as it started (gateway.gate)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,9 @@ class TypeState:
         self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
         # Per spec-on round: the rows it verifies and its drafting on the critical path.
         self.rows_on, self.draft_round_ms = Ewma(d), Ewma(d)
+        # Rounds of AUTO requests that asked the drafter, by situation (a copy in sight or not): tokens
+        # committed and wall time per round, the gate's own measure (gateway.gate)
+        self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
         # With others in flight: per load bucket, decode ms per token of spec-on and spec-off
         # requests that ran at that concurrency, and the bucket's decisions so far.
         self.loaded: dict[int, tuple[deque[float], deque[float]]] = {}
@@ -307,7 +313,8 @@ class Controller:
         verify = st.verify_cost(round(rows) - 1) if rows is not None else None
         on_ms = None if verify is None or draft is None else verify + draft + (st.network_on.value or 0.0)
         off_ms = st.off_time_per_token() or (self.cost_curve[0] if self.cost_curve else None)
-        return Prior(tokens, on_ms, off_ms)
+        situations = {copy: (t.value, ms.value) for copy, (t, ms) in st.asked.items() if t.value is not None}
+        return Prior(tokens, on_ms, off_ms, situations)
 
     def score_scale(self, task_type: str, drafter: str) -> float:
         return self.state(task_type, drafter).score_scale
@@ -319,6 +326,10 @@ class Controller:
         st = self.state(task_type, drafter)
         alone = decision.clients <= 1  # timings under load (batched forwards) say nothing of a lone request
         for r in stats.rounds:
+            if r.asked and alone:
+                tokens, ms = st.asked[r.copy]
+                tokens.add(r.accepted + 1 + r.decoded)
+                ms.add(r.round_ms)
             if r.drafted:
                 st.accepted.add(r.accepted)
                 st.rejected.add(1.0 if r.accepted < (r.depth or r.drafted) else 0.0)

@@ -14,7 +14,7 @@ Python, no gRPC (docs/controller.md#per-request)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specsplit.spec.ewma import Ewma
 from specsplit.spec.lookup import BigramIndex
@@ -31,22 +31,26 @@ PROBE_MIN, PROBE_MAX = 4, 32
 @dataclass(frozen=True)
 class Prior:
     """What the request's type (or load bucket) knows: a round that asks commits `tokens` in
-    `on_ms`; a round that does not commits one token in `off_ms`. None fields: unknown."""
+    `on_ms`; a round that does not commits one token in `off_ms`. None fields: unknown.
+    `situations`: where the type's earlier requests asked with a copy in sight (True) or without
+    (False), what those rounds committed and took, (tokens, on_ms): that situation's prior instead."""
 
     tokens: float | None = None
     on_ms: float | None = None
     off_ms: float | None = None
+    situations: dict[bool, tuple[float, float]] = field(default_factory=dict)
 
 
 class _Kind:
     """Rounds that asked the drafter in one situation (a copy in sight, or not): what they earned,
     whether asking pays, and when to probe again if it does not."""
 
-    def __init__(self, prior: Prior):
+    def __init__(self, prior: Prior, copy: bool):
         self.tokens, self.on_ms = Ewma(DECAY), Ewma(DECAY)
-        if prior.tokens is not None and prior.on_ms is not None:
-            self.tokens.add(prior.tokens, PRIOR_ROUNDS)
-            self.on_ms.add(prior.on_ms, PRIOR_ROUNDS)
+        tokens, on_ms = prior.situations.get(copy, (prior.tokens, prior.on_ms))
+        if tokens is not None and on_ms is not None:
+            self.tokens.add(tokens, PRIOR_ROUNDS)
+            self.on_ms.add(on_ms, PRIOR_ROUNDS)
         self.asking = True  # set from the prior by the gate
         self.interval = PROBE_MIN
         self.since_ask = 0  # tokens since this kind last asked: off by its prior, it probes after PROBE_MIN
@@ -61,7 +65,7 @@ class Gate:
         self.off_ms = Ewma(DECAY)
         if prior.off_ms is not None:
             self.off_ms.add(prior.off_ms, PRIOR_ROUNDS)
-        self.kinds = {copy: _Kind(prior) for copy in (True, False)}
+        self.kinds = {copy: _Kind(prior, copy) for copy in (True, False)}
         for kind in self.kinds.values():
             kind.asking = self._pays(kind.tokens.value, kind.on_ms.value)
         self._context: list[int] = []  # the prompt and the committed tokens
@@ -100,18 +104,21 @@ class Gate:
         due = kind.interval - kind.since_ask
         return due if due > 0 else PROBE_MIN
 
-    def record(self, asked: bool, committed: int, ms: float) -> None:
+    def record(self, asked: bool, committed: int, ms: float) -> bool:
         """A round's outcome: it asked the drafter or not, committed `committed` tokens in `ms` wall
-        time (everything on its critical path). Call extend() with its tokens after."""
+        time (everything on its critical path). Returns whether a copy was in sight as it started.
+        Call extend() with its tokens after."""
         kind = self._kind if self._kind is not None else self.kinds[self.copyable]
         self._kind = None
+        copy = kind is self.kinds[True]
         for other in self.kinds.values():
             other.since_ask += committed
         if not asked:
             self.off_ms.add(ms / max(1, committed))
-            return
+            return copy
         kind.tokens.add(committed)
         kind.on_ms.add(ms)
         kind.since_ask = 0
         kind.asking = self._pays(kind.tokens.value, kind.on_ms.value, HOLD if kind.asking else 1.0)
         kind.interval = PROBE_MIN if kind.asking else min(PROBE_MAX, 2 * kind.interval)
+        return copy

@@ -213,7 +213,7 @@ class Instruments:
 def outcome(stats: pb.GenerationStats) -> Outcome:
     """A response's stats as the controller reads them."""
     return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth, r.expected,
-                               r.decoded)
+                               r.decoded, r.round_ms, r.asked, r.copy_in_sight)
                     for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used)
 
 
@@ -225,7 +225,8 @@ def _record(r) -> pb.RoundRecord:
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
                           expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls,
                           decoded=r.decoded, lookup_drafted=r.lookup_drafted, lookup_accepted=r.lookup_accepted,
-                          forced=r.forced, forced_accepted=r.forced_accepted)
+                          forced=r.forced, forced_accepted=r.forced_accepted, asked=r.asked,
+                          copy_in_sight=r.copy)
 
 
 def _prefill_network_ms(request: Request) -> float:

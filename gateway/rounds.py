@@ -152,14 +152,14 @@ class RoundLoop:
         """What the round did, for the gate (now) and the stats (after the answer); returns its end."""
         end = now()
         committed = request.cursor.last
-        request.gate.record(draft.asked, len(committed), (end - mark) / 1e6)
+        copy = request.gate.record(draft.asked, len(committed), (end - mark) / 1e6)
         request.gate.extend(committed)
         request.measured.rounds.append(Round(
             len(draft.tokens), verdict.num_accepted, draft.draft_ns, draft.call_ns, verdict.forward_ns, verify_call,
             end - mark, draft.source, draft.feature_bytes, payloads.proposal_bytes(draft.probs, draft.probs_ref),
             draft.predrafted, draft.depth, draft.expected, verdict.batch_rows, verdict.batch_calls,
             len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.forced,
-            verdict.forced_accepted))
+            verdict.forced_accepted, draft.asked, copy))
         request.measured.constraint_complete = verdict.constraint_complete
         return end
 

@@ -64,6 +64,8 @@ class Round(NamedTuple):
     lookup_accepted: int = 0
     forced: int = 0  # drafts the verifier made because the constraint forced them
     forced_accepted: int = 0
+    asked: bool = False  # the round asked the drafter (or used a pre-draft)
+    copy: bool = False  # a copy was in sight as it started (gateway.gate)
 
 
 @dataclass

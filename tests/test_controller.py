@@ -251,3 +251,24 @@ def test_a_busy_spell_is_followed_while_it_lasts_and_forgotten_after():
     back = serve(c, Workload(alpha=0.75, seed=5), 200)
     assert st.enabled and "recovered" in st.history[-1][2]
     assert sum(d.drafted > 0.9 for d in back[-10:]) >= 8
+
+
+def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
+    """A type whose requests win where a copy is in sight and lose where none is: the next request's
+    gate asks in the first situation and not in the second (the type's mean would ask in both)."""
+    controller = Controller(ControllerSettings())
+    off = [pb.RoundRecord(verify_ms=2.0, round_ms=2.2) for _ in range(20)]
+    controller.observe("qa", "hybrid", Decision(False, 0, "control", 1),
+                       outcome(pb.GenerationStats(generated_tokens=21, decode_ms=44.0, round_records=off)))
+    rounds = [pb.RoundRecord(drafted=4, accepted=3, verify_ms=2.6, draft_ms=0.3, network_ms=0.3, round_ms=3.3,
+                             asked=True, copy_in_sight=True) for _ in range(10)]
+    rounds += [pb.RoundRecord(drafted=3, accepted=0, verify_ms=2.5, draft_ms=0.4, network_ms=0.3, round_ms=3.3,
+                              asked=True, copy_in_sight=False) for _ in range(10)]
+    decision = Decision(True, 4, "on", 1)
+    controller.observe("qa", "hybrid", decision,
+                       outcome(pb.GenerationStats(generated_tokens=51, decode_ms=66.0, round_records=rounds,
+                                                  speculation_used=True)))
+    prior = controller.prior("qa", "hybrid", decision)
+    assert prior.situations[True] == (4.0, 3.3) and prior.situations[False] == (1.0, 3.3)
+    gate = Gate(prior)
+    assert gate.kinds[True].asking and not gate.kinds[False].asking

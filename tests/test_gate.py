@@ -115,3 +115,18 @@ def test_a_probe_due_while_a_copy_is_in_sight_does_not_cut_decoding_to_single_to
     gate.kinds[False].since_ask = gate.kinds[False].interval  # rounds without a copy are due a probe
     assert gate.copyable and not gate.ask()  # not now: a copy is in sight
     assert gate.off_run() == PROBE_MIN
+
+
+def test_each_situation_starts_from_what_its_own_rounds_earned_in_earlier_requests():
+    # The type's earlier requests: asking with a copy in sight committed 4 tokens a 3 ms round,
+    # asking without one 1 token a 3 ms round, against a 2 ms token decoded alone.
+    prior = Prior(tokens=2.5, on_ms=ASK, off_ms=STEP, situations={True: (4.0, ASK), False: (1.0, ASK)})
+    gate = Gate(prior)
+    assert gate.kinds[True].asking and not gate.kinds[False].asking
+    # Without situations both start from the type's mean, which pays.
+    assert all(kind.asking for kind in Gate(Prior(tokens=2.5, on_ms=ASK, off_ms=STEP)).kinds.values())
+    # record() says which situation a round was in.
+    gate.extend([1, 2, 3, 1, 2])  # "1 2" occurred before: a copy in sight
+    assert gate.ask() and gate.record(True, 3, ASK) is True
+    gate.extend([9, 8])
+    assert not gate.ask() and gate.record(False, 1, STEP) is False
