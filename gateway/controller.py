@@ -113,6 +113,7 @@ class TypeState:
         # Rounds of AUTO requests that asked the drafter, by situation (a copy in sight or not): tokens
         # committed and wall time per round, the gate's own measure (gateway.gate)
         self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
+        self.unasked_ms = Ewma(d)  # and wall time per token of rounds that did not ask (spec-off's too)
         # With others in flight: per load bucket, decode ms per token of spec-on and spec-off
         # requests that ran at that concurrency, and the bucket's decisions so far.
         self.loaded: dict[int, tuple[deque[float], deque[float]]] = {}
@@ -218,6 +219,8 @@ class TypeState:
         self.verify_ms.clear()
         d = self.settings.decay
         self.draft_ms_per_token, self.network_on, self.network_off = Ewma(d), Ewma(d), Ewma(d)
+        self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
+        self.unasked_ms = Ewma(d)
         self.since_change, self.rebasing = 0, True
         self.rebases += 1
 
@@ -314,7 +317,9 @@ class Controller:
         on_ms = None if verify is None or draft is None else verify + draft + (st.network_on.value or 0.0)
         off_ms = st.off_time_per_token() or (self.cost_curve[0] if self.cost_curve else None)
         situations = {copy: (t.value, ms.value) for copy, (t, ms) in st.asked.items() if t.value is not None}
-        return Prior(tokens, on_ms, off_ms, situations)
+        if situations and st.unasked_ms.value is not None:  # the gate's own units: wall time, both sides
+            return Prior(tokens, on_ms, st.unasked_ms.value, situations)
+        return Prior(tokens, on_ms, off_ms)
 
     def score_scale(self, task_type: str, drafter: str) -> float:
         return self.state(task_type, drafter).score_scale
@@ -326,10 +331,13 @@ class Controller:
         st = self.state(task_type, drafter)
         alone = decision.clients <= 1  # timings under load (batched forwards) say nothing of a lone request
         for r in stats.rounds:
-            if r.asked and alone:
-                tokens, ms = st.asked[r.copy]
-                tokens.add(r.accepted + 1 + r.decoded)
-                ms.add(r.round_ms)
+            if alone and r.round_ms > 0:
+                if r.asked:
+                    tokens, ms = st.asked[r.copy]
+                    tokens.add(r.accepted + 1 + r.decoded)
+                    ms.add(r.round_ms)
+                else:
+                    st.unasked_ms.add(r.round_ms / (1 + r.accepted + r.decoded))
             if r.drafted:
                 st.accepted.add(r.accepted)
                 st.rejected.add(1.0 if r.accepted < (r.depth or r.drafted) else 0.0)

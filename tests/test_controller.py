@@ -270,5 +270,6 @@ def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
                                                   speculation_used=True)))
     prior = controller.prior("qa", "hybrid", decision)
     assert prior.situations[True] == (4.0, 3.3) and prior.situations[False] == (1.0, 3.3)
+    assert abs(prior.off_ms - 2.2) < 1e-9  # the rounds without asking, in the same units: wall time
     gate = Gate(prior)
     assert gate.kinds[True].asking and not gate.kinds[False].asking
