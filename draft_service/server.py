@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from draft_service.drafters.base import Drafter, DraftSession, Stepped, Steps, drive_all, steps_of
+from draft_service.drafters.base import Drafter, DraftSession, Steps, drive_all, is_stepped, steps_of
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as pb
 from specsplit.api.draft.v1 import draft_pb2_grpc as pb_grpc
@@ -127,7 +127,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 continue
             drafter, session = entry.drafter, entry.session
             steps = steps_of(drafter, session, request.gamma, request.tree_budget)
-            work.append((_timed(steps), drafter.runner if isinstance(drafter, Stepped) else None))
+            work.append((_timed(steps), drafter.runner if is_stepped(drafter) else None))
             where.append(i)
             synced.append((entry, sync_ns))
         start = time.perf_counter_ns()

@@ -25,7 +25,7 @@ from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.serving import shm, wire
+from specsplit.serving import hops, shm, wire
 from specsplit.spec.cursor import Cursor
 
 log = logging.getLogger("specsplit.gateway")
@@ -88,6 +88,7 @@ class RoundLoop:
                 yield pb.GenerateChunk(text=delta.text, token_ids=delta.token_ids, logprobs=logprobs,
                                        prompt_logprobs=prompt_logprobs)
                 prompt_logprobs = []
+                hops.mark("gateway.yielded")
                 mark = await self._next(request, mark, deadline)
                 delta = text.add(request.cursor.last, _FINISH[request.cursor.finish()])
             stats = self._instruments.finished(request, len(text.token_ids))
@@ -112,6 +113,7 @@ class RoundLoop:
         """One round from `mark` (when the previous one ended): propose -> verify -> commit ->
         record; returns when it ended."""
         drafter, cursor = request.drafter, request.cursor
+        hops.mark("gateway.round")
         draft = await drafter.next(request, cursor.room(request.plan.gamma))
         check = self._check(request, draft)
         drafter.predraft(request, draft)  # the next block, while this one is verified
@@ -132,6 +134,7 @@ class RoundLoop:
         cursor.commit([*draft.accepted(verdict), verdict.next_token_id, *verdict.decoded_token_ids], verdict.length,
                       drafter_holds_them=drafter.ready is not None)
         self._pin.load.report(request.session_id, 1 + len(draft.tokens), len(cursor.last))
+        hops.mark("gateway.committed")
         return self._record(request, mark, draft, verdict, verify_call)
 
     def _check(self, request: Request, draft: Draft) -> vpb.VerifyRequest:

@@ -187,3 +187,41 @@ async def test_structured_runs_each_schema_constrained_and_free_and_checks_every
     assert 0 < summary["forced_share"] <= 1  # `{"ok":` is forced
     assert set(summary["per_prompt"]) == {"flag", "pick"}
     assert "valid against their schema 6/6" in text
+
+
+def test_hops_table_splits_rounds_and_takes_medians_per_transition():
+    from specsplit.serving.hops import table
+
+    marks = []
+    for r in range(8):  # rounds of 100 ns, every other asks the drafter
+        t = 1000 * r
+        marks.append((t, "gateway.round"))
+        if r % 2:
+            marks += [(t + 10, "gateway.to-draft"), (t + 30 + r, "draft.received")]
+        marks += [(t + 50, "gateway.to-verify"), (t + 90, "verify.received")]
+    rounds, rows = table(sorted(marks), skip=1)
+    # asked rounds 1, 3, 5, 7 less the first kept, and the last cut off as possibly incomplete
+    assert rounds == 2
+    assert [hop for hop, _, _ in rows] == ["gateway.round -> gateway.to-draft", "gateway.to-draft -> draft.received",
+                                           "draft.received -> gateway.to-verify",
+                                           "gateway.to-verify -> verify.received"]
+    assert rows[1][1] == (20 + 4) / 1e3 and rows[1][2] == 2  # the median of 23 and 25 ns, in us
+
+
+def test_round_hops_are_marked_in_every_process_of_a_real_stack(models, capsys):
+    """`bench --round-overhead`'s second table: a real stack whose three processes mark a round's
+    hops; the rounds that asked the drafter pass through each service's fast path and the forward."""
+    from specsplit.tools import roundoverhead
+    from specsplit.tools.launcher import StackConfig
+    from specsplit.tools.workload import Prompt
+
+    prompts = [Prompt("t", "one two three one two three one two three one two"), Prompt("t", "a b a b a b a b")]
+    rows = roundoverhead.hop_by_hop(StackConfig(target_model=str(models["target"]), dtype="float32"), prompts, 24)
+    hops = [hop for hop, _, _ in rows]
+    for hop in ("gateway.to-draft -> draft.received", "draft.work -> draft.worked",
+                "gateway.from-draft -> gateway.to-verify", "verify.forward -> verify.forwarded",
+                "verify.answers -> gateway.from-verify"):
+        assert hop in hops, hops
+    assert hops.index("gateway.to-draft -> draft.received") < hops.index("verify.forward -> verify.forwarded")
+    assert all(us > 0 for _, us, _ in rows)
+    assert "of which neither forward nor drafting" in capsys.readouterr().out

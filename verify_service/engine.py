@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
+from specsplit.serving import hops
 from specsplit.serving.grammar import Language, Matcher
 from specsplit.spec import tokentree
 from specsplit.spec.lookup import Agreement, BigramIndex
@@ -292,6 +293,7 @@ class Target:
         its session alone), else one forward each; then each step's result, or its exception."""
         if not steps:
             return []
+        hops.mark("verify.forward")
         start = time.perf_counter_ns()
         if self.batches and len(steps) > 1:
             from specsplit.model.fastllama import Feed
@@ -301,6 +303,7 @@ class Target:
         else:
             outs = [self._forward(s) for s in steps]
         forward_ns = time.perf_counter_ns() - start
+        hops.mark("verify.forwarded")
         rows = sum(len(s.ids) for s in steps)
         results: list[VerifyResult | BaseException] = []
         for step, (logits, features) in zip(steps, outs):

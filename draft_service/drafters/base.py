@@ -107,9 +107,21 @@ class Stepped(Protocol):
     def steps(self, session: DraftSession, gamma: int, budget: int) -> Steps: ...
 
 
+_STEPPED: dict[type, bool] = {}
+
+
+def is_stepped(drafter) -> bool:
+    """isinstance(drafter, Stepped), read once per class: a runtime protocol check costs 10-30 us,
+    and a round asked it twice (our drafters' classes say it for all their instances)."""
+    kind = type(drafter)
+    if kind not in _STEPPED:
+        _STEPPED[kind] = isinstance(drafter, Stepped)
+    return _STEPPED[kind]
+
+
 def steps_of(drafter, session: DraftSession, gamma: int, budget: int = 0) -> Steps:
     """A drafter's steps; for one without them, its propose as steps that need no runner."""
-    if isinstance(drafter, Stepped):
+    if is_stepped(drafter):
         return (yield from drafter.steps(session, gamma, budget))
     return drafter.propose(session, gamma, budget)
 

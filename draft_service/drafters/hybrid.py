@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from draft_service.drafters.base import DrafterDescription, DraftSession, Stepped, Steps, drive, steps_of
+from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive, is_stepped, steps_of
 from draft_service.drafters.ngram import NgramDrafter
 from specsplit.spec.drafting import Proposal
 from specsplit.spec.ewma import Ewma
@@ -92,7 +92,7 @@ class HybridDrafter:
 
     @property
     def runner(self):
-        return self.head.runner if isinstance(self.head, Stepped) else None
+        return self.head.runner if is_stepped(self.head) else None
 
     def propose(self, session: DraftSession, gamma: int, budget: int = 0) -> Proposal:
         return drive(self.steps(session, gamma, budget), self.runner)

@@ -15,7 +15,9 @@ MODES = (
                        "prefix cache, against transformers' forward), a long prefill beside a decoding stream, "
                        "and a multi-turn chat"),
     ("--round-overhead", "per-round overhead (median, P95) through the real services around a drafter and a verifier "
-                         "that cost nothing, for shared memory, UNIX socket and TCP (no model loaded)"),
+                         "that cost nothing, for shared memory, UNIX socket and TCP; then a round hop by hop with "
+                         "the real model (the stack's target, forced n-gram, one prompt per category of --prompts, "
+                         "default: the general workload)"),
     ("--traffic", "instead: the default request as users send it: the prompts (default: the general workload, six "
                   "categories) shuffled and unlabelled, AUTO beside spec-off and forced spec-on with each drafter; "
                   "per category the ratios, and spec-off's decode rate through the services vs the bare forward's"),

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from specsplit.errors import Failure
-from specsplit.serving import shm
+from specsplit.serving import hops, shm
 from specsplit.serving.worker import ModelWorker
 
 log = logging.getLogger("specsplit")
@@ -72,6 +72,7 @@ class FastPathServer:
 
     def __init__(self, worker: ModelWorker, handler: Callable[[bytes, Callable], None], name: str):
         self._worker, self._handler = worker, handler
+        self._received, self._answers = f"{name}.received", f"{name}.answers"  # hop marks
         self.path = shm.shm_dir() / f"specsplit-fast-{os.getpid()}-{secrets.token_hex(4)}.sock"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # 0600 from the start: only this user may connect
@@ -101,6 +102,7 @@ class FastPathServer:
             data = conn.recv(1 << 16)
             if not data:
                 raise ConnectionResetError("peer closed")
+            hops.mark(self._received)
             for _, call, body in frames.feed(data):
                 try:
                     self._handler(body, lambda outcome, call=call: self._answer(conn, call, outcome))
@@ -119,6 +121,7 @@ class FastPathServer:
             answer = frame(OK, outcome, call)
         if conn.fileno() < 0:
             return  # dropped meanwhile
+        hops.mark(self._answers)
         try:
             conn.sendall(answer)
         except OSError as e:
@@ -173,6 +176,7 @@ class FastLink(asyncio.Protocol):
 
     def __init__(self, service: str):
         self.service = service
+        self._sent, self._back = f"gateway.to-{service}", f"gateway.from-{service}"  # hop marks
         self._frames = _Frames()
         self._waiting: dict[int, asyncio.Future] = {}  # by call id
         self._calls = 0  # the next call id
@@ -229,6 +233,7 @@ class FastLink(asyncio.Protocol):
         waiter = asyncio.get_running_loop().create_future()
         call, self._calls = self._calls, (self._calls + 1) & 0xFFFFFFFF
         self._waiting[call] = waiter  # kept after a timeout: the late answer is read and dropped
+        hops.mark(self._sent)
         self._transport.write(frame(OK, request.SerializeToString(), call))
         try:
             async with asyncio.timeout(timeout):
@@ -236,6 +241,7 @@ class FastLink(asyncio.Protocol):
         except TimeoutError:
             raise Failure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.service} service: no answer in "
                                                              f"{timeout:.3f} s") from None
+        hops.mark(self._back)
         return response_type.FromString(body)
 
     def close(self) -> None:

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specsplit.serving import hops
+
 log = logging.getLogger("specsplit")
 
 # runner(items) -> one outcome per item: its result, or the exception it raised
@@ -68,6 +70,7 @@ class ModelWorker:
         self._batch_since = 0.0  # when the batch's first item arrived (perf_counter)
         self.expected = expected  # how many calls a batch can expect (set by the service)
         self.tuner = None  # a ThreadTuner, set by a service whose forwards' bits do not depend on it
+        self._work, self._worked = f"{name}.work", f"{name}.worked"  # hop marks: a batch run
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -159,6 +162,7 @@ class ModelWorker:
         tuner = self.tuner
         size = tuner.size() if tuner else 0
         started, cpu = time.perf_counter(), time.thread_time()
+        hops.mark(self._work)
         try:
             outcomes = runner([entry[1] for entry in taken])
         except BaseException as e:  # noqa: BLE001 -- a runner's bug fails its items, not the thread
@@ -167,6 +171,7 @@ class ModelWorker:
         else:
             if tuner:
                 tuner.record(size, time.perf_counter() - started, time.thread_time() - cpu)
+        hops.mark(self._worked)
         for entry, outcome in zip(taken, outcomes):
             if isinstance(outcome, Again):
                 self.gather(entry[0], entry[1], outcome.rows, entry[3], outcome.wait_s, again=True)

@@ -240,6 +240,8 @@ def main(args, config: StackConfig) -> int:
         from specsplit.tools import roundoverhead
 
         roundoverhead.run()
+        roundoverhead.hop_by_hop(config, load_prompts(args.prompts or "general", args.limit or 1),
+                                 args.max_new_tokens)
         return 0
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)

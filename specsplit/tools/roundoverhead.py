@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
+import tempfile
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -146,6 +150,41 @@ def run(requests: int = 20, tokens: int = 256, gamma: int = 4) -> list[dict]:
     print("Per round, spec on, gamma {}: overhead = round wall time - compute = network + gateway "
           "(docs/metrics.md#time), through the real gateway and servers around a verifier and a drafter that "
           "cost nothing. fast path: requests whose rounds used it.".format(gamma))
+    return rows
+
+
+def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: str = "ngram") -> list:
+    """A round's hops with the real model: `prompts` forced on with `drafter` through a stack of
+    `config` whose processes mark each hop (specsplit.serving.hops); prints per transition between
+    consecutive marks its median over the rounds that asked the drafter, and returns the rows."""
+    from specsplit.serving import hops
+    from specsplit.tools.workload import Variant, request
+
+    with tempfile.TemporaryDirectory(prefix="specsplit-hops-") as tmp:
+        prefix = str(Path(tmp) / "hops")
+        os.environ[hops.ENV] = prefix  # the stack's processes inherit it
+        try:
+            with Stack(config) as stack, grpc.insecure_channel(stack.start()) as channel:
+                stub = pb_grpc.GatewayStub(channel)
+                stub.Generate(request(prompts[0], pb.SPECULATION_ON, 16, Variant(drafter)), timeout=600)  # warm-up
+                since = time.perf_counter_ns()
+                for p in prompts:
+                    stub.Generate(request(p, pb.SPECULATION_ON, tokens, Variant(drafter)), timeout=600)
+        finally:
+            del os.environ[hops.ENV]
+        rounds, rows = hops.table(hops.read(prefix, since))
+    compute = {"verify.forward -> verify.forwarded": "model compute", "draft.work -> draft.worked": "drafting"}
+    print(f"\nA round's hops with the real model ({config.target_model}, {config.quantize or config.dtype}, "
+          f"forced {drafter}, co-located on the fast path): medians over {rounds} rounds that asked the drafter")
+    print(f"{'hop':<48}{'median us':>10}")
+    for hop, us, _ in rows:
+        print(f"{hop:<48}{us:>10.1f}{f'   ({compute[hop]})' if hop in compute else ''}")
+    total = sum(us for _, us, _ in rows)
+    beyond = total - sum(us for hop, us, _ in rows if hop in compute)
+    print(f"{'sum of medians':<48}{total:>10.1f}\n{'of which neither forward nor drafting':<48}{beyond:>10.1f}")
+    print("drafting: the draft service's whole batch (session sync, the drafter, its answer built); "
+          "verify.forwarded -> verify.worked: acceptance, commit and the answer built; a -> b across processes: "
+          "the crossing, the receiver's wake-up included")
     return rows
 
 
