@@ -274,3 +274,45 @@ async def test_two_rounds_of_one_session_at_once_commit_one_and_refuse_the_other
             assert "already has a call in this forward" in refused[0].details()  # the guard's refusal
             after = await v.Verify(vpb.VerifyRequest(session_id="s", length=ok[0].length))
             assert after.length == ok[0].length + 1  # the session went on from the committed round
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_forward_takes_each_rows_argmax_as_torch_does(models, dtype, tmp_path):
+    """run_choosing's choices are torch.argmax of the logits it returns, for prefills, chains,
+    trees and batches, on any team size; with a head whose second half of the vocabulary is
+    twice its first (every logit tied with another, across the threads' shares), the first of the
+    maxima, as torch takes it."""
+    from conftest import native_model
+
+    lm = native_model(models, dtype)
+    prompts = _prompts(4, lm.vocab_size, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        for team in sorted({1, threads}):
+            torch.set_num_threads(team)
+            seqs = [KVSequence(lm) for _ in prompts]
+            for s, p in zip(seqs, prompts):
+                s.reserve(len(p) + 4)
+            for feeds in ([Feed(s, p[:-3], last_only=True) for s, p in zip(seqs, prompts)],
+                          [Feed(s, p[-3:]) for s, p in zip(seqs, prompts)],
+                          [Feed(s, [4, 5, 6, 7], parents=[-1, 0, 0, 1]) for s in seqs]):
+                for logits, _, chosen in lm.native.run_choosing(feeds):
+                    assert chosen == logits.argmax(-1).tolist()
+    finally:
+        torch.set_num_threads(threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(models["target"])
+    with torch.no_grad():
+        head = model.lm_head.weight
+        half = head.shape[0] // 2
+        head[:half] = head[0]
+        head[half:] = 2 * head[0]
+    model.save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(models["target"]).save_pretrained(tmp_path / "tied")
+    tied = native_model({"tied": tmp_path / "tied"}, dtype, "tied")
+    seq = KVSequence(tied)
+    seq.reserve(40)
+    logits, _, chosen = tied.native.run_choosing([Feed(seq, prompts[2])])[0]
+    assert bool(((logits == logits.max(-1, keepdim=True).values).sum(-1) > 1).all())  # every row's maximum is tied
+    assert chosen == logits.argmax(-1).tolist() and set(chosen) <= {0, half}

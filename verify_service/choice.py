@@ -29,15 +29,17 @@ class Warped:
 
 
 def decide(params: SamplingParams, logits: torch.Tensor, draft: list[int], proposals: list, start: int,
-           parents: list[int] | None, walk=None) -> tuple[list[int], int]:
-    """logits [k+1, vocab], row 0 at absolute position `start` -> (accepted path, next token)."""
+           parents: list[int] | None, walk=None, chosen: list[int] | None = None) -> tuple[list[int], int]:
+    """logits [k+1, vocab], row 0 at absolute position `start` -> (accepted path, next token).
+    `chosen`: each row's argmax, where the forward took it (greedy then reads no row itself)."""
     how = params.verification
     if how is Method.GREEDY:
         if walk is None:
-            return greedy_accept(logits, draft, parents)
+            return greedy_accept(logits, draft, parents, chosen)
+        choices = chosen if chosen is not None else argmax_rows(logits)
 
         def choose(row: int, depth: int) -> int:
-            token = argmax_rows(logits[row:row + 1])[0]
+            token = choices[row]
             if walk.allows(row, token):
                 return token
             return int(logits[row].masked_fill(~walk.mask(row), float("-inf")).argmax())

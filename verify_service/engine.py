@@ -97,11 +97,12 @@ class Prefilling:
 @dataclass
 class Step:
     """One call's part of a (batched) forward: rows fed to its session's cache, and what to make of
-    their logits (`finish(logits, features)`; the result's forward_ns is filled in by Target.run)."""
+    their logits (`finish(logits, features, chosen)`; the result's forward_ns is filled in by Target.run)."""
 
     session: TargetSession
     ids: list[int]
-    finish: Callable[[torch.Tensor, torch.Tensor | None], VerifyResult]
+    # finish(logits, features, each logits row's argmax or None) -> the step's result
+    finish: Callable[[torch.Tensor, torch.Tensor | None, list[int] | None], VerifyResult]
     parents: list[int] | None = None  # a token tree's rows (row -> earlier row, -1: the prefix)
     last_only: bool = False
     logits: bool = True  # False: no logits (a prefill's chunk before the last)
@@ -191,11 +192,11 @@ class Target:
         last = end == len(prompt)  # the room: reserved for the whole prompt by start_prefill
         asked = session.logprobs
 
-        def finish(logits: torch.Tensor | None, features) -> VerifyResult:
+        def finish(logits: torch.Tensor | None, features, chosen: list[int] | None = None) -> VerifyResult:
             # logits [1, vocab] of the chunk's last row; [rows, vocab] when the prompt's logprobs are asked
             if asked.prompt:  # row j predicts prompt[start + j + 1]
                 prefilling.prompt_logprobs += token_logprobs(logits, prompt[start + 1:end + 1], asked.top)
-                logits = logits[-1:]
+                logits, chosen = logits[-1:], chosen[-1:] if chosen else None
             prefilling.done = end
             if session.with_features:
                 prefilling.features.append(features)
@@ -206,7 +207,7 @@ class Target:
             if prefilling.resumed is not None:
                 session.tokens.append(prefilling.resumed)
                 return VerifyResult(0, prefilling.resumed, len(session.tokens), 0, cached=prefilling.cached)
-            _, first = self._decide(session, logits, [], [], len(prompt), None)
+            _, first = self._decide(session, logits, [], [], len(prompt), None, chosen)
             session.tokens.append(first)
             if session.matcher is not None:
                 session.matcher.consume([first])
@@ -260,9 +261,10 @@ class Target:
         # draft[i - 1] (a chain: predicts draft[i]).
         rows = None if parents is None else [-1, *(p + 1 for p in parents)]
 
-        def finish(logits: torch.Tensor, features) -> VerifyResult:  # logits [k+1, vocab]
+        def finish(logits: torch.Tensor, features, chosen: list[int] | None = None) -> VerifyResult:
+            # logits [k+1, vocab]
             try:
-                path, next_token = self._decide(session, logits, draft, proposals, length, parents)
+                path, next_token = self._decide(session, logits, draft, proposals, length, parents, chosen)
             except BaseException:
                 session.kv.truncate(length - 1)  # a refused call leaves the session as it was
                 raise
@@ -295,21 +297,23 @@ class Target:
             return []
         hops.mark("verify.forward")
         start = time.perf_counter_ns()
-        if self.batches and len(steps) > 1:
+        if self.batches:  # the native kernels also give each logits row's argmax (greedy's choice)
             from specsplit.model.fastllama import Feed
 
-            outs = self.lm.native.run([Feed(s.session.kv, s.ids, s.last_only, s.parents, s.logits) for s in steps])
-            outs = [(logits, hidden if s.features else None) for s, (logits, hidden) in zip(steps, outs)]
+            outs = self.lm.native.run_choosing([Feed(s.session.kv, s.ids, s.last_only, s.parents, s.logits)
+                                                for s in steps])
+            outs = [(logits, hidden if s.features else None, chosen)
+                    for s, (logits, hidden, chosen) in zip(steps, outs)]
         else:
-            outs = [self._forward(s) for s in steps]
+            outs = [(*self._forward(s), None) for s in steps]
         forward_ns = time.perf_counter_ns() - start
         hops.mark("verify.forwarded")
         rows = sum(len(s.ids) for s in steps)
         results: list[VerifyResult | BaseException] = []
-        for step, (logits, features) in zip(steps, outs):
+        for step, (logits, features, chosen) in zip(steps, outs):
             t = time.perf_counter_ns()
             try:
-                result = step.finish(logits, features)
+                result = step.finish(logits, features, chosen)
                 results.append(dataclasses.replace(result, forward_ns=forward_ns + time.perf_counter_ns() - t,
                                                    batch_rows=rows, batch_calls=len(steps)))
             except BaseException as e:  # noqa: BLE001 -- this step's outcome, not the batch's
@@ -340,12 +344,13 @@ class Target:
 
     @staticmethod
     def _decide(session: TargetSession, logits: torch.Tensor, draft: list[int], proposals: list, start: int,
-                parents: list[int] | None) -> tuple[list[int], int]:
+                parents: list[int] | None, chosen: list[int] | None = None) -> tuple[list[int], int]:
         """logits [k+1, vocab]; row 0 is at absolute position `start` -> (accepted path, next token),
-        under a constraint along the matcher's walk (verify_service.choice)."""
+        under a constraint along the matcher's walk (verify_service.choice); `chosen`: each row's
+        argmax where the forward took it."""
         walk = session.matcher.walk(draft, parents) if session.matcher is not None else None
         try:
-            return decide(session.sampling, logits, draft, proposals, start, parents, walk)
+            return decide(session.sampling, logits, draft, proposals, start, parents, walk, chosen)
         finally:
             if walk is not None:
                 walk.close()

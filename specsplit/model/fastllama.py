@@ -197,18 +197,25 @@ class FastLlama:
         """One forward over every feed's rows (each appended to its own sequence's cache, room
         reserved by the caller with `FastSequence.reserve`); per feed (logits, features) as
         FastSequence.forward_with_features returns them."""
+        return [(logits, hidden) for logits, hidden, _ in self.run_choosing(feeds)]
+
+    def run_choosing(self, feeds: list[Feed]) -> list[tuple[torch.Tensor | None, torch.Tensor, list[int] | None]]:
+        """As run, with each logits row's argmax (torch.argmax's choice), taken by the forward's own
+        threads while the rows are in their caches: per feed (logits, features, choices)."""
         ids = torch.tensor([t for f in feeds for t in f.token_ids], dtype=torch.long)
         buffers = [f.sequence._buffer for f in feeds]
         trees = [torch.tensor(f.parents if f.parents is not None else [], dtype=torch.long) for f in feeds]
         starts = [b.length for b in buffers]
-        logits, hidden = self.decoder.forward_batch(ids, _NONE, [b.kv for b in buffers], starts,
-                                                    [len(f.token_ids) for f in feeds],
-                                                    [f.head_mode for f in feeds], trees, starts, [_NONE] * len(feeds))
+        counts, heads = [len(f.token_ids) for f in feeds], [f.head_mode for f in feeds]
+        logits, hidden, choices = self.decoder.forward_batch(ids, _NONE, [b.kv for b in buffers], starts, counts,
+                                                             heads, trees, starts, [_NONE] * len(feeds))
+        chosen = choices.tolist() if choices is not None else []  # None: no feed asked for logits
         out, row, at = [], 0, 0
         for feed, buffer in zip(feeds, buffers):
             n = len(feed.token_ids)
             heads = (0, 1, n)[feed.head_mode]
-            out.append((logits[at:at + heads] if heads else None, hidden[row:row + n]))
+            out.append((logits[at:at + heads] if heads else None, hidden[row:row + n],
+                        chosen[at:at + heads] if heads else None))
             buffer.length += n
             row, at = row + n, at + heads
         return out
@@ -335,7 +342,7 @@ class FastSequence:
         buffer.reserve(start + len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long)
         tree = torch.tensor(parents if parents is not None else [], dtype=torch.long)
-        logits, hidden = self._lm.decoder.forward(ids, buffer.kv, start, head, tree, start, _NONE)
+        logits, hidden, _ = self._lm.decoder.forward(ids, buffer.kv, start, head, tree, start, _NONE)
         buffer.length = start + len(token_ids)
         return logits, hidden
 

@@ -8,15 +8,17 @@ from specsplit.spec.sampling import ACCEPT, SIBLING_ACCEPT, coupled_choice, samp
 from specsplit.spec.tokentree import children_of, follow
 
 
-def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | None = None) -> tuple[list[int], int]:
+def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | None = None,
+                  chosen: list[int] | None = None) -> tuple[list[int], int]:
     """logits: [k+1, vocab] target logits of the call's rows (row 0: the last committed token,
     row i + 1: draft[i]); draft: k proposed tokens, a chain or a tree (see specsplit.spec.tokentree.follow).
 
     Returns (accepted draft indices, next_token): the longest path of the draft that equals the
     target's own argmax choices, and the target's choice right after it — the recovered token at
-    the first mismatch, or the bonus token when the path ends in a leaf.
+    the first mismatch, or the bonus token when the path ends in a leaf. `chosen`: each row's argmax
+    where the forward already took it.
     """
-    choices = argmax_rows(logits)
+    choices = chosen if chosen is not None else argmax_rows(logits)
     return follow(lambda row, depth: choices[row], draft, parents)
 
 

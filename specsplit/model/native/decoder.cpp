@@ -252,6 +252,9 @@ class Decoder {
     const bool head = rows > 0;
     torch::Tensor logits = head ? torch::empty({rows, head_.n}, torch::kFloat32) : torch::Tensor();
     float* out = head ? logits.data_ptr<float>() : nullptr;
+    torch::Tensor choices = head ? torch::empty({rows}, torch::kLong) : torch::Tensor();
+    std::vector<float> part_v;  // argmax_team's per-thread answers
+    std::vector<int64_t> part_i;
     const bool norm = norm_.numel() > 0;
     const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
     std::vector<float> picked;
@@ -272,10 +275,71 @@ class Decoder {
           to_rows(picked.data(), rows, width, act_, s.in);
         }
       }
-      if (head) gemm_team(head_, s.in, rows, out);
+      if (head) {
+        gemm_team(head_, s.in, rows, out);
+        argmax_team(out, rows, head_.n, part_v, part_i, choices.data_ptr<int64_t>());
+      }
     }
     auto hidden = torch::from_blob(s.a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
-    return {logits, hidden};
+    return {logits, hidden, choices};
+  }
+
+  // Per row of y [rows][n], the index of its largest value as torch.argmax gives it (the first of
+  // equals; with a NaN, the first NaN), by the team right after the output GEMM: each thread scans
+  // the panels it is likely to have just written (a contiguous share, as the GEMM's), in its own
+  // cache; then one thread takes the shares' answers in column order. Read from Python after the
+  // forward, the rows written by the other core cost a cross-core transfer of the whole vocabulary
+  // (~50 us a row measured on 2 cores); here a row costs a few microseconds.
+  static void argmax_team(const float* y, int64_t rows, int64_t n, std::vector<float>& part_v,
+                          std::vector<int64_t>& part_i, int64_t* out) {
+    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t panels = (n + kLanes - 1) / kLanes;
+#pragma omp single
+    {
+      part_v.assign(rows * team, -INFINITY);
+      part_i.assign(rows * team, -1);
+    }
+    const int64_t c0 = std::min(n, panels * tid / team * kLanes), c1 = std::min(n, panels * (tid + 1) / team * kLanes);
+    for (int64_t r = 0; r < rows && c0 < c1; ++r) {
+      const float* row = y + r * n;
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      __mmask16 nan = 0;
+      int64_t c = c0;
+      for (; c + kLanes <= c1; c += kLanes) {
+        const __m512 v = _mm512_loadu_ps(row + c);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, v);
+      }
+      float best = _mm512_reduce_max_ps(top);
+      bool any_nan = nan != 0;
+      for (; c < c1; ++c) {
+        any_nan = any_nan || std::isnan(row[c]);
+        best = std::max(best, row[c]);
+      }
+      int64_t at = -1;
+      const __m512 want = _mm512_set1_ps(best);
+      for (c = c0; c + kLanes <= c1 && at < 0; c += kLanes) {
+        const __m512 v = _mm512_loadu_ps(row + c);
+        const __mmask16 hit = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, want, _CMP_EQ_OQ);
+        if (hit) at = c + __builtin_ctz(hit);
+      }
+      for (; c < c1 && at < 0; ++c)
+        if (any_nan ? std::isnan(row[c]) : row[c] == best) at = c;
+      part_v[tid * rows + r] = any_nan ? NAN : best;
+      part_i[tid * rows + r] = at;
+    }
+#pragma omp barrier
+#pragma omp single
+    for (int64_t r = 0; r < rows; ++r) {
+      float best = -INFINITY;
+      int64_t at = -1;
+      for (int64_t t = 0; t < team; ++t) {
+        const float v = part_v[t * rows + r];
+        const int64_t i = part_i[t * rows + r];
+        if (i >= 0 && (at < 0 || (!std::isnan(best) && (v > best || std::isnan(v))))) best = v, at = i;
+      }
+      out[r] = at;
+    }
   }
 
   // One layer, called by every thread of the team: GEMMs and attention shared out as they say,
