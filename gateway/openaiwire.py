@@ -122,6 +122,10 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
         request.stop.ignore_eos = True
     if body.get("response_format") is not None:
         _response_format(body["response_format"], request.constraint)
+    if body.get("grammar") is not None:  # llama-server's field: a GBNF grammar
+        if not isinstance(body["grammar"], str) or request.HasField("constraint"):
+            raise invalid("grammar must be a GBNF string, and not beside a json response_format", "grammar")
+        request.constraint.gbnf = body["grammar"]
     return request
 
 

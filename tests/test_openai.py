@@ -323,3 +323,30 @@ def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+async def test_a_gbnf_grammar_holds_the_output_as_llama_server_takes_it(door):
+    """llama-server's `grammar` field (GBNF) on the chat endpoint: the answer is in its language, the
+    same with speculation on and off; a grammar that does not parse, or one beside a JSON
+    response_format, is a 400 that says so."""
+    import re
+
+    client, model, _, _ = door
+    grammar = 'root ::= item (", " item)*\nitem ::= "cat" | "dog" | [0-9]{1,3}\n'
+    texts = {}
+    for mode in ("off", "on"):
+        reply = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name some pets"}], max_tokens=24, temperature=0,
+            extra_body={"grammar": grammar, "specsplit": {"speculation": mode, "drafter": "model"}})
+        texts[mode] = reply.choices[0].message.content
+        whole = re.fullmatch(r"(cat|dog|[0-9]{1,3})(, (cat|dog|[0-9]{1,3}))*", texts[mode])
+        # a budget that ends inside the structure leaves a prefix of a sentence, and says so
+        assert whole or reply.choices[0].finish_reason == "length" and re.fullmatch(
+            r"(cat|dog|[0-9]{1,3})(, (cat|dog|[0-9]{1,3}))*(, ?(c|ca|d|do)?)?", texts[mode]), texts[mode]
+    assert texts["on"] == texts["off"]
+    for extra, says in (({"grammar": 'root ::= "open'}, "gbnf: Unexpected end of input"),
+                        ({"grammar": grammar, "response_format": {"type": "json_object"}}, "grammar")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, extra_body=extra)
+        assert says in caught.value.body["message"]

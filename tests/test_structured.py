@@ -26,6 +26,7 @@ from specsplit.model import catalog
 ON, OFF, AUTO = pb.SPECULATION_ON, pb.SPECULATION_OFF, pb.SPECULATION_AUTO
 REGEX = r"(yes|no|maybe)-[0-9]{2}( and (yes|no))*"
 LARK = 'start: item (", " item)*\nitem: "cat" | "dog" | NUMBER\nNUMBER: /[0-9]{1,3}/\n'
+GBNF = 'root ::= item (", " item)*\nitem ::= "cat" | "dog" | [0-9]{1,3}\n'  # the same language, as llama.cpp writes it
 PERSON = {
     "type": "object",
     "properties": {
@@ -61,7 +62,8 @@ async def tiny(models, tmp_path_factory):
 @pytest.mark.parametrize("constraint, check", [
     (cpb.Constraint(regex=REGEX), lambda text: re.fullmatch(REGEX, text)),
     (cpb.Constraint(lark=LARK), lambda text: re.fullmatch(r"(cat|dog|[0-9]{1,3})(, (cat|dog|[0-9]{1,3}))*", text)),
-], ids=["regex", "lark"])
+    (cpb.Constraint(gbnf=GBNF), lambda text: re.fullmatch(r"(cat|dog|[0-9]{1,3})(, (cat|dog|[0-9]{1,3}))*", text)),
+], ids=["regex", "lark", "gbnf"])
 async def test_every_choice_stays_in_the_language_with_speculation_on_and_off(tiny, constraint, check):
     _, stub = tiny
     texts, trees = {}, 0
@@ -152,7 +154,9 @@ async def test_a_budget_inside_the_structure_says_so(tiny):
     (cpb.Constraint(json_schema="[1, 2]"), "must be a JSON object"),
     (cpb.Constraint(regex="(unclosed"), "regex"),
     (cpb.Constraint(lark="start: undefined_rule"), "lark"),
-    (cpb.Constraint(), "needs one of json_schema, json_object, regex or lark"),
+    (cpb.Constraint(gbnf='root ::= "unclosed'), "gbnf: Unexpected end of input"),
+    (cpb.Constraint(gbnf="root ::= undefined"), "gbnf: Rule 'undefined' not found"),
+    (cpb.Constraint(), "needs one of json_schema, json_object, regex, lark or gbnf"),
 ])
 async def test_a_bad_constraint_is_invalid_argument_before_anything_runs(tiny, constraint, message):
     stack, stub = tiny

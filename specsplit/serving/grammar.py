@@ -56,8 +56,16 @@ class Language:
             grammar = llguidance.LLMatcher.grammar_from_regex(constraint.regex)
         elif which == "lark":
             grammar = llguidance.LLMatcher.grammar_from_lark(constraint.lark)
+        elif which == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                lark = gbnf_to_lark(constraint.gbnf)
+            except Exception as e:  # noqa: BLE001 -- the converter's errors (GbnfToLarkError, and a bare
+                raise ValueError(f"gbnf: {e}") from None  # Exception for an undefined rule) go back as they read
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         else:
-            raise ValueError("a constraint needs one of json_schema, json_object, regex or lark")
+            raise ValueError("a constraint needs one of json_schema, json_object, regex, lark or gbnf")
         self.tokenizer = _ll_tokenizer(tokenizer, vocab)
         problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if problem and not problem.startswith("WARNING"):
