@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-from gateway.controller import AUTO, OFF, ON, Controller, Decision, expected_length
+from gateway.controller import AUTO, OFF, ON, Controller, Decision
 from gateway.gate import Gate, Prior
 from gateway.instruments import outcome
+from gateway.typestate import expected_length
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.serving.settings import ControllerSettings
 

@@ -1,0 +1,198 @@
+"""What the controller knows about one (task type, drafter): decayed means of acceptance, draft,
+verify and network cost, requests' ms per token on and off (alone and per load bucket), the
+situations the gate asked in, and what it decides from them (gamma, the gain at a load, whether
+pre-drafting pays). gateway.controller keeps one per pair and decides per request
+(docs/controller.md)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+from specsplit.serving.settings import ControllerSettings
+from specsplit.spec.ewma import Ewma
+from specsplit.spec.tokentree import verify_ms
+
+log = logging.getLogger("specsplit")
+
+
+def load_bucket(clients: int) -> int:
+    """Concurrency levels judged together: 1, 2, 3-4, 5-8, 9-16, ... (the next power of two)."""
+    return 1 if clients <= 1 else 1 << (clients - 1).bit_length()
+
+
+SHIFT = 1.6  # the last SHIFT_RECENT requests' median ms per token this far from the earlier ones': rebase
+SHIFT_RECENT = 3
+REBASE_CONTROL = 5  # after a rebase, one AUTO request in this many is a control until the baseline is back
+
+
+def shift(times, min_requests: int) -> float | None:
+    """How far the latest requests' ms per token moved from the earlier ones' (the ratio of
+    medians) when beyond SHIFT either way: a slower or faster machine (one request in
+    SHIFT_RECENT could be a long prompt; all of them are not); else None."""
+    if len(times) < min_requests + SHIFT_RECENT:
+        return None
+    values = list(times)
+    ratio = statistics.median(values[-SHIFT_RECENT:]) / statistics.median(values[:-SHIFT_RECENT])
+    return ratio if ratio > SHIFT or ratio * SHIFT < 1 else None
+
+
+def expected_length(alpha: float, gamma: int) -> float:
+    """Tokens per round when each draft token is accepted with probability alpha (independently):
+    1 + alpha + ... + alpha^gamma."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+class TypeState:
+    """What the controller knows about one (task type, drafter)."""
+
+    def __init__(self, settings: ControllerSettings):
+        d = settings.decay
+        self.settings = settings
+        self.enabled, self.gamma, self.reason = True, settings.gamma_start, "starting"
+        self.accepted = Ewma(d)  # draft tokens accepted per round that drafted
+        self.rejected = Ewma(d)  # rounds that ended in a rejection (accepted < drafted)
+        self.tokens_per_round = Ewma(d)  # committed per spec-on round: the mean acceptance length
+        self.draft_ms_per_token = Ewma(d)
+        self.network_on, self.network_off = Ewma(d), Ewma(d)  # per round, spec-on / spec-off
+        self.verify_ms: dict[int, Ewma] = {}  # drafted k -> verify compute
+        self.on_ms_per_token: deque[float] = deque(maxlen=settings.window)  # per request
+        self.off_ms_per_token: deque[float] = deque(maxlen=settings.window)
+        self.since_change = 0  # judged requests since the state last changed
+        self.auto_requests = 0  # AUTO requests decided alone (the control share counts them)
+        self.history: list[tuple[int, bool, str]] = []  # (request number, enabled, reason)
+        self.rebasing, self.rebases = False, 0  # times forgotten after the machine changed speed (rebase)
+        # Pre-drafting, an A/B within speculation: decode ms per token of spec-on requests by arm.
+        self.predraft_ms: dict[bool, deque[float]] = {arm: deque(maxlen=settings.window) for arm in (True, False)}
+        self.predraft_turns = 0
+        # Token trees: accepted drafts per round and what the drafter's scores expected.
+        self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
+        # Per spec-on round: the rows it verifies and its drafting on the critical path.
+        self.rows_on, self.draft_round_ms = Ewma(d), Ewma(d)
+        # Rounds of AUTO requests that asked the drafter, by situation (a copy in sight or not): tokens
+        # committed and wall time per round, the gate's own measure (gateway.gate)
+        self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
+        self.unasked_ms = Ewma(d)  # and wall time per token of rounds that did not ask (spec-off's too)
+        # With others in flight: per load bucket, decode ms per token of spec-on and spec-off
+        # requests that ran at that concurrency, and the bucket's decisions so far.
+        self.loaded: dict[int, tuple[deque[float], deque[float]]] = {}
+        self.load_turns: dict[int, int] = {}
+
+    def under_load(self, clients: int, cost_curve: Sequence[float]) -> bool:
+        """Whether to speculate with `clients` requests in flight: as measured at this load once
+        both modes have enough requests there (median ms per token), else as predicted (gain_at;
+        speculate until anything is known)."""
+        s = self.settings
+        on, off = self.loaded.get(load_bucket(clients), ((), ()))
+        need = max(3, s.min_requests // 2)
+        if len(on) >= need and len(off) >= need:
+            return statistics.median(on) < statistics.median(off)
+        gain = self.gain_at(clients, cost_curve)
+        return gain is None or gain >= 1.0
+
+    @property
+    def score_scale(self) -> float:
+        """How far a drafter's scores can be trusted: accepted over expected per scored round (1.0
+        until measured), which the gateway applies before it cuts a tree by expected gain."""
+        accepted, expected = self.tree_accepted.value, self.tree_expected.value
+        if accepted is None or not expected:
+            return 1.0
+        return min(4.0, max(0.25, accepted / expected))
+
+    def predraft(self) -> bool:
+        """Whether the next spec-on request pre-drafts: the arms alternate until each has
+        min_requests, then the one with the lower median ms per token wins, and every probe_every-th
+        request runs the other so a change (load, network) is noticed."""
+        s, with_, without = self.settings, self.predraft_ms[True], self.predraft_ms[False]
+        if len(with_) < s.min_requests or len(without) < s.min_requests:
+            return len(with_) < len(without)
+        better = statistics.median(with_) < statistics.median(without)
+        self.predraft_turns += 1
+        return better if self.predraft_turns % s.probe_every else not better
+
+    # -- estimates -----------------------------------------------------------------------------
+    @property
+    def alpha(self) -> float | None:
+        """Per-token acceptance probability (geometric model): accepted / (accepted + rejections)."""
+        a, r = self.accepted.value, self.rejected.value
+        if a is None or r is None or a + r <= 0:
+            return None
+        return a / (a + r)
+
+    def verify_cost(self, k: int) -> float | None:
+        """Verify compute for k drafts: measured, else a line through the measured points."""
+        known = {n: e.value for n, e in self.verify_ms.items() if e.value is not None}
+        if k in known:
+            return known[k]
+        if len(known) >= 2:
+            xs, ys = zip(*sorted(known.items()))
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+            return my + max(0.0, slope) * (k - mx)
+        if known:
+            return next(iter(known.values()))  # one point: assume flat (memory-bound verification)
+        return None
+
+    def time_per_token(self, gamma: int) -> float | None:
+        """Expected spec-on ms per committed token with this gamma."""
+        alpha, draft = self.alpha, self.draft_ms_per_token.value
+        verify = self.verify_cost(gamma)
+        if alpha is None or draft is None or verify is None:
+            return None
+        per_round = verify + gamma * draft + (self.network_on.value or 0.0)
+        return per_round / expected_length(alpha, gamma)
+
+    def off_time_per_token(self) -> float | None:
+        verify = self.verify_cost(0)
+        return None if verify is None else verify + (self.network_off.value or 0.0)
+
+    def best_gamma(self) -> int:
+        s = self.settings
+        costs = {g: self.time_per_token(g) for g in range(s.gamma_min, s.gamma_max + 1)}
+        if any(c is None for c in costs.values()):
+            return self.gamma
+        return min(costs, key=lambda g: (costs[g], g))
+
+    def gain_at(self, clients: int, cost_curve: Sequence[float]) -> float | None:
+        """Predicted spec-on over spec-off tokens/s per request when `clients` requests of this kind
+        share the verifier's forwards (a batching verifier): spec-off rounds batch `clients` rows,
+        spec-on rounds `clients` times this type's rows per round, priced by the verifier's measured
+        cost per batch width. None until a spec-on round was measured."""
+        tokens, rows, draft = self.tokens_per_round.value, self.rows_on.value, self.draft_round_ms.value
+        if not cost_curve or tokens is None or rows is None or draft is None:
+            return None
+        on = verify_ms(cost_curve, max(1, round(clients * rows))) + draft + (self.network_on.value or 0.0)
+        off = verify_ms(cost_curve, clients) + (self.network_off.value or 0.0)
+        return tokens * off / on
+
+    def rebase(self, why: str) -> None:
+        """The machine changed speed (a busy neighbour came or went): times measured before say
+        nothing of now, and comparing fresh spec-on times with an old spec-off baseline (controls are
+        one request in 20) would judge the neighbour, not speculation. Forget every time, keep what
+        the drafter earns (acceptance), and judge again on fresh runs of both (one AUTO request in
+        REBASE_CONTROL a control until the baseline is back)."""
+        log.info("controller: %s; measuring spec-on and spec-off afresh", why)
+        self.on_ms_per_token.clear()
+        self.off_ms_per_token.clear()
+        self.verify_ms.clear()
+        d = self.settings.decay
+        self.draft_ms_per_token, self.network_on, self.network_off = Ewma(d), Ewma(d), Ewma(d)
+        self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
+        self.unasked_ms = Ewma(d)
+        self.since_change, self.rebasing = 0, True
+        self.rebases += 1
+
+    def threshold(self) -> float | None:
+        """The acceptance length below which speculation is switched off."""
+        if self.settings.min_acceptance > 0:
+            return self.settings.min_acceptance
+        off, verify, draft = self.off_time_per_token(), self.verify_cost(self.gamma), self.draft_ms_per_token.value
+        if off is None or verify is None or draft is None:
+            return None
+        on_round = verify + self.gamma * draft + (self.network_on.value or 0.0)
+        return self.settings.margin * on_round / off  # tokens a round must commit to pay for itself
