@@ -297,11 +297,11 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if request.tree_budget > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"tree_budget {request.tree_budget} is not in 1..{MAX_DRAFT} (0: the gateway's default)")
-        drafter = request.drafter or b.default_drafter
+        mode = MODES.get(request.speculation, AUTO)
+        drafter = request.drafter or self._default_drafter(request.task_type, mode)
         if drafter not in b.drafters:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
-        mode = MODES.get(request.speculation, AUTO)
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
                                           self._inflight.others())
         if decision.speculate and not b.draft.serving:
@@ -330,6 +330,17 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
                     prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
                     constraint=request.constraint if request.HasField("constraint") else None)
+
+    def _default_drafter(self, task_type: str, mode: str) -> str:
+        """A request that names no drafter gets the draft service's default; an AUTO one, that or the
+        service's n-gram drafter, as the controller measured them on its task type (a head that
+        costs more than it earns on this target loses to n-gram alone: docs/controller.md)."""
+        b = self._backends
+        default = b.default_drafter
+        cheaper = next((name for name, d in sorted(b.drafters.items()) if d.kind == "ngram"), None)
+        if mode != AUTO or cheaper is None or default not in b.drafters or b.drafters[default].kind == "ngram":
+            return default
+        return self.controller.drafter(task_type, default, cheaper)
 
     @staticmethod
     def _check_logprobs(asked: cpb.LogprobsRequest) -> cpb.LogprobsRequest:

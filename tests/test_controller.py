@@ -274,3 +274,30 @@ def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
     assert abs(prior.off_ms - 2.2) < 1e-9  # the rounds without asking, in the same units: wall time
     gate = Gate(prior)
     assert gate.kinds[True].asking and not gate.kinds[False].asking
+
+
+def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with():
+    """AUTO requests naming no drafter alternate between the service's default and n-gram alone until
+    each has min_requests, then the faster one runs, and the other every probe_every-th request."""
+    s = ControllerSettings()
+    controller = Controller(s)
+    ms = {"hybrid": 4.4, "ngram": 3.9}  # decode ms per token: the head costs more than it earns
+
+    def serve_one() -> str:
+        drafter = controller.drafter("", "hybrid", "ngram")
+        decision = controller.decide("", drafter, AUTO, 0, inflight=0)
+        rounds = [pb.RoundRecord(drafted=2, accepted=1, verify_ms=ms[drafter], round_ms=ms[drafter], asked=True)]
+        stats = pb.GenerationStats(generated_tokens=33, decode_ms=32 * ms[drafter], round_records=rounds,
+                                   speculation_used=decision.speculate)
+        controller.observe("", drafter, decision, outcome(stats))
+        return drafter
+
+    explored = [serve_one() for _ in range(2 * s.min_requests + 4)]  # (some of them are spec-off controls)
+    assert explored[:4] == ["hybrid", "ngram", "hybrid", "ngram"]
+    chosen = [serve_one() for _ in range(3 * s.probe_every)]
+    assert chosen.count("hybrid") == 3 and chosen.count("ngram") == 3 * s.probe_every - 3  # one probe in ten
+    ms["hybrid"], ms["ngram"] = 3.0, 5.0  # the head starts to pay: the probes see it, and it takes over
+    later = [serve_one() for _ in range(12 * s.probe_every)]
+    assert later[-s.probe_every:].count("hybrid") == s.probe_every - 1
+    # Another task type is judged on its own.
+    assert controller.drafter("code", "hybrid", "ngram") == "hybrid"

@@ -273,6 +273,28 @@ async def test_auto_falls_back_without_drafter_and_on_fails(models, tmp_path):
             assert (await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())).active_sessions == 0
 
 
+async def test_auto_requests_naming_no_drafter_try_n_gram_beside_the_default_and_forced_ones_do_not(models, tmp_path):
+    """The default drafter (a draft model here) and n-gram alone take turns for AUTO requests that name
+    none, until the controller has timed both; ON requests and requests that name one get what they
+    asked; every answer equals spec-off's."""
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"], "float32",
+                             default_drafter="model") as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            baseline = await gw.Generate(request(PROMPTS[1], pb.SPECULATION_OFF))
+            used = []
+            for _ in range(4):
+                auto = await gw.Generate(request(PROMPTS[1], pb.SPECULATION_AUTO))
+                assert list(auto.token_ids) == list(baseline.token_ids)
+                used.append(auto.stats.drafter)
+            assert set(used) == {"model", "ngram"}, used
+            for _ in range(2):
+                assert (await gw.Generate(request(PROMPTS[1], pb.SPECULATION_ON))).stats.drafter == "model"
+            named = request(PROMPTS[1], pb.SPECULATION_AUTO)
+            named.drafter = "model"
+            assert (await gw.Generate(named)).stats.drafter == "model"
+
+
 async def test_every_server_has_health_and_reflection(models, tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
