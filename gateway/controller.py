@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.gate import Prior
-from gateway.typestate import REBASE_CONTROL, TypeState, load_bucket, shift
+from gateway.typestate import REBASE_CONTROL, Arms, TypeState, load_bucket, shift
 from specsplit.serving.settings import ControllerSettings
 from specsplit.spec.ewma import Ewma
 
@@ -70,10 +69,9 @@ class Controller:
         self._types: dict[tuple[str, str], TypeState] = {}
         self.requests = 0
         self.cost_curve: list[float] = []  # the verifier's forward ms by rows (InfoResponse.forward_ms_by_rows)
-        # Per task type, the drafters an AUTO request naming none may get, and their requests' decode ms
-        # per token (lone, speculating); and how many choices were made once both were measured.
-        self._drafter_ms: dict[str, dict[str, deque[float]]] = {}
-        self._drafter_turns: dict[str, int] = {}
+        # Per task type, the drafters an AUTO request naming none may get, measured on lone,
+        # speculating requests.
+        self._drafter_arms: dict[str, Arms] = {}
 
     def state(self, task_type: str, drafter: str) -> TypeState:
         key = (task_type or "unspecified", drafter)
@@ -148,17 +146,12 @@ class Controller:
     def drafter(self, task_type: str, default: str, cheaper: str) -> str:
         """The drafter of an AUTO request that names none: the draft service's default or a cheaper
         one (n-gram alone: no head, no features), whichever the type's requests decoded faster with.
-        They alternate until each has min_requests, then the one with the lower median ms per token
-        runs, and the other every probe_every-th request, so a change is noticed."""
-        s, key = self.settings, task_type or "unspecified"
-        arms = self._drafter_ms.setdefault(key, {})
-        first, second = (arms.setdefault(d, deque(maxlen=s.window)) for d in (default, cheaper))
-        if len(first) < s.min_requests or len(second) < s.min_requests:
-            return default if len(first) <= len(second) else cheaper
-        better, other = (default, cheaper) if statistics.median(first) <= statistics.median(second) \
-            else (cheaper, default)
-        turns = self._drafter_turns[key] = self._drafter_turns.get(key, 0) + 1
-        return better if turns % s.probe_every else other
+        (Arms: they take turns, then the faster runs and the other every probe_every-th request.)"""
+        key = task_type or "unspecified"
+        arms = self._drafter_arms.get(key)
+        if arms is None:
+            arms = self._drafter_arms[key] = Arms(self.settings, default, cheaper)
+        return arms.choose()
 
     def score_scale(self, task_type: str, drafter: str) -> float:
         return self.state(task_type, drafter).score_scale
@@ -205,15 +198,15 @@ class Controller:
             return
         times = st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token
         times.append(per_token)
-        arm = self._drafter_ms.get(task_type or "unspecified", {}).get(drafter)
-        if arm is not None and decision.reason in ("on", "disabled"):  # an AUTO request that could draft
-            arm.append(per_token)
+        arms = self._drafter_arms.get(task_type or "unspecified")
+        if arms is not None and decision.reason in ("on", "disabled"):  # an AUTO request that could draft
+            arms.add(drafter, per_token)
         moved = shift(times, self.settings.min_requests)
         if moved is not None:
             st.rebase(f"{'spec-on' if stats.speculation_used else 'spec-off'} ms per token moved {moved:.2f}x")
             return
         if stats.speculation_used:
-            st.predraft_ms[predraft].append(per_token)
+            st.predraft_arms.add(predraft, per_token)
         if decision.reason in ("on", "probe", "disabled", "control"):
             self._evaluate(st)
 

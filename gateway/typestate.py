@@ -18,6 +18,32 @@ from specsplit.spec.tokentree import verify_ms
 log = logging.getLogger("specsplit")
 
 
+class Arms:
+    """A choice between two ways of serving a type's requests (pre-drafting or not; which drafter),
+    made by measurement: each arm keeps the decode ms per token of the requests it served (the last
+    `window`). They take turns until each has min_requests, then the one with the lower median runs
+    (the first on a tie) and the other every probe_every-th time, so a change (load, network, the
+    text) is noticed."""
+
+    def __init__(self, settings: ControllerSettings, first, second):
+        self.settings = settings
+        self.times = {arm: deque(maxlen=settings.window) for arm in (first, second)}
+        self.turns = 0
+
+    def choose(self):
+        s = self.settings
+        (first, a), (second, b) = self.times.items()
+        if len(a) < s.min_requests or len(b) < s.min_requests:
+            return first if len(a) <= len(b) else second
+        better, other = (first, second) if statistics.median(a) <= statistics.median(b) else (second, first)
+        self.turns += 1
+        return better if self.turns % s.probe_every else other
+
+    def add(self, arm, ms_per_token: float) -> None:
+        if arm in self.times:
+            self.times[arm].append(ms_per_token)
+
+
 def load_bucket(clients: int) -> int:
     """Concurrency levels judged together: 1, 2, 3-4, 5-8, 9-16, ... (the next power of two)."""
     return 1 if clients <= 1 else 1 << (clients - 1).bit_length()
@@ -66,9 +92,8 @@ class TypeState:
         self.auto_requests = 0  # AUTO requests decided alone (the control share counts them)
         self.history: list[tuple[int, bool, str]] = []  # (request number, enabled, reason)
         self.rebasing, self.rebases = False, 0  # times forgotten after the machine changed speed (rebase)
-        # Pre-drafting, an A/B within speculation: decode ms per token of spec-on requests by arm.
-        self.predraft_ms: dict[bool, deque[float]] = {arm: deque(maxlen=settings.window) for arm in (True, False)}
-        self.predraft_turns = 0
+        # Pre-drafting, an A/B within speculation, on spec-on requests.
+        self.predraft_arms = Arms(settings, False, True)
         # Token trees: accepted drafts per round and what the drafter's scores expected.
         self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
         # Per spec-on round: the rows it verifies and its drafting on the critical path.
@@ -104,15 +129,8 @@ class TypeState:
         return min(4.0, max(0.25, accepted / expected))
 
     def predraft(self) -> bool:
-        """Whether the next spec-on request pre-drafts: the arms alternate until each has
-        min_requests, then the one with the lower median ms per token wins, and every probe_every-th
-        request runs the other so a change (load, network) is noticed."""
-        s, with_, without = self.settings, self.predraft_ms[True], self.predraft_ms[False]
-        if len(with_) < s.min_requests or len(without) < s.min_requests:
-            return len(with_) < len(without)
-        better = statistics.median(with_) < statistics.median(without)
-        self.predraft_turns += 1
-        return better if self.predraft_turns % s.probe_every else not better
+        """Whether the next spec-on request pre-drafts (Arms: measured against not)."""
+        return self.predraft_arms.choose()
 
     # -- estimates -----------------------------------------------------------------------------
     @property
