@@ -312,8 +312,9 @@ class NativeHead:
             bases.append(start if c.base is None else c.base)
             slots.append(torch.tensor(list(c.slot_parents), dtype=torch.long))
         logits, hidden, _ = self.decoder.forward_batch(torch.empty(0, dtype=torch.long), x, [c.cache.kv for c in calls],
-                                                    starts, [len(c.next_tokens) for c in calls],
-                                                    [1 if c.parents is None else 2 for c in calls], trees, bases, slots)
+                                                       starts, [len(c.next_tokens) for c in calls],
+                                                       [1 if c.parents is None else 2 for c in calls], trees, bases,
+                                                       slots)
         out, row, at = [], 0, 0
         for c in calls:
             n = len(c.next_tokens)
