@@ -11,7 +11,7 @@ from opentelemetry.metrics import Observation
 from draft_service.drafters.base import Drafter
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.model import ModelDrafter, draft_vocabulary
-from draft_service.drafters.ngram import NgramDrafter, OutputStore
+from draft_service.drafters.ngram import NgramDrafter
 from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
 from specsplit.model import catalog
@@ -20,6 +20,7 @@ from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable
 from specsplit.serving.settings import DraftSettings, ModelSettings
 from specsplit.serving.worker import ModelWorker
+from specsplit.spec.store import OutputStore
 
 log = logging.getLogger("specsplit")
 

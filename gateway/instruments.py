@@ -102,6 +102,10 @@ class GatewayMetrics:
                 self.drafted_at.add(1, at)
                 if d <= record.accepted:
                     self.accepted_at.add(1, at)
+        if record.lookup_steps:  # the verifier's own copies, in a round that decoded ahead (no positions)
+            self.drafts.add(record.lookup_steps, attrs)
+            self.draft_tokens.add(record.lookup_drafted, attrs)
+            self.accepted_tokens.add(record.lookup_accepted, attrs)
         self.verify.record(record.verify_ms / 1e3, attrs)
         self.network.record(record.network_ms / 1e3, attrs)
         self.gateway.record(record.gateway_ms / 1e3, attrs)
@@ -155,7 +159,7 @@ class Instruments:
 
     def finished(self, request: Request, generated: int) -> pb.GenerationStats:
         """The request's stats; also records its metrics, spans and the controller's observation."""
-        plan, drafting = request.plan, request.drafter.drafting or bool(request.drafter.lost)
+        plan, drafting = request.plan, request.speculates or bool(request.drafter.lost)
         records = [_record(r) for r in request.measured.rounds]
         stats = _stats(request, records, generated, self._exact)
         common = self._common(request)
@@ -225,6 +229,7 @@ def _record(r) -> pb.RoundRecord:
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
                           expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls,
                           decoded=r.decoded, lookup_drafted=r.lookup_drafted, lookup_accepted=r.lookup_accepted,
+                          lookup_steps=r.lookup_steps,
                           forced=r.forced, forced_accepted=r.forced_accepted, asked=r.asked,
                           copy_in_sight=r.copy)
 
@@ -235,9 +240,11 @@ def _prefill_network_ms(request: Request) -> float:
 
 
 def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact: bool) -> pb.GenerationStats:
-    plan, drafting = request.plan, request.drafter.drafting or bool(request.drafter.lost)
-    drafted = sum(r.drafted for r in rounds)
-    accepted = sum(r.accepted for r in rounds)
+    plan, drafting = request.plan, request.speculates or bool(request.drafter.lost)
+    # A round that decoded ahead drafted in the verifier: its lookups, and the tokens a constraint forced.
+    drafted = sum(r.drafted + r.lookup_drafted + (0 if r.drafted else r.forced) for r in rounds)
+    accepted = sum(r.accepted + r.lookup_accepted + (0 if r.drafted else r.forced_accepted) for r in rounds)
+    forwards = sum(_forwards(r) for r in rounds)
     bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.depth)
     params = plan.sampling
     sampled = params.temperature > 0
@@ -247,7 +254,8 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         prefill_compute_ms=request.measured.prefill_verify_ns / 1e6,
         decode_ms=(end - request.measured.decode_mark) / 1e6, total_ms=(end - request.measured.started) / 1e6,
         rounds=len(rounds), drafted_tokens=drafted, accepted_tokens=accepted,
-        mean_acceptance_length=(accepted + len(rounds)) / len(rounds) if rounds else 0.0,
+        mean_acceptance_length=sum(r.accepted + 1 + r.decoded for r in rounds) / forwards if rounds else 0.0,
+        forwards=forwards,
         speculation_used=drafting, drafter=plan.drafter if drafting else "", gamma=plan.gamma if drafting else 0,
         draft_ms=sum(r.draft_ms for r in rounds), verify_ms=sum(r.verify_ms for r in rounds),
         network_ms=sum(r.network_ms for r in rounds) + _prefill_network_ms(request),
@@ -263,6 +271,12 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         resume_ms=request.measured.resume_ns / 1e6,
         forced_tokens=sum(r.forced_accepted for r in request.measured.rounds),
         constraint_complete=plan.constraint is not None and request.measured.constraint_complete)
+
+
+def _forwards(r: pb.RoundRecord) -> int:
+    """The verifier's forwards in a round: one, or one per step of a decode-ahead (each step commits
+    its accepted lookup or forced drafts and its own token)."""
+    return 1 if r.drafted else 1 + r.decoded - r.lookup_accepted - r.forced_accepted
 
 
 def _digest(ids: list[int]) -> str:

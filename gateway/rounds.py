@@ -63,7 +63,8 @@ class RoundLoop:
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
         session_id = uuid.uuid4().hex
-        drafter = DraftSide(self._draft_replica, plan.speculate and self._draft_replica is not None, self._up,
+        drafter = DraftSide(self._draft_replica, plan.speculate and not plan.copies and self._draft_replica is not None,
+                            self._up,
                             self._other_draft, list(self._target.forward_ms_by_rows),
                             lambda session: self._pin.load.others(session))
         request = Request(plan, session_id, Cursor(plan.max_new_tokens, self._target.max_context), drafter,
@@ -139,17 +140,18 @@ class RoundLoop:
 
     def _check(self, request: Request, draft: Draft) -> vpb.VerifyRequest:
         """The round's Verify. Without drafts the verifier decodes on its own until the next ask
-        (AUTO's gate), the budget or DECODE_AHEAD tokens, without a trip back here per token; an
-        AUTO request meanwhile drafts from its own context inside the verifier (prompt lookup: no
-        trip to the draft service for a copy)."""
-        cursor, gate, drafting = request.cursor, request.gate, request.drafter.drafting
+        (AUTO's gate), the budget or DECODE_AHEAD tokens, without a trip back here per token,
+        drafting copies from the request's own context as it goes (prompt lookup: no trip to the
+        draft service for a copy) where the request copies (plan.copies), or is AUTO and drafts."""
+        cursor, gate, drafting, plan = request.cursor, request.gate, request.drafter.drafting, request.plan
         decode = 0 if draft.tokens else cursor.room(min(DECODE_AHEAD, gate.off_run() - 1) if drafting
                                                     else DECODE_AHEAD)
-        lookup = request.plan.gamma if decode and drafting and not gate.always else 0
+        lookup = plan.lookup_gamma if decode and (plan.copies or drafting and not gate.always) else 0
         return vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=draft.tokens,
                                  draft_probs=draft.probs, draft_probs_shm=draft.probs_ref, draft_parents=draft.parents,
                                  decode_ahead=decode, lookup_gamma=lookup,
-                                 forced_room=cursor.room(DECODE_AHEAD) if request.plan.constraint and drafting else 0)
+                                 forced_room=cursor.room(DECODE_AHEAD) if plan.constraint and request.speculates
+                                 else 0)
 
     def _record(self, request: Request, mark: int, draft: Draft, verdict: vpb.VerifyResponse, verify_call: int) -> int:
         """What the round did, for the gate (now) and the stats (after the answer); returns its end."""
@@ -161,7 +163,8 @@ class RoundLoop:
             len(draft.tokens), verdict.num_accepted, draft.draft_ns, draft.call_ns, verdict.forward_ns, verify_call,
             end - mark, draft.source, draft.feature_bytes, payloads.proposal_bytes(draft.probs, draft.probs_ref),
             draft.predrafted, draft.depth, draft.expected, verdict.batch_rows, verdict.batch_calls,
-            len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.forced,
+            len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.lookup_steps,
+            verdict.forced,
             verdict.forced_accepted, draft.asked, copy))
         request.measured.constraint_complete = verdict.constraint_complete
         return end

@@ -244,7 +244,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             remaining = time_remaining()
             wait_s = self._backends.settings.resume_wait_s
             verify = await self._backends.verify.wait_pick(wait_s if remaining is None else min(wait_s, remaining))
-            draft = self._backends.draft.pick() if plan.speculate else None
+            draft = self._backends.draft.pick() if plan.speculate and not plan.copies else None
             self._cap.enter(client)
             self._inflight.enter()
             try:
@@ -304,7 +304,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
                                           self._inflight.others())
-        if decision.speculate and not b.draft.serving:
+        copies = b.drafters[drafter].kind == "ngram"  # drafted in the verifier: no draft service needed
+        if decision.speculate and not copies and not b.draft.serving:
             if mode != AUTO:
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
                               f"({b.draft.why_none()}); AUTO runs without it meanwhile")
@@ -325,11 +326,12 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
                     decision=decision, tree_budget=tree,
                     score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
-                    predraft=speculate and not tree and not request.HasField("constraint")
+                    predraft=speculate and not copies and not tree and not request.HasField("constraint")
                     and self._predraft(request, drafter),
                     skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
                     prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
-                    constraint=request.constraint if request.HasField("constraint") else None)
+                    constraint=request.constraint if request.HasField("constraint") else None,
+                    copies=speculate and copies, lookup_gamma=max(gamma, tree))
 
     def _default_drafter(self, task_type: str, mode: str) -> str:
         """A request that names no drafter gets the draft service's default; an AUTO one, that or the

@@ -39,6 +39,10 @@ class Plan:
     logprobs: cpb.LogprobsRequest = field(default_factory=cpb.LogprobsRequest)  # GenerateRequest.logprobs
     prior: Prior | None = None  # the gate's start (gateway.gate); None: ask the drafter every round
     constraint: cpb.Constraint | None = None  # structured output (the verifier masks every choice)
+    # The drafter copies from the context (n-gram): the verifier drafts the copies itself, each step
+    # of its decode-ahead, and no draft service takes part (docs/architecture.md#copies).
+    copies: bool = False
+    lookup_gamma: int = 0  # most tokens the verifier's own lookup drafts a step (VerifyRequest.lookup_gamma)
 
 
 class Round(NamedTuple):
@@ -62,6 +66,7 @@ class Round(NamedTuple):
     decoded: int = 0  # tokens the verifier committed on its own after next_token (VerifyRequest.decode_ahead)
     lookup_drafted: int = 0  # of which its own prompt-lookup drafts (VerifyRequest.lookup_gamma)
     lookup_accepted: int = 0
+    lookup_steps: int = 0  # the verifier's forwards that verified such drafts
     forced: int = 0  # drafts the verifier made because the constraint forced them
     forced_accepted: int = 0
     asked: bool = False  # the round asked the drafter (or used a pre-draft)
@@ -106,3 +111,8 @@ class Request:
     # the prompt's.
     logprobs: list[cpb.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[cpb.TokenLogprob] = field(default_factory=list)
+
+    @property
+    def speculates(self) -> bool:
+        """Drafts reach its rounds: the draft service's, or (plan.copies) the verifier's own."""
+        return self.drafter.drafting or self.plan.copies

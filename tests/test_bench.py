@@ -216,7 +216,8 @@ def test_round_hops_are_marked_in_every_process_of_a_real_stack(models, capsys):
     from specsplit.tools.workload import Prompt
 
     prompts = [Prompt("t", "one two three one two three one two three one two"), Prompt("t", "a b a b a b a b")]
-    rows = roundoverhead.hop_by_hop(StackConfig(target_model=str(models["target"]), dtype="float32"), prompts, 24)
+    rows = roundoverhead.hop_by_hop(StackConfig(target_model=str(models["target"]), draft_model=str(models["draft"]),
+                                                dtype="float32"), prompts, 24, "model")
     hops = [hop for hop, _, _ in rows]
     for hop in ("gateway.to-draft -> draft.received", "draft.work -> draft.worked",
                 "gateway.from-draft -> gateway.to-verify", "verify.forward -> verify.forwarded",

@@ -54,8 +54,10 @@ def up(models, tmp_path_factory):
     err = open(run_dir / "up.err", "w")
     metrics = free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(run_dir),
-                             # a context of 8,192: streams long enough to be cut mid-way
-                             "--target-model", str(models["long"]), "--self-head", "none", "--drafter", "ngram",
+                             # a context of 8,192: streams long enough to be cut mid-way; a draft model (n-gram
+                             # drafts are the verifier's own: its faults are the verifier's)
+                             "--target-model", str(models["long"]), "--self-head", "none", "--drafter", "model",
+                             "--draft-model", str(models["draft"]), "--draft-dtype", "float32",
                              "--dtype", "float32", "--tree-budget", "0", "--metrics-port", str(metrics)],
                             stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()

@@ -1,7 +1,7 @@
 """Prompt lookup's bigram index (specsplit/spec/lookup.py): the verifier copies what followed the
 occurrence of the last two tokens that agrees longest with the context, and indexes a growing list."""
 
-from specsplit.spec.lookup import BigramIndex
+from specsplit.spec.lookup import BigramIndex, OutputIndex
 
 
 def test_no_copy_where_the_last_two_tokens_are_new():
@@ -47,3 +47,28 @@ def test_lookups_draft_what_pays_at_their_rate_and_the_forwards_cost_by_width():
     assert odds.rate < 0.1 and odds.depth(8, flat_then_dear) == 2
     assert odds.depth(8, [3.0, 4.0, 5.0]) == 0  # where every row costs, a poor rate drafts nothing
     assert odds.depth(0, flat_then_dear) == 0
+
+
+def test_stored_outputs_are_found_by_their_last_two_tokens_with_how_far_they_agree_and_never_across_outputs():
+    store = OutputIndex(max_tokens=100)
+    store.add([1, 2, 3, 7, 8, 9])
+    store.add([5, 1, 2, 3, 4, 6])
+    assert len(store) == 12
+    assert store.match([3, 7], 2) == ([8, 9], 2)
+    assert store.match([9, 1, 2, 3], 3) == ([4, 6], 3)  # the latest occurrence; agrees on 3 tokens (9 != 5)
+    assert store.match([5, 1, 2, 3], 1) == ([4], 4)
+    assert store.match([8, 9], 4) == ([], 2)  # the end of its output: nothing follows
+    assert store.match([9, 5], 2) == ([], 0)  # the two outputs' seam is no bigram
+    assert store.match([2, 3], 0) == ([], 0)
+
+
+def test_the_store_keeps_the_latest_outputs_within_its_bound():
+    store = OutputIndex(max_tokens=10)
+    store.add(list(range(6)))
+    store.add(list(range(10, 16)))
+    assert len(store) == 6  # the first went over the bound
+    store.add(list(range(20, 40)))  # longer than the bound: only its tail, and the index is rebuilt
+    assert len(store) == 10
+    assert store.match([10, 11], 2) == ([], 0) and store.match([0, 1], 2) == ([], 0)
+    assert store.match([30, 31], 2) == ([32, 33], 2)
+    assert OutputIndex(0).match([1, 2], 2) == ([], 0)

@@ -124,7 +124,9 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
 
     tasks = {name: asyncio.create_task(run_verify(VerifySettings(server(name), model(name)), stops[name],
                                                   handle_signals=False)) for name in verify}
-    tasks |= {name: asyncio.create_task(run_draft(DraftSettings(server(name), None, default_drafter="ngram",
+    # A draft model: n-gram drafts are the verifier's own and take no draft session.
+    drafting = ModelSettings(str(models["draft"]), "float32", exact=False)
+    tasks |= {name: asyncio.create_task(run_draft(DraftSettings(server(name), drafting, default_drafter="model",
                                                                 **(draft_kw or {}).get(name, {})),
                                                   stops[name], handle_signals=False)) for name in draft}
     try:
@@ -185,7 +187,7 @@ async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_rep
 async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_not_answers(two_drafters):
     gateway, stops, tasks, started = two_drafters
     request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
-                                 speculation=pb.SPECULATION_ON, drafter="ngram",
+                                 speculation=pb.SPECULATION_ON, drafter="model",
                                  stop=pb.StopConditions(ignore_eos=True))
     async with grpc.aio.insecure_channel(gateway) as channel:
         stub = pb_grpc.GatewayStub(channel)
@@ -233,7 +235,7 @@ async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_anothe
                                                {"d1": {"max_sessions": 2}}):
         # Forced on: every round asks the drafter (an AUTO request's gate may stop asking a random model's).
         request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
-                                     drafter="ngram", stop=pb.StopConditions(ignore_eos=True),
+                                     drafter="model", stop=pb.StopConditions(ignore_eos=True),
                                      speculation=pb.SPECULATION_ON)
         async with grpc.aio.insecure_channel(gateway) as g, \
                 grpc.aio.insecure_channel((tmp_path / "d1.a").read_text().strip()) as d:

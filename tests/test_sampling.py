@@ -191,3 +191,18 @@ def test_nucleus_from_the_top_k_equals_sorting_the_whole_vocabulary():
         expected = x.masked_fill(drop, float("-inf")).softmax(-1)
         assert torch.equal(warp(logits, SamplingParams(0.8, top_p=top_p)) > 0, expected > 0)
         assert torch.allclose(warp(logits, SamplingParams(0.8, top_p=top_p)), expected)
+
+
+def test_a_copied_token_drafted_with_q_one_on_it_keeps_the_target_distribution():
+    """The verifier's own lookups and forced tokens go with q = 1 on the drafted token
+    (verify_service.engine.certain): accepted with probability p(x), else the residual is p
+    without x. Whatever token is copied, the output follows p."""
+    from verify_service.engine import certain
+
+    p, trials = dense(0.1, 0.2, 0.3, 0.4), 4000
+    for copied in (0, 3):
+        counts = torch.zeros(len(p))
+        for seed in range(trials):
+            accepted, token, _ = rejection_accept(torch.stack([p, p]), [copied], certain([copied]), seed, 0)
+            counts[copied if accepted else token] += 1
+        assert float((counts / trials - p).abs().sum() / 2) < 0.03, (copied, counts / trials)

@@ -251,19 +251,62 @@ async def test_sessions_released_after_cancel_and_deadline(models, tmp_path, slo
             assert await wait_released(stack) == (0, 0)
 
 
-async def test_auto_falls_back_without_drafter_and_on_fails(models, tmp_path):
-    async with running_stack(tmp_path, "unix", models["target"], None, rpc_timeout_s=5) as stack:
+async def test_n_gram_requests_draft_in_the_verifier_and_take_no_draft_session(models, tmp_path):
+    """A request whose drafter is n-gram: no draft session at any point; the verifier's own lookups
+    are accepted and counted (tokens per forward); greedy equals spec-off, and a sampled request
+    under rejection sampling drafts too (q = 1 on each copy) and is reproduced by its seed."""
+    from specsplit.api.common.v1 import common_pb2 as cpb
+
+    text = "one two three one two three one two three one two"
+    # No store of earlier outputs: under rejection sampling the output depends on the drafts (only
+    # coupled sampling is drafter-invariant), and a store makes a repeated request's drafts differ.
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"],
+                             verify_kw={"store_tokens": 0}) as stack:
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            off = await gw.Generate(request(text, pb.SPECULATION_OFF, max_new_tokens=120))
+            stream = gw.GenerateStream(request(text, drafter="ngram", max_new_tokens=120))
+            chunks = []
+            async for chunk in stream:
+                if not chunks:
+                    assert await active_sessions(stack) == (1, 0)  # the verifier's session alone
+                chunks.append(chunk)
+            on = chunks[-1].stats
+            assert [t for c in chunks for t in c.token_ids] == list(off.token_ids)
+            assert on.speculation_used and on.drafter == "ngram" and not on.shared_memory
+            looked = sum(r.lookup_accepted for r in on.round_records)
+            assert looked > 0 and on.accepted_tokens == looked
+            assert on.drafted_tokens == sum(r.lookup_drafted for r in on.round_records)
+            assert on.forwards == sum(1 + r.decoded - r.lookup_accepted for r in on.round_records) < 119
+            assert on.mean_acceptance_length == pytest.approx((on.accepted_tokens + on.forwards) / on.forwards)
+            sampling = pb.SamplingParams(temperature=0.3, seed=5, method=cpb.VERIFY_METHOD_REJECTION)
+            sampled = [await gw.Generate(request(text, drafter="ngram", max_new_tokens=120, sampling=sampling))
+                       for _ in range(2)]
+            assert list(sampled[0].token_ids) == list(sampled[1].token_ids)
+            assert sampled[0].stats.verify_method == "rejection" and sampled[0].stats.drafted_tokens > 0
+        assert await wait_released(stack) == (0, 0)
+
+
+async def test_without_the_draft_service_copies_still_speculate_and_model_drafts_fall_back_or_fail(models, tmp_path):
+    """The draft service dies: n-gram requests go on speculating (the verifier drafts copies
+    itself), an AUTO request for the draft model runs without drafts, an ON one is refused; every
+    answer equals spec-off's and no session is left."""
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"], rpc_timeout_s=5) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
             baseline = await gw.Generate(request(PROMPTS[2], pb.SPECULATION_OFF))
             stack.tasks[1].cancel()  # the draft service dies
             await asyncio.gather(stack.tasks[1], return_exceptions=True)
-            auto = await gw.Generate(request(PROMPTS[2], pb.SPECULATION_AUTO))
+            auto = await gw.Generate(request(PROMPTS[2], pb.SPECULATION_AUTO, drafter="model"))
             assert not auto.stats.speculation_used
             assert list(auto.token_ids) == list(baseline.token_ids)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await gw.Generate(request(PROMPTS[2], pb.SPECULATION_ON))
+                await gw.Generate(request(PROMPTS[2], pb.SPECULATION_ON, drafter="model"))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draft service" in err.value.details()
+            for mode in (pb.SPECULATION_AUTO, pb.SPECULATION_ON):
+                copied = await gw.Generate(request(PROMPTS[2], mode, drafter="ngram"))
+                assert copied.stats.speculation_used and copied.stats.drafter == "ngram", copied.stats
+                assert list(copied.token_ids) == list(baseline.token_ids)
         async with grpc.aio.insecure_channel(stack.verify) as v:
             # Sessions are released in the background once the answer is out.
             for _ in range(1200):  # bounded: 60 s
@@ -558,8 +601,9 @@ async def test_concurrent_requests_past_the_kv_budget_are_refused_clearly_and_th
 
 
 async def test_full_session_tables_cost_drafts_or_refuse_clearly_and_leak_nothing(models, tmp_path):
-    # Tables of two sessions each, filled by direct calls the gateway knows nothing of.
-    async with running_stack(tmp_path, "unix", models["target"], None, verify_kw={"max_sessions": 2},
+    # Tables of two sessions each, filled by direct calls the gateway knows nothing of. (A draft model:
+    # n-gram drafts are the verifier's own and take no draft session.)
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"], verify_kw={"max_sessions": 2},
                              draft_kw={"max_sessions": 2}) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as g, grpc.aio.insecure_channel(stack.verify) as v, \
                 grpc.aio.insecure_channel(stack.draft) as d:
@@ -568,11 +612,11 @@ async def test_full_session_tables_cost_drafts_or_refuse_clearly_and_leak_nothin
             for i in range(2):
                 await drafter.StartSession(dpb.StartSessionRequest(session_id=f"d{i}", prompt_token_ids=[1, 2]))
             # A full draft table costs an AUTO request its drafts, not its answer; ON is refused.
-            auto = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_AUTO))
+            auto = await gw.Generate(request(PROMPTS[0], pb.SPECULATION_AUTO, drafter="model"))
             assert auto.token_ids == reference.token_ids
             assert (auto.stats.speculation_used, auto.stats.speculation_reason) == (False, "drafter-full")
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await gw.Generate(request(PROMPTS[0]))
+                await gw.Generate(request(PROMPTS[0], drafter="model"))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "draft service" in e.value.details()
             # A full verify table refuses the request, naming the service and the limit.
             for i in range(2):
@@ -584,7 +628,8 @@ async def test_full_session_tables_cost_drafts_or_refuse_clearly_and_leak_nothin
             for i in range(2):
                 await verifier.Release(vpb.ReleaseRequest(session_id=f"v{i}"))
                 await drafter.EndSession(dpb.EndSessionRequest(session_id=f"d{i}"))
-            again = await gw.Generate(request(PROMPTS[0]))  # room is back, and the drafter was never "down"
+            # Room is back, and the drafter was never "down".
+            again = await gw.Generate(request(PROMPTS[0], drafter="model"))
             assert again.token_ids == reference.token_ids and again.stats.speculation_used
         assert await wait_released(stack) == (0, 0)
 

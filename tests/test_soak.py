@@ -17,11 +17,13 @@ def test_soak_with_a_service_killed_now_and_then_loses_nothing(models, tmp_path,
     """The draft service SIGKILLed now and then (requests lose drafts, never answers), or one of two
     verify replicas (requests resume on the other, or on the killed one once restarted)."""
     done = subprocess.run(
+        # A draft model: n-gram drafts are the verifier's own, and a draft service's death would not touch them.
         [sys.executable, "-m", "specsplit.cli", "soak", "--target-model", str(models["long"]), "--self-head", "none",
-         "--drafter", "ngram", "--dtype", "float32", "--tree-budget", "0", "--prompts",
+         "--drafter", "model", "--draft-model", str(models["draft"]), "--draft-dtype", "float32", "--dtype", "float32",
+         "--tree-budget", "0", "--prompts",
          str(write_prompts(tmp_path / "p.jsonl")), "--clients", "4", "--minutes", "0.35", "--max-new-tokens", "200",
          "--chaos", chaos, "--chaos-every", "6", "--verify-replicas", str(replicas),
-         "--run-dir", str(tmp_path / "run")],
+         "--request-drafter", "model", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.api.verify.v1 import verify_pb2 as pb
-from specsplit.spec.sampling import Method
+from specsplit.spec.lookup import OutputIndex
 from verify_service.engine import TargetSession
 
 
@@ -27,6 +27,7 @@ class Decoding:
     results: list = field(default_factory=list)  # each step's VerifyResult
     looked: int = 0  # the step in flight's prompt-lookup draft
     drafted: int = 0  # its steps' lookup drafts
+    lookup_steps: int = 0  # its steps that verified a lookup draft
     copying: bool = False  # the last lookup was accepted whole
 
     @property
@@ -41,17 +42,23 @@ class Decoding:
     def committed(self) -> int:
         return len(self.results) + self.accepted
 
-    def draft(self, request: pb.VerifyRequest, session: TargetSession, step_ms: list[float]) -> list[int]:
+    def draft(self, request: pb.VerifyRequest, session: TargetSession, step_ms: list[float],
+              outputs: OutputIndex | None = None) -> list[int]:
         """The next step's prompt-lookup draft: where the last two tokens occurred before, what
-        followed them, as many tokens as pay at the rate the session's lookups have been accepted
-        and the forward's cost by width (`step_ms`, from 1 row up), within lookup_gamma (twice that
-        after a lookup accepted whole: a span being copied) and so that accepted + 1 fits the
-        budget; none under rejection sampling (no q)."""
+        followed them (in the session's own context, or in earlier outputs where a stored occurrence
+        agrees with more of the context), as many tokens as pay at the rate the session's lookups
+        have been accepted and the forward's cost by width (`step_ms`, from 1 row up), within
+        lookup_gamma (twice that after a lookup accepted whole: a span being copied) and so that
+        accepted + 1 fits the budget. (Under rejection sampling each token's q is 1 on it:
+        Target.plan_verify.)"""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
-        rejects = session.sampling.verification is Method.REJECTION
-        room = session.agreement.depth(room, step_ms) if room > 0 and not rejects else 0
-        draft = session.index.follows(session.tokens, room)
+        room = session.agreement.depth(room, step_ms) if room > 0 else 0
+        draft, agree = session.index.match(session.tokens, room)
+        if outputs is not None and room > 0:
+            stored, longer = outputs.match(session.tokens, room)
+            if longer > agree:
+                draft = stored
         self.looked = len(draft)
         return draft
 
@@ -61,6 +68,7 @@ class Decoding:
             self.looked = len(result.draft) - result.forced
         own = result.num_accepted - result.forced_accepted  # of the lookup's tokens
         self.drafted += self.looked
+        self.lookup_steps += self.looked > 0
         self.copying = self.looked > 0 and own == self.looked
         if self.looked:
             session.agreement.add(self.looked, own)

@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 
 
 
+
+def certain(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Draft distributions for tokens drafted without sampling (a lookup's copy, a forced token):
+    q is 1 on each, which rejection sampling takes as any q (accepted with probability p(x), else
+    the residual is p without x, renormalized: exactly p)."""
+    return [(torch.tensor([t]), torch.tensor([1.0])) for t in tokens]
+
+
 class ContextFull(ValueError):
     pass
 
@@ -47,6 +55,7 @@ class TargetSession:
     index: BigramIndex = field(default_factory=BigramIndex)  # prompt lookup over its tokens (decode-ahead)
     agreement: Agreement = field(default_factory=Agreement)  # how often the target follows its lookups
     matcher: Matcher | None = None  # structured output: the output's place in its language (serving.grammar)
+    output_start: int = 0  # tokens[output_start:] are its output (a resumed session's prompt holds some)
 
 
 @dataclass(frozen=True)
@@ -165,7 +174,8 @@ class Target:
                 raise ValueError("a resumed session holds its prompt and at least one committed token")
             prompt = prompt[:-1]
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
-                                sampling=sampling, logprobs=logprobs)
+                                sampling=sampling, logprobs=logprobs,
+                                output_start=len(prompt) + (1 if resume else 0) - output_tokens)
         if language is not None:
             session.matcher = language.matcher()
             if resume:
@@ -249,8 +259,7 @@ class Target:
         # chosen). A forced token's q is 1 on it (exact: rejection sampling takes any q).
         if session.matcher is not None and parents is None:
             draft, keep, forced = session.matcher.fit(draft, fill)
-            proposals = [*proposals[:keep], *((torch.tensor([t]), torch.tensor([1.0])) for t in draft[keep:]
-                                              if self._rejects(session))]
+            proposals = [*proposals[:keep], *(certain(draft[keep:]) if self._rejects(session) else ())]
         if parents is not None and not self.verifies_trees:
             raise ValueError("this target runs on transformers' forward, which verifies chains only "
                              "(Info.tree_verify is false): send no draft_parents")

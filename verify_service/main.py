@@ -15,6 +15,7 @@ from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable
 from specsplit.serving.settings import VerifySettings
 from specsplit.serving.worker import ModelWorker
+from specsplit.spec.lookup import OutputIndex
 from verify_service.engine import Target
 from verify_service.server import SERVICE_NAME, VerifierServicer, register
 
@@ -64,7 +65,8 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     cache = PrefixCache(lm.native.pool) if settings.prefix_cache and lm.native is not None else None
-    servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory, Target(lm, prefix_cache=cache))
+    servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory, Target(lm, prefix_cache=cache),
+                                OutputIndex(settings.store_tokens) if settings.store_tokens > 0 else None)
     worker.expected = servicer.expected  # every live session sends a round per forward, every prefill a chunk
     _gauges(lm, sessions, cache)
     fast = servicer.rounds.open_fast_path("verify", settings.server.shared_memory)

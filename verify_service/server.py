@@ -24,9 +24,10 @@ from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, Se
 from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
-from specsplit.spec.sampling import Logprobs, SamplingParams
+from specsplit.spec.lookup import OutputIndex
+from specsplit.spec.sampling import Logprobs, Method, SamplingParams
 from verify_service.decoding import Decoding, decodes
-from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
+from verify_service.engine import ContextFull, Prefilling, Target, TargetSession, certain
 from verify_service.statuses import failure
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -45,8 +46,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     _warming: asyncio.Future | None = None
 
     def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker,
-                 shared_memory: bool = True, target: Target | None = None):
+                 shared_memory: bool = True, target: Target | None = None, outputs: OutputIndex | None = None):
         self._lm = lm
+        self._outputs = outputs  # earlier sessions' outputs, for decode-ahead lookups (added at Release)
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._target = target or Target(lm)
         self._sessions = sessions
@@ -274,8 +276,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 decoding = self._ahead[request.session_id] = Decoding()
             length = len(session.tokens) if decoding.results else request.length
             room = max(0, request.decode_ahead - decoding.committed)
-            return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve()),
-                                            fill=min(request.forced_room, room))
+            draft = decoding.draft(request, session, self._curve(), self._outputs)
+            proposals = certain(draft) if session.sampling.verification is Method.REJECTION else None
+            return self._target.plan_verify(session, length, draft, proposals, fill=min(request.forced_room, room))
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 
@@ -298,6 +301,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 batch_rows=result.batch_rows, batch_calls=result.batch_calls,
                 logprobs=wire.token_logprobs([lp for r in decoding.results for lp in r.logprobs]),
                 lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted - forced_accepted,
+                lookup_steps=decoding.lookup_steps,
                 forced=forced, forced_accepted=forced_accepted, constraint_complete=result.complete)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
@@ -314,6 +318,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _release(self, session_id: str) -> pb.ReleaseResponse:
         """On the worker thread, so it runs after any round of the session still queued there."""
         session = self._sessions.pop(session_id)
+        if session is not None and self._outputs is not None:
+            self._outputs.add(session.tokens[session.output_start:])
         if session is not None and session.segment is not None:
             session.segment.close()
         return pb.ReleaseResponse(released=session is not None)

@@ -104,6 +104,9 @@ def add(sub) -> None:
                            "restarted); term-verify: SIGTERM one (it drains; a rolling restart); "
                            "requests must complete and match spec-off all the same")
     soak.add_argument("--chaos-every", type=float, default=10.0, help="seconds between chaos events, on average")
+    soak.add_argument("--request-drafter", default="",
+                      help="the drafter the (AUTO) requests name (default: none, the default request's choice; "
+                           "n-gram drafts are the verifier's own, so the draft service's faults touch only others)")
 
     cal = sub.add_parser("calibrate", help="measure per task type whether speculation pays; write a policy file")
     cal.set_defaults(run=run_calibrate)

@@ -75,6 +75,8 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=s.prefix_cache,
                    help="keep prompts' keys and values for later prompts that start the same way, in KV budget "
                         "the sessions leave free")
+    store_tokens_flag(v, VerifySettings.store_tokens, "earlier outputs the verifier's own copies (prompt lookup "
+                      "as it decodes ahead) also draw on, across requests (0: none)")
     setting(v, "--batch-rows", s, "batch_rows",
             "most rows of concurrent sessions' calls batched into one forward (1: no batching)")
     setting(v, "--batch-wait-ms", s, "batch_wait_ms", "how long a call may wait for other sessions' calls to join "
@@ -191,7 +193,8 @@ def _settings(a: argparse.Namespace):
                                                                  a.quantize),
                               max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
                               kv_cache_mib=a.kv_cache_mib, batch_rows=a.batch_rows,
-                              batch_wait_ms=a.batch_wait_ms, prefix_cache=a.prefix_cache)
+                              batch_wait_ms=a.batch_wait_ms, prefix_cache=a.prefix_cache,
+                              store_tokens=a.store_tokens)
     if a.role == "draft":
         model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False,
                               quantize=a.draft_quantize) if a.draft_model else None

@@ -67,6 +67,9 @@ class VerifySettings:
     # Keep prompts' keys and values for later prompts that start the same way (native forward),
     # in KV budget that sessions leave free.
     prefix_cache: bool = True
+    # Earlier outputs the verifier's own copies (decode-ahead lookups) also draw on (0: none): a
+    # bigram index, at most ≈ 10 MiB at 64k tokens (every bigram distinct; text repeats many).
+    store_tokens: int = 65536
 
 
 @dataclass(frozen=True)

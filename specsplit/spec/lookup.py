@@ -5,6 +5,9 @@ verifier's decode-ahead asks the second (its own draft)."""
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
+
 CANDIDATES = 8  # latest occurrences of a bigram compared by how far back they match the context
 MATCH = 8  # tokens compared back from a bigram: the longest agreeing occurrence is the one copied
 
@@ -18,17 +21,21 @@ class BigramIndex:
         self._upto = 0  # tokens[:_upto] are indexed, but for the bigram ending at _upto - 1
 
     def follows(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed an earlier occurrence of the last two of `tokens` (match())."""
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed an earlier occurrence of the last two of `tokens`: of its
         latest CANDIDATES occurrences, the one whose preceding tokens agree longest with the context
         (up to MATCH; the latest among equals), as the drafters' n-gram source prefers its longest
-        match. None where they did not occur before (or k < 1)."""
+        match; and how many tokens agree. ([], 0) where they did not occur before (or k < 1)."""
         end = len(tokens) - 1
         for i in range(max(1, self._upto), end):  # every bigram but the last one
             self._at.setdefault((tokens[i - 1], tokens[i]), []).append(i)
         self._upto = max(self._upto, end)
         seen = self._at.get((tokens[-2], tokens[-1])) if k > 0 and end >= 1 else None
         if not seen:
-            return []
+            return [], 0
         best, agree = seen[-1], -1
         for at in reversed(seen[-CANDIDATES:]):
             n = 2
@@ -36,7 +43,62 @@ class BigramIndex:
                 n += 1
             if n > agree:
                 best, agree = at, n
-        return tokens[best + 1:best + 1 + k]
+        return tokens[best + 1:best + 1 + k], agree
+
+
+class OutputIndex:
+    """Earlier sessions' outputs, shared by every session of a service (templated answers repeat
+    across requests), indexed by bigram: the latest stored occurrence of a context's last two
+    tokens is a dictionary read. Bounded: once `max_tokens` is passed the oldest outputs go (they
+    stay searchable until the index is rebuilt, at twice the bound). Only drafting speed depends on
+    it: drafts are verified. Not thread-safe: its owner adds and looks up from one thread."""
+
+    _END = -1  # between outputs: matches no token id, and a continuation stops at it
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self._outputs: deque[array] = deque()
+        self._tokens = 0  # in _outputs
+        self._seq = array("l", [self._END])  # the outputs in order, each followed by _END
+        self._at: dict[int, int] = {}  # bigram (a << 32 | b) -> where its second token last stood in _seq
+
+    def __len__(self) -> int:
+        return self._tokens
+
+    def add(self, output: list[int]) -> None:
+        output = output[-self.max_tokens:] if self.max_tokens > 0 else []
+        if not output:
+            return
+        self._outputs.append(array("l", output))
+        self._tokens += len(output)
+        while self._tokens > self.max_tokens:
+            self._tokens -= len(self._outputs.popleft())
+        if len(self._seq) + len(output) > 2 * self.max_tokens:  # rebuilt from what is kept
+            self._seq, self._at = array("l", [self._END]), {}
+            for kept in self._outputs:
+                self._append(kept)
+        else:
+            self._append(output)
+
+    def _append(self, output) -> None:
+        start = len(self._seq)
+        self._seq.extend(output)
+        self._seq.append(self._END)
+        seq = self._seq
+        for i in range(start + 1, start + len(output)):
+            self._at[seq[i - 1] << 32 | seq[i]] = i
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the latest stored occurrence of the last two of `tokens`,
+        and how many tokens of `tokens` it agrees with (up to MATCH); ([], 0) where none."""
+        at = self._at.get(tokens[-2] << 32 | tokens[-1]) if k > 0 and len(tokens) >= 2 else None
+        if at is None:
+            return [], 0
+        seq, n = self._seq, 2
+        while n < min(MATCH, len(tokens)) and seq[at - n] == tokens[-1 - n]:  # _END stops it at the output's start
+            n += 1
+        follow = seq[at + 1:at + 1 + k].tolist()
+        return (follow[:follow.index(self._END)] if self._END in follow else follow), n
 
 
 class Agreement:

@@ -241,7 +241,7 @@ def main(args, config: StackConfig) -> int:
 
         roundoverhead.run()
         roundoverhead.hop_by_hop(config, load_prompts(args.prompts or "general", args.limit or 1),
-                                 args.max_new_tokens)
+                                 args.max_new_tokens, (args.drafters or ["hybrid"])[0])
         return 0
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)

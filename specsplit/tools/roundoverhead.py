@@ -49,7 +49,7 @@ class _StubDrafter:
     def __init__(self):
         from draft_service.drafters.base import DrafterDescription
 
-        self.description = DrafterDescription(name="stub", kind="ngram")
+        self.description = DrafterDescription(name="stub", kind="stub")  # not "ngram": those stay in the verifier
         self.memory_bytes = 0
         self.thread_invariant = True
 
@@ -153,8 +153,9 @@ def run(requests: int = 20, tokens: int = 256, gamma: int = 4) -> list[dict]:
     return rows
 
 
-def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: str = "ngram") -> list:
-    """A round's hops with the real model: `prompts` forced on with `drafter` through a stack of
+def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: str = "hybrid") -> list:
+    """A round's hops with the real model: `prompts` forced on with `drafter` (one the draft service
+    drafts for: n-gram alone is the verifier's own, with no hop to take) through a stack of
     `config` whose processes mark each hop (specsplit.serving.hops); prints per transition between
     consecutive marks its median over the rounds that asked the drafter, and returns the rows."""
     from specsplit.serving import hops

@@ -27,7 +27,7 @@ from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 from specsplit.serving import shm
 from specsplit.tools.launcher import Stack, StackConfig, wait_serving
-from specsplit.tools.workload import Prompt, request
+from specsplit.tools.workload import Prompt, Variant, request
 
 STALL_S = 2.0  # --chaos stop: how long the draft service stays stopped
 CHAOS = {"kill": ("draft", signal.SIGKILL), "stop": ("draft", signal.SIGSTOP),
@@ -52,14 +52,14 @@ def segments() -> set[str]:
 
 
 async def _client(stub, prompts: list[Prompt], references: dict[str, list[int]], max_new_tokens: int,
-                  deadline: float, tally: Tally, offset: int) -> None:
+                  deadline: float, tally: Tally, offset: int, drafter: str = "") -> None:
     i = offset
     while time.monotonic() < deadline:
         p = prompts[i % len(prompts)]
         i += 1
         start = time.monotonic()
         try:
-            out = await stub.Generate(request(p, pb.SPECULATION_AUTO, max_new_tokens), timeout=120)
+            out = await stub.Generate(request(p, pb.SPECULATION_AUTO, max_new_tokens, Variant(drafter)), timeout=120)
         except grpc.aio.AioRpcError as e:
             tally.errors[e.code().name] += 1
             print(f"soak: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
@@ -125,7 +125,7 @@ async def _left(stack: Stack) -> tuple[int, int]:
 
 
 async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float, max_new_tokens: int,
-               chaos: str = "", chaos_every_s: float = 10.0) -> dict:
+               chaos: str = "", chaos_every_s: float = 10.0, drafter: str = "") -> dict:
     before = segments()
     tally = Tally()
     async with grpc.aio.insecure_channel(stack.addresses["gateway"]) as channel:
@@ -139,7 +139,7 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
         supervisor = asyncio.ensure_future(_supervise(stack, stop))
         deadline = time.monotonic() + minutes * 60
         started = time.monotonic()
-        work = [_client(stub, prompts, references, max_new_tokens, deadline, tally, k) for k in range(clients)]
+        work = [_client(stub, prompts, references, max_new_tokens, deadline, tally, k, drafter) for k in range(clients)]
         if chaos:
             work.append(_chaos(stack, chaos, chaos_every_s, deadline, tally))
         await asyncio.gather(*work)
@@ -192,6 +192,6 @@ def main(args, config: StackConfig, prompts: list[Prompt]) -> int:
         print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
         stack.start()
         result = asyncio.run(soak(stack, prompts, args.clients, args.minutes, args.max_new_tokens, args.chaos,
-                                  args.chaos_every))
+                                  args.chaos_every, args.request_drafter))
     print(report(result, args.chaos), flush=True)
     return 0 if healthy(result) else 1

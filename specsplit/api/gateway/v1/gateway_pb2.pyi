@@ -110,7 +110,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., gamma: _Optional[int] = ..., drafter: _Optional[str] = ..., task_type: _Optional[str] = ..., predraft: _Optional[_Union[Predraft, str]] = ..., tree_budget: _Optional[int] = ..., skip_prefix_cache: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted", "gateway_ms", "depth", "expected", "batch_rows", "batch_calls", "decoded", "lookup_drafted", "lookup_accepted", "forced", "forced_accepted", "asked", "copy_in_sight")
+    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted", "gateway_ms", "depth", "expected", "batch_rows", "batch_calls", "decoded", "lookup_drafted", "lookup_accepted", "lookup_steps", "forced", "forced_accepted", "asked", "copy_in_sight")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class RoundRecord(_message.Message):
     DECODED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ASKED_FIELD_NUMBER: _ClassVar[int]
@@ -151,14 +152,15 @@ class RoundRecord(_message.Message):
     decoded: int
     lookup_drafted: int
     lookup_accepted: int
+    lookup_steps: int
     forced: int
     forced_accepted: int
     asked: bool
     copy_in_sight: bool
-    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ..., depth: _Optional[int] = ..., expected: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., decoded: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., forced: _Optional[int] = ..., forced_accepted: _Optional[int] = ..., asked: _Optional[bool] = ..., copy_in_sight: _Optional[bool] = ...) -> None: ...
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ..., depth: _Optional[int] = ..., expected: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., decoded: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., lookup_steps: _Optional[int] = ..., forced: _Optional[int] = ..., forced_accepted: _Optional[int] = ..., asked: _Optional[bool] = ..., copy_in_sight: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path", "prefill_compute_ms", "tree_budget", "prefix_cached_tokens", "prefill_chunks", "resumes", "resume_ms", "forced_tokens", "constraint_complete")
+    __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path", "prefill_compute_ms", "tree_budget", "prefix_cached_tokens", "prefill_chunks", "resumes", "resume_ms", "forced_tokens", "constraint_complete", "forwards")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,7 @@ class GenerationStats(_message.Message):
     RESUME_MS_FIELD_NUMBER: _ClassVar[int]
     FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     prefill_ms: float
@@ -231,7 +234,8 @@ class GenerationStats(_message.Message):
     resume_ms: float
     forced_tokens: int
     constraint_complete: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ..., prefill_compute_ms: _Optional[float] = ..., tree_budget: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., resumes: _Optional[int] = ..., resume_ms: _Optional[float] = ..., forced_tokens: _Optional[int] = ..., constraint_complete: _Optional[bool] = ...) -> None: ...
+    forwards: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., speculation_used: _Optional[bool] = ..., drafter: _Optional[str] = ..., gamma: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., exact: _Optional[bool] = ..., task_type: _Optional[str] = ..., round_records: _Optional[_Iterable[_Union[RoundRecord, _Mapping]]] = ..., recovered_tokens: _Optional[int] = ..., bonus_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., verify_method: _Optional[str] = ..., speculation_reason: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., predraft_attempts: _Optional[int] = ..., predraft_hits: _Optional[int] = ..., gateway_ms: _Optional[float] = ..., fast_path: _Optional[bool] = ..., prefill_compute_ms: _Optional[float] = ..., tree_budget: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., prefill_chunks: _Optional[int] = ..., resumes: _Optional[int] = ..., resume_ms: _Optional[float] = ..., forced_tokens: _Optional[int] = ..., constraint_complete: _Optional[bool] = ..., forwards: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "logprobs", "prompt_logprobs")
