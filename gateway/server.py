@@ -318,8 +318,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
         # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
         tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else settings.tree_budget)
-        if tree <= 1 or not speculate or not b.target.tree_verify:
-            tree = 0  # trees need a verifier that takes them
+        lookup_gamma = max(gamma, tree)  # the deepest copy a step of the verifier's own may draft
+        if tree <= 1 or not speculate or not b.target.tree_verify or copies:
+            tree = 0  # trees need a verifier that takes them; the verifier's own copies are chains
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
@@ -331,7 +332,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                     skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
                     prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
                     constraint=request.constraint if request.HasField("constraint") else None,
-                    copies=speculate and copies, lookup_gamma=max(gamma, tree))
+                    copies=speculate and copies, lookup_gamma=lookup_gamma)
 
     def _default_drafter(self, task_type: str, mode: str) -> str:
         """A request that names no drafter gets the draft service's default; an AUTO one, that or the

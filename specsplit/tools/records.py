@@ -20,7 +20,7 @@ class Record:
     on_s: float
     off_tokens: int
     on_tokens: int
-    rounds: int
+    rounds: int  # target forwards after the prefill (stats.forwards: a round's, or a decode-ahead's steps)
     drafted: int
     accepted: int
     draft_ms: float

@@ -171,9 +171,12 @@ def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: s
                 since = time.perf_counter_ns()
                 for p in prompts:
                     stub.Generate(request(p, pb.SPECULATION_ON, tokens, Variant(drafter)), timeout=600)
+                until = time.perf_counter_ns()
+                copies = [stub.Generate(request(p, pb.SPECULATION_ON, tokens, Variant("ngram")), timeout=600).stats
+                          for p in prompts]
         finally:
             del os.environ[hops.ENV]
-        rounds, rows = hops.table(hops.read(prefix, since))
+        rounds, rows = hops.table([m for m in hops.read(prefix, since) if m[0] < until])
     compute = {"verify.forward -> verify.forwarded": "model compute", "draft.work -> draft.worked": "drafting"}
     print(f"\nA round's hops with the real model ({config.target_model}, {config.quantize or config.dtype}, "
           f"forced {drafter}, co-located on the fast path): medians over {rounds} rounds that asked the drafter")
@@ -186,6 +189,12 @@ def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: s
     print("drafting: the draft service's whole batch (session sync, the drafter, its answer built); "
           "verify.forwarded -> verify.worked: acceptance, commit and the answer built; a -> b across processes: "
           "the crossing, the receiver's wake-up included")
+    per_forward = [(s.decode_ms - s.verify_ms) / s.forwards * 1e3 for s in copies if s.forwards]
+    if per_forward:
+        print(f"n-gram alone, drafted in the verifier (no draft service; a round is a chunk of up to 16 forwards): "
+              f"{statistics.median(per_forward):.0f} us a forward beyond the forward itself (decode wall time - "
+              f"verify compute, over {sum(s.forwards for s in copies)} forwards, median of {len(per_forward)} "
+              f"requests), {statistics.median(s.mean_acceptance_length for s in copies):.2f} tokens a forward")
     return rows
 
 

@@ -76,7 +76,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
     tokens: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     identical: dict[str, Counter] = defaultdict(Counter)
     reasons: dict[str, Counter] = defaultdict(Counter)
-    drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # forwards that verified drafts, forwards
     looked: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # the default's verifier lookups: drafted, accepted
     accepted: dict[str, int] = defaultdict(int)  # the default's drafts accepted in its drafting rounds
     tax: list[tuple[float, float]] = []  # spec-off ms per token: decoding through the services, its forwards
@@ -101,8 +101,8 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 for label, answer in outputs.items():
                     identical[key][label] += list(answer.token_ids) == off
                 reasons[key][stats.speculation_reason] += 1
-                drafted_rounds[key][0] += sum(1 for rr in stats.round_records if rr.drafted)
-                drafted_rounds[key][1] += stats.rounds
+                drafted_rounds[key][0] += sum(bool(rr.drafted) + rr.lookup_steps for rr in stats.round_records)
+                drafted_rounds[key][1] += stats.forwards
                 accepted[key] += stats.accepted_tokens
                 looked[key][0] += sum(rr.lookup_drafted for rr in stats.round_records)
                 looked[key][1] += sum(rr.lookup_accepted for rr in stats.round_records)
@@ -124,9 +124,9 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
         rate = {lb: tokens[key][lb] / seconds[key][lb] for lb in labels}
         best = max((rate[lb] for lb in forced), default=rate[OFF])
         n = reasons[key].total()
-        drafting = drafted_rounds[key][0]
+        forwards = drafted_rounds[key][1]
         row = {"n": n, "tok_s": rate, "default_vs_off": rate[AUTO] / rate[OFF], "default_vs_best": rate[AUTO] / best,
-               "default_acc_len": (accepted[key] + drafting) / drafting if drafting else 0.0,
+               "default_acc_len": (accepted[key] + forwards) / forwards if forwards else 0.0,
                "drafted_share": drafted_rounds[key][0] / max(1, drafted_rounds[key][1]),
                "identical": dict(identical[key]), "reasons": dict(reasons[key]), "lookup_drafted": looked[key][0],
                "lookup_accepted": looked[key][1]}
@@ -148,7 +148,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
             line += f"; the bare 1-row step at a 128-token context: {step_ms:.2f} ms"
         print(line, file=out)
         rows["service_tax"] = {"through_ms": through, "forward_ms": forward, "bare_step_ms": step_ms}
-    print(f"identical = outputs equal to spec-off ({'/'.join([AUTO, *forced])}); acc.len = tokens per drafting "
-          "round of the default request; drafted = its rounds that drafted; lookup = the verifier's own "
-          "prompt-lookup drafts in its rounds, accepted/drafted", file=out)
+    print(f"identical = outputs equal to spec-off ({'/'.join([AUTO, *forced])}); acc.len = tokens per target "
+          "forward of the default request; drafted = its forwards that verified a draft (the drafter's or the "
+          "verifier's own lookup); lookup = those lookups' tokens, accepted/drafted", file=out)
     return rows
