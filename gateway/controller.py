@@ -72,6 +72,7 @@ class Controller:
         # Per task type, the drafters an AUTO request naming none may get, measured on lone,
         # speculating requests.
         self._drafter_arms: dict[str, Arms] = {}
+        self._drafter_all: Arms | None = None  # the same choice over every type: a new type's start
 
     def state(self, task_type: str, drafter: str) -> TypeState:
         key = (task_type or "unspecified", drafter)
@@ -146,12 +147,16 @@ class Controller:
     def drafter(self, task_type: str, default: str, cheaper: str) -> str:
         """The drafter of an AUTO request that names none: the draft service's default or a cheaper
         one (n-gram alone: no head, no features), whichever the type's requests decoded faster with.
-        (Arms: they take turns, then the faster runs and the other every probe_every-th request.)"""
+        (Arms: they take turns, then the faster runs and the other every probe_every-th request; a
+        type that has not timed both yet follows what all types' requests decided, once they have:
+        which drafter pays depends on the target and the machine as much as on the text.)"""
         key = task_type or "unspecified"
         arms = self._drafter_arms.get(key)
         if arms is None:
             arms = self._drafter_arms[key] = Arms(self.settings, default, cheaper)
-        return arms.choose()
+        if self._drafter_all is None:
+            self._drafter_all = Arms(self.settings, default, cheaper)
+        return arms.choose(self._drafter_all)
 
     def score_scale(self, task_type: str, drafter: str) -> float:
         return self.state(task_type, drafter).score_scale
@@ -201,6 +206,7 @@ class Controller:
         arms = self._drafter_arms.get(task_type or "unspecified")
         if arms is not None and decision.reason in ("on", "disabled"):  # an AUTO request that could draft
             arms.add(drafter, per_token)
+            self._drafter_all.add(drafter, per_token)
         moved = shift(times, self.settings.min_requests)
         if moved is not None:
             st.rebase(f"{'spec-on' if stats.speculation_used else 'spec-off'} ms per token moved {moved:.2f}x")

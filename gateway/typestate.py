@@ -23,17 +23,24 @@ class Arms:
     made by measurement: each arm keeps the decode ms per token of the requests it served (the last
     `window`). They take turns until each has min_requests, then the one with the lower median runs
     (the first on a tie) and the other every probe_every-th time, so a change (load, network, the
-    text) is noticed."""
+    text) is noticed. A `prior` (the same choice over every type) decides for a type that has not
+    measured both arms yet, once it has itself."""
 
     def __init__(self, settings: ControllerSettings, first, second):
         self.settings = settings
         self.times = {arm: deque(maxlen=settings.window) for arm in (first, second)}
         self.turns = 0
 
-    def choose(self):
+    @property
+    def decided(self) -> bool:
+        return all(len(times) >= self.settings.min_requests for times in self.times.values())
+
+    def choose(self, prior: Arms | None = None):
         s = self.settings
         (first, a), (second, b) = self.times.items()
-        if len(a) < s.min_requests or len(b) < s.min_requests:
+        if not self.decided:
+            if prior is not None and prior.decided:
+                return prior.choose()
             return first if len(a) <= len(b) else second
         better, other = (first, second) if statistics.median(a) <= statistics.median(b) else (second, first)
         self.turns += 1

@@ -278,7 +278,8 @@ def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
 
 def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with():
     """AUTO requests naming no drafter alternate between the service's default and n-gram alone until
-    each has min_requests, then the faster one runs, and the other every probe_every-th request."""
+    each has min_requests, then the faster one runs, and the other every probe_every-th request; a
+    type new to it starts from that verdict."""
     s = ControllerSettings()
     controller = Controller(s)
     ms = {"hybrid": 4.4, "ngram": 3.9}  # decode ms per token: the head costs more than it earns
@@ -296,8 +297,9 @@ def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with()
     assert explored[:4] == ["hybrid", "ngram", "hybrid", "ngram"]
     chosen = [serve_one() for _ in range(3 * s.probe_every)]
     assert chosen.count("hybrid") == 3 and chosen.count("ngram") == 3 * s.probe_every - 3  # one probe in ten
+    # A type that has not timed both yet follows what all types' requests decided, probes included.
+    code = [controller.drafter("code", "hybrid", "ngram") for _ in range(s.probe_every)]
+    assert code.count("ngram") == s.probe_every - 1, code
     ms["hybrid"], ms["ngram"] = 3.0, 5.0  # the head starts to pay: the probes see it, and it takes over
     later = [serve_one() for _ in range(12 * s.probe_every)]
     assert later[-s.probe_every:].count("hybrid") == s.probe_every - 1
-    # Another task type is judged on its own.
-    assert controller.drafter("code", "hybrid", "ngram") == "hybrid"
