@@ -32,6 +32,7 @@ class Answer:
     batch_rows: int
     reason: str
     accepted: int
+    forwards: int  # the verifier's forwards after the prefill (a decode-ahead round has several)
 
 
 @dataclass
@@ -70,7 +71,7 @@ def one(stub, p: Prompt, index: int, mode: str, max_new_tokens: int, variant: Va
     rounds = stats.round_records
     return Answer(index, p.task_type, tokens, latency, first if first is not None else latency, len(rounds),
                   sum(r.batch_calls for r in rounds), sum(r.batch_rows for r in rounds),
-                  stats.speculation_reason, stats.accepted_tokens)
+                  stats.speculation_reason, stats.accepted_tokens, stats.forwards or len(rounds))
 
 
 TURN = 2  # requests per client in one turn of a mode
@@ -143,7 +144,8 @@ def report(results: list[Level], reference: dict[int, list[int]], prompts: list[
         same = sum(1 for x in a if reference.get(x.prompt) == x.tokens)
         bad += len(lv.errors) + (len(a) - same if reference else 0)
         reasons = Counter(x.reason for x in a) if lv.mode == "auto" else {}
-        acc = (sum(x.accepted for x in a) + rounds) / rounds
+        forwards = sum(x.forwards for x in a) or 1
+        acc = (sum(x.accepted for x in a) + forwards) / forwards  # tokens per target forward
         print(f"{lv.clients:>7} {lv.mode:<5}{lv.rate():>8.1f}{lv.rate() / base[lv.mode]:>10.2f}x"
               f"{statistics.median(lat):>7.2f}{p95(lat):>7.2f}{statistics.median(ttft):>9.3f}{p95(ttft):>9.3f}"
               f"{sum(x.batch_calls for x in a) / rounds:>7.2f}{sum(x.batch_rows for x in a) / rounds:>6.1f}"

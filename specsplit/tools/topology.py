@@ -32,7 +32,8 @@ MODES = {"off": (pb.SPECULATION_OFF, pb.PREDRAFT_OFF), "on": (pb.SPECULATION_ON,
 class Tally:
     seconds: float = 0.0
     tokens: int = 0
-    rounds: int = 0
+    rounds: int = 0  # round trips (a decode-ahead round is one, whatever its forwards)
+    forwards: int = 0  # the verifier's forwards after the prefill
     accepted: int = 0
     attempts: int = 0  # pre-drafts started
     hits: int = 0  # pre-drafts used
@@ -50,6 +51,7 @@ class Tally:
         self.seconds += wall
         self.tokens += len(out.token_ids)
         self.rounds += s.rounds
+        self.forwards += s.forwards or s.rounds
         self.accepted += s.accepted_tokens
         self.attempts += s.predraft_attempts
         self.hits += s.predraft_hits
@@ -181,7 +183,7 @@ def report(points: list[Point], plot: str | None) -> None:
         shm = f"{on.shared_memory}/{on.requests}"
         on_off, async_off = p.speedup("on", baseline), p.speedup("async", baseline)
         print(f"{p.label:<15}{rtt:>7}{on_off:>7.2f}x{async_off:>9.2f}x{hit:>9}"
-              f"{(on.accepted + on.rounds) / on.rounds:>8.2f}"
+              f"{(on.accepted + on.forwards) / on.forwards:>8.2f}"
               f"{statistics.median(on.overhead_ms):>19.2f}{statistics.median(ahead.overhead_ms):>12.2f}"
               f"{statistics.median(on.first_ms):>10.2f}{shm:>6}")
     base = next((p for p in points if p.rtt_ms == 0), None)
