@@ -98,6 +98,9 @@ class Backends:
         self.target: vpb.InfoResponse | None = None
         self.drafters: dict[str, dpb.DrafterInfo] = {}
         self.default_drafter = ""
+        # The drafters that copy from the context (kind ngram): requests for one are drafted in the
+        # verifier (docs/architecture.md#copies), and AUTO weighs the first against the default.
+        self.copiers: list[str] = []
 
     async def connect(self) -> None:
         """Waits for both services and checks that they fit together; raises with a clear message
@@ -120,6 +123,7 @@ class Backends:
             for warning in policy.apply(self.settings.policy_file, self.controller, target, drafters):
                 log.warning("%s", warning)
         self.drafters, self.default_drafter, self.target = drafters, default, target
+        self.copiers = [name for name, d in sorted(drafters.items()) if d.kind == "ngram"]
         self.controller.cost_curve = list(target.forward_ms_by_rows)  # what a forward of n rows costs
         for replicas in (self.verify, self.draft):  # the others in rotation once they fit
             for replica in replicas.replicas.values():
@@ -304,7 +308,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
                                           self._inflight.others())
-        copies = b.drafters[drafter].kind == "ngram"  # drafted in the verifier: no draft service needed
+        copies = drafter in b.copiers  # drafted in the verifier: no draft service needed
         if decision.speculate and not copies and not b.draft.serving:
             if mode != AUTO:
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
@@ -340,10 +344,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         costs more than it earns on this target loses to n-gram alone: docs/controller.md)."""
         b = self._backends
         default = b.default_drafter
-        cheaper = next((name for name, d in sorted(b.drafters.items()) if d.kind == "ngram"), None)
-        if mode != AUTO or cheaper is None or default not in b.drafters or b.drafters[default].kind == "ngram":
+        if mode != AUTO or not b.copiers or default not in b.drafters or default in b.copiers:
             return default
-        return self.controller.drafter(task_type, default, cheaper)
+        return self.controller.drafter(task_type, default, b.copiers[0])
 
     @staticmethod
     def _check_logprobs(asked: cpb.LogprobsRequest) -> cpb.LogprobsRequest:
