@@ -50,7 +50,7 @@ class Decoding:
         have been accepted and the forward's cost by width (`step_ms`, from 1 row up), within
         lookup_gamma (twice that after a lookup accepted whole: a span being copied) and so that
         accepted + 1 fits the budget. (Under rejection sampling each token's q is 1 on it:
-        Target.plan_verify.)"""
+        Target.plan_verify's `copied`.)"""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
         room = session.agreement.depth(room, step_ms) if room > 0 else 0

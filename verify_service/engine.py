@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from specsplit.model.prefixcache import PrefixCache
 
 
-
-
 def certain(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Draft distributions for tokens drafted without sampling (a lookup's copy, a forced token):
     q is 1 on each, which rejection sampling takes as any q (accepted with probability p(x), else
@@ -234,9 +232,10 @@ class Target:
 
     def plan_verify(self, session: TargetSession, length: int, draft: list[int],
                     proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    parents: list[int] | None = None, fill: int = 0) -> Step:
+                    parents: list[int] | None = None, fill: int = 0, copied: bool = False) -> Step:
         """proposals: for rejection sampling, the sparse distribution (ids, probs) each draft token
-        was sampled from. parents: the draft is a token tree (draft[i]'s parent is draft[parents[i]],
+        was sampled from; `copied`: the draft was copied, not sampled (the verifier's own lookup),
+        and each token's q is 1 on it. parents: the draft is a token tree (draft[i]'s parent is draft[parents[i]],
         -1: the last committed token); None or a chain's parents: a chain. Under a constraint, a
         draft is cut where the language no longer allows it, and one left empty is filled with up
         to `fill` tokens the language forces."""
@@ -250,7 +249,7 @@ class Target:
             tokentree.check(parents, len(draft))
             if tokentree.is_chain(parents):
                 parents = None
-        proposals = proposals or []
+        proposals = certain(draft) if copied and self._rejects(session) else proposals or []
         if self._rejects(session):
             self._check_proposals(draft, proposals)
         forced: tuple[bool, ...] = ()  # which draft tokens the language forced

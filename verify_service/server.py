@@ -25,9 +25,9 @@ from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
 from specsplit.spec.lookup import OutputIndex
-from specsplit.spec.sampling import Logprobs, Method, SamplingParams
+from specsplit.spec.sampling import Logprobs, SamplingParams
 from verify_service.decoding import Decoding, decodes
-from verify_service.engine import ContextFull, Prefilling, Target, TargetSession, certain
+from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
 from verify_service.statuses import failure
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -276,9 +276,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 decoding = self._ahead[request.session_id] = Decoding()
             length = len(session.tokens) if decoding.results else request.length
             room = max(0, request.decode_ahead - decoding.committed)
-            draft = decoding.draft(request, session, self._curve(), self._outputs)
-            proposals = certain(draft) if session.sampling.verification is Method.REJECTION else None
-            return self._target.plan_verify(session, length, draft, proposals, fill=min(request.forced_room, room))
+            return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve(),
+                                                                            self._outputs),
+                                            fill=min(request.forced_room, room), copied=True)
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 
