@@ -254,7 +254,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
         prefill_compute_ms=request.measured.prefill_verify_ns / 1e6,
         decode_ms=(end - request.measured.decode_mark) / 1e6, total_ms=(end - request.measured.started) / 1e6,
         rounds=len(rounds), drafted_tokens=drafted, accepted_tokens=accepted,
-        mean_acceptance_length=sum(r.accepted + 1 + r.decoded for r in rounds) / forwards if rounds else 0.0,
+        mean_acceptance_length=(accepted + forwards) / forwards if rounds else 0.0,
         forwards=forwards,
         speculation_used=drafting, drafter=plan.drafter if drafting else "", gamma=plan.gamma if drafting else 0,
         draft_ms=sum(r.draft_ms for r in rounds), verify_ms=sum(r.verify_ms for r in rounds),

@@ -63,10 +63,9 @@ class RoundLoop:
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
         session_id = uuid.uuid4().hex
-        drafter = DraftSide(self._draft_replica, plan.speculate and not plan.copies and self._draft_replica is not None,
-                            self._up,
-                            self._other_draft, list(self._target.forward_ms_by_rows),
-                            lambda session: self._pin.load.others(session))
+        drafting = plan.speculate and not plan.copies and self._draft_replica is not None  # n-gram: no draft session
+        drafter = DraftSide(self._draft_replica, drafting, self._up, self._other_draft,
+                            list(self._target.forward_ms_by_rows), lambda session: self._pin.load.others(session))
         request = Request(plan, session_id, Cursor(plan.max_new_tokens, self._target.max_context), drafter,
                           gate=Gate(plan.prior or Prior(), always=plan.prior is None))
         request.measured.started = now()
