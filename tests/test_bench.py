@@ -137,7 +137,7 @@ async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools import traffic
+    from specsplit.tools import anchor, traffic
     from specsplit.tools.workload import Prompt, Variant
 
     prompts = [Prompt("rag", "Document: the cat sat on the mat. Question: where did the cat sit?"),
@@ -146,7 +146,8 @@ async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(
         def run():
             with grpc.insecure_channel(stack.gateway) as channel:
                 out = io.StringIO()
-                rows = traffic.run(pb_grpc.GatewayStub(channel), prompts, 16, 1, [Variant("ngram")], out=out)
+                rows = traffic.run(pb_grpc.GatewayStub(channel), prompts, 16, 1, [Variant("ngram")], out=out,
+                                   bare=anchor.BareTarget(str(models["target"]), "bfloat16", ""))
                 return rows, out.getvalue()
 
         rows, printed = await asyncio.to_thread(run)
@@ -154,9 +155,13 @@ async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(
     assert rows["ALL"]["n"] == 3 and rows["rag"]["n"] == 2
     assert rows["ALL"]["identical"] == {"off": 3, "default": 3, "ngram": 3}  # greedy: every mode equals spec-off
     assert sum(rows["ALL"]["reasons"].values()) == 3 and "forced" not in rows["ALL"]["reasons"]  # AUTO, not forced
+    assert sum(rows["ALL"]["drafters"].values()) == 3  # which drafter each default request ran with
     tax = rows["service_tax"]
     assert 0 < tax["forward_ms"] <= tax["through_ms"]  # its forwards are part of the decode time
+    assert 0 < rows["ALL"]["off_prefill_share"] < 1 and rows["ALL"]["default_vs_off_decode"] > 0
     assert "default" in printed and "service tax" in printed
+    assert tax["bare_vs_through"] > 0 and "bare target" in printed  # timed beside each spec-off request
+    assert tax["bare_ms"] > 0
 
 
 async def test_structured_runs_each_schema_constrained_and_free_and_checks_every_output(models, tmp_path):

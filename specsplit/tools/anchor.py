@@ -112,6 +112,32 @@ def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 
     return {"kernels": kernels, **{f"rows{r}_ms": 1e3 * statistics.median(t) for r, t in times.items()}}
 
 
+class BareTarget:
+    """Our target decoding alone in this process (the verify service's code, no services), to time
+    beside requests through the services: the chat prompt prefilled, then a given output fed back one
+    token a step with each step's greedy choice taken, as a spec-off decode does."""
+
+    def __init__(self, model_dir: str, dtype: str, quantize: str):
+        from transformers import AutoTokenizer
+
+        from specsplit.model.modeling import load_model
+
+        self.lm = load_model(model_dir, dtype, quantize=quantize)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def decode_ms(self, prompt: str, output: list[int]) -> float | None:
+        """ms per token after the first (None for an output of fewer than 2 tokens)."""
+        from specsplit.model.modeling import KVSequence, chat_prompt_ids
+
+        if len(output) < 2:
+            return None
+        seq = KVSequence(self.lm)
+        seq.forward(chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}]), last_only=True)
+        start = time.perf_counter()
+        for token in output[:-1]:
+            int(seq.forward([token], last_only=True)[-1].argmax())
+        return 1e3 * (time.perf_counter() - start) / (len(output) - 1)
+
 def print_table(anchor: Anchor, records: list[AnchorRecord], ours: list[dict], our_records: list,
                 out=sys.stdout) -> None:
     """Per task type: transformers' tok/s per mode next to ours, our speculation against its best

@@ -25,14 +25,13 @@ def main(args, config) -> int:
     from specsplit.tools.launcher import gateway_stub
 
     prompts = load_prompts(args.prompts or "general", args.limit)
-    step_ms = None
-    if not args.gateway:
+    bare = None
+    if not args.gateway:  # the target alone in this process, timed beside each spec-off request
         from specsplit.model import catalog
         from specsplit.tools import anchor as anchoring
 
-        print("measuring the target step ...", file=sys.stderr, flush=True)
-        step_ms = anchoring.step_profile(str(catalog.resolve(config.target_model)), config.dtype,
-                                         config.quantize)["rows1_ms"]
+        resolved = config.resolved()
+        bare = anchoring.BareTarget(str(catalog.resolve(resolved.target_model)), resolved.dtype, resolved.quantize)
     served = None
     if args.anchor_llama_cpp:  # llama-server on the same prompts, before the stack starts
         from specsplit.model import catalog
@@ -47,7 +46,7 @@ def main(args, config) -> int:
         for v in variants:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, v), timeout=600)
         stub.Generate(request(warmup(prompts), pb.SPECULATION_OFF, 16), timeout=600)
-        rows = run(stub, prompts, args.max_new_tokens, args.repeats, variants, step_ms, args.seed)
+        rows = run(stub, prompts, args.max_new_tokens, args.repeats, variants, args.seed, bare=bare)
     if served:
         llamaserver.print_table(served, [{"drafter": AUTO, "task_type": key, "tok_s_on": row["tok_s"][AUTO],
                                           "tok_s_off": row["tok_s"][OFF]}
@@ -58,7 +57,9 @@ def main(args, config) -> int:
 
 
 def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants: list[Variant],
-        step_ms: float | None = None, seed: int = 0, out=None) -> dict:
+        seed: int = 0, out=None, bare=None) -> dict:
+    """`bare` (anchor.BareTarget): its decode of each spec-off output is timed right after the
+    request, with the stack idle: the service tax against the target alone, pair by pair."""
     out = out or sys.stdout
     order = list(prompts)
     random.Random(seed).shuffle(order)
@@ -76,10 +77,13 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
     tokens: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     identical: dict[str, Counter] = defaultdict(Counter)
     reasons: dict[str, Counter] = defaultdict(Counter)
+    chosen: dict[str, Counter] = defaultdict(Counter)  # the drafter each default request ran with
     drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # forwards that verified drafts, forwards
     looked: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # the default's verifier lookups: drafted, accepted
     accepted: dict[str, int] = defaultdict(int)  # the default's drafts accepted in its drafting rounds
-    tax: list[tuple[float, float]] = []  # spec-off ms per token: decoding through the services, its forwards
+    # spec-off ms per token: decoding through the services, its forwards, the bare target (or None)
+    tax: list[tuple[float, float, float | None]] = []
+    phases: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0]))
     for r in range(repeats):
         for i, (task, reqs) in enumerate(modes, 1):
             turn = (i + r) % len(reqs)
@@ -92,15 +96,21 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 for key in (task, "ALL"):
                     seconds[key][label] += took
                     tokens[key][label] += len(answer.token_ids)
+                    phase = phases[key][label]  # prefill ms, decode ms, tokens after the first
+                    phase[0] += answer.stats.prefill_ms
+                    phase[1] += answer.stats.decode_ms
+                    phase[2] += max(0, len(answer.token_ids) - 1)
             off = list(outputs[OFF].token_ids)
             stats = outputs[AUTO].stats
             if len(off) > 1 and outputs[OFF].stats.decode_ms > 0:
                 s = outputs[OFF].stats
-                tax.append((s.decode_ms / (len(off) - 1), s.verify_ms / (len(off) - 1)))
+                alone = bare.decode_ms(reqs[0][1].chat.messages[0].content, off) if bare is not None else None
+                tax.append((s.decode_ms / (len(off) - 1), s.verify_ms / (len(off) - 1), alone))
             for key in (task, "ALL"):
                 for label, answer in outputs.items():
                     identical[key][label] += list(answer.token_ids) == off
                 reasons[key][stats.speculation_reason] += 1
+                chosen[key][stats.drafter or "none"] += 1
                 drafted_rounds[key][0] += sum(bool(rr.drafted) + rr.lookup_steps for rr in stats.round_records)
                 drafted_rounds[key][1] += stats.forwards
                 accepted[key] += stats.accepted_tokens
@@ -117,38 +127,55 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
           f"max_new_tokens={max_new_tokens}, repeats={repeats}; tok/s = tokens / wall time incl. a cold prefill "
           "(no prefix cache)", file=out)
     head = f"{'category':<11}{'n':>3}{'off':>8}" + "".join(f"{lb[:14]:>15}" for lb in forced)
-    head += (f"{'default':>9}{'def/off':>8}{'def/best':>9}{'acc.len':>8}{'drafted':>8}{'lookup':>12}{'identical':>10}"
-             "  default's reasons")
+    head += (f"{'default':>9}{'def/off':>8}{'def/best':>9}{'prefill':>8}{'decode':>7}{'acc.len':>8}{'drafted':>8}"
+             f"{'lookup':>12}{'identical':>10}  default's reasons; drafters")
     print(head, file=out)
     for key in sorted(seconds, key=lambda k: (k == "ALL", k)):
         rate = {lb: tokens[key][lb] / seconds[key][lb] for lb in labels}
         best = max((rate[lb] for lb in forced), default=rate[OFF])
         n = reasons[key].total()
         forwards = drafted_rounds[key][1]
+        off_phase, auto_phase = phases[key][OFF], phases[key][AUTO]
+        prefill_share = off_phase[0] / max(1e-9, seconds[key][OFF] * 1e3)
+        decode_ratio = ((auto_phase[2] / max(1e-9, auto_phase[1])) / (off_phase[2] / max(1e-9, off_phase[1]))
+                        if off_phase[2] and auto_phase[2] else 0.0)
         row = {"n": n, "tok_s": rate, "default_vs_off": rate[AUTO] / rate[OFF], "default_vs_best": rate[AUTO] / best,
+               "off_prefill_share": prefill_share, "default_vs_off_decode": decode_ratio,
                "default_acc_len": (accepted[key] + forwards) / forwards if forwards else 0.0,
                "drafted_share": drafted_rounds[key][0] / max(1, drafted_rounds[key][1]),
-               "identical": dict(identical[key]), "reasons": dict(reasons[key]), "lookup_drafted": looked[key][0],
+               "identical": dict(identical[key]), "reasons": dict(reasons[key]), "drafters": dict(chosen[key]),
+               "lookup_drafted": looked[key][0],
                "lookup_accepted": looked[key][1]}
         rows[key] = row
         same = "/".join(str(identical[key][lb]) for lb in [AUTO, *forced])
         print(f"{key:<11}{n:>3}{rate[OFF]:>8.1f}" + "".join(f"{rate[lb]:>8.1f} {rate[lb] / rate[OFF]:>5.2f}x"
                                                              for lb in forced)
               + f"{rate[AUTO]:>9.1f}{row['default_vs_off']:>7.2f}x{row['default_vs_best']:>8.2f}x"
+              f"{prefill_share:>8.0%}{decode_ratio:>6.2f}x"
               f"{row['default_acc_len']:>8.2f}{row['drafted_share']:>7.0%}"
               f"{f'{looked[key][1]}/{looked[key][0]}':>12}{same:>10}  "
-              + ", ".join(f"{k} {v}" for k, v in sorted(reasons[key].items())), file=out)
+              + ", ".join(f"{k} {v}" for k, v in sorted(reasons[key].items())) + "; "
+              + ", ".join(f"{k} {v}" for k, v in sorted(chosen[key].items())), file=out)
     if tax:
         through, forward = (statistics.median(t[i] for t in tax) for i in (0, 1))
         line = (f"service tax, spec-off: decode through the services {1e3 / through:.1f} tok/s "
                 f"({through:.2f} ms/token) vs its forwards in the verify service {1e3 / forward:.1f} tok/s "
                 f"({forward:.2f} ms): "
                 f"{forward / through:.2f}x (medians per request)")
-        if step_ms:
-            line += f"; the bare 1-row step at a 128-token context: {step_ms:.2f} ms"
+        rows["service_tax"] = {"through_ms": through, "forward_ms": forward}
+        paired = [(t[0], t[2]) for t in tax if t[2] is not None]
+        if paired:
+            rows["service_tax"]["bare_ms"] = statistics.median(b for _, b in paired)
+            rows["service_tax"]["bare_vs_through"] = statistics.median(b / t for t, b in paired)
+            line += (f"; the bare target decoding the same outputs in this process (no services, timed right after "
+                     f"each) {1e3 / rows['service_tax']['bare_ms']:.1f} tok/s: through the services "
+                     f"{rows['service_tax']['bare_vs_through']:.2f}x its rate")
         print(line, file=out)
-        rows["service_tax"] = {"through_ms": through, "forward_ms": forward, "bare_step_ms": step_ms}
+    print("prefill = spec-off's share of its wall time spent before the first token (what speculation cannot "
+          "shorten); decode = the default request's decode rate (tokens after the first / time after prefill) over "
+          "spec-off's", file=out)
     print(f"identical = outputs equal to spec-off ({'/'.join([AUTO, *forced])}); acc.len = tokens per target "
           "forward of the default request; drafted = its forwards that verified a draft (the drafter's or the "
           "verifier's own lookup); lookup = those lookups' tokens, accepted/drafted", file=out)
     return rows
+
