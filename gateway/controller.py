@@ -16,6 +16,7 @@ from gateway.gate import Prior
 from gateway.typestate import REBASE_CONTROL, Arms, TypeState, load_bucket, shift
 from specsplit.serving.settings import ControllerSettings
 from specsplit.spec.ewma import Ewma
+from specsplit.spec.tokentree import verify_ms
 
 log = logging.getLogger("specsplit")
 
@@ -46,6 +47,22 @@ class Outcome:
     generated_tokens: int
     decode_ms: float
     speculation_used: bool
+    forward_ms: float = 0.0  # the verifier's compute per forward after prefill, mean (0: unknown)
+    forward_rows: float = 1.0  # rows per such forward, mean (drafts widen them)
+
+
+def in_forwards(per_token: float, stats: Outcome, curve: Sequence[float]) -> float:
+    """A request's decode ms per token in one-row forwards at its own context: its forwards' mean
+    compute, less what their extra rows cost by the verifier's curve, is what a spec-off step of it
+    costs. How the drafter and pre-drafting arms compare requests of different prompts: a long
+    document's forwards cost more whichever arm serves it, and in unlabelled mixed traffic each arm
+    gets a different few of them. (per_token itself where the forward or the curve is unknown.)"""
+    if stats.forward_ms <= 0 or not curve or curve[0] <= 0:
+        return per_token
+    low = max(1, int(stats.forward_rows))
+    part = stats.forward_rows - low
+    width = ((1 - part) * verify_ms(curve, low) + part * verify_ms(curve, low + 1)) / curve[0]
+    return per_token * width / stats.forward_ms
 
 
 def p95(values) -> float:
@@ -203,16 +220,17 @@ class Controller:
             return
         times = st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token
         times.append(per_token)
+        relative = in_forwards(per_token, stats, self.cost_curve)
         arms = self._drafter_arms.get(task_type or "unspecified")
         if arms is not None and decision.reason in ("on", "disabled"):  # an AUTO request that could draft
-            arms.add(drafter, per_token)
-            self._drafter_all.add(drafter, per_token)
+            arms.add(drafter, relative)
+            self._drafter_all.add(drafter, relative)
         moved = shift(times, self.settings.min_requests)
         if moved is not None:
             st.rebase(f"{'spec-on' if stats.speculation_used else 'spec-off'} ms per token moved {moved:.2f}x")
             return
         if stats.speculation_used:
-            st.predraft_arms.add(predraft, per_token)
+            st.predraft_arms.add(predraft, relative)
         if decision.reason in ("on", "probe", "disabled", "control"):
             self._evaluate(st)
 

@@ -218,7 +218,16 @@ def outcome(stats: pb.GenerationStats) -> Outcome:
     """A response's stats as the controller reads them."""
     return Outcome([RoundFacts(r.drafted, r.accepted, r.draft_ms, r.verify_ms, r.network_ms, r.depth, r.expected,
                                r.decoded, r.round_ms, r.asked, r.copy_in_sight)
-                    for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used)
+                    for r in stats.round_records], stats.generated_tokens, stats.decode_ms, stats.speculation_used,
+                   *_per_forward(stats))
+
+
+def _per_forward(stats: pb.GenerationStats) -> tuple[float, float]:
+    """The verifier's mean compute and rows per forward after prefill ((0, 1): none)."""
+    forwards = stats.forwards or stats.rounds
+    if not forwards or stats.verify_ms <= 0:
+        return 0.0, 1.0
+    return stats.verify_ms / forwards, 1 + stats.drafted_tokens / forwards
 
 
 def _record(r) -> pb.RoundRecord:

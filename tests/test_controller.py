@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-from gateway.controller import AUTO, OFF, ON, Controller, Decision
+from gateway.controller import AUTO, OFF, ON, Controller, Decision, in_forwards
 from gateway.gate import Gate, Prior
 from gateway.instruments import outcome
-from gateway.typestate import expected_length
+from gateway.typestate import Arms, expected_length
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.serving.settings import ControllerSettings
 
@@ -303,3 +303,49 @@ def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with()
     ms["hybrid"], ms["ngram"] = 3.0, 5.0  # the head starts to pay: the probes see it, and it takes over
     later = [serve_one() for _ in range(12 * s.probe_every)]
     assert later[-s.probe_every:].count("hybrid") == s.probe_every - 1
+
+
+def test_arms_decide_after_three_each_only_when_every_time_of_one_beats_every_time_of_the_other():
+    """Exploring the losing arm costs traffic: a lopsided comparison is decided at EARLY (3) requests
+    each; one whose times overlap waits for min_requests each."""
+    s = ControllerSettings()
+    apart, close = Arms(s, "hybrid", "ngram"), Arms(s, "hybrid", "ngram")
+    for hybrid, ngram in [(4.4, 3.9), (4.6, 3.7), (4.3, 4.0)]:
+        apart.add("hybrid", hybrid)
+        apart.add("ngram", ngram)
+        close.add("hybrid", hybrid)
+        close.add("ngram", ngram + 0.5)  # 4.4, 4.2, 4.5: inside the other arm's times
+    assert apart.decided and apart.choose() == "ngram"
+    assert not close.decided and close.choose() == "hybrid"  # still taking turns
+    for _ in range(s.min_requests - Arms.EARLY):
+        close.add("hybrid", 4.4)
+        close.add("ngram", 4.3)
+    assert close.decided
+
+
+def test_the_drafter_arms_compare_requests_in_one_row_forwards_of_their_own_context():
+    """In unlabelled mixed traffic each arm serves different prompts: the n-gram requests here got the
+    long documents, whose forwards cost twice as much. Raw ms per token would crown the head;
+    per token in one-row forwards of each request's own context (its forwards' mean compute, less
+    what their extra rows cost by the verifier's curve), n-gram alone is the faster."""
+    s = ControllerSettings()
+    controller = Controller(s)
+    controller.cost_curve = [4.0, 4.4, 4.8, 5.2, 5.6]  # ms by rows: a second row costs 10 %
+    served = {"hybrid": (3.0, 0, 3.3), "ngram": (6.0, 16, 5.0)}  # forward ms, drafted per 32 forwards, ms/token
+
+    def serve_one() -> str:
+        drafter = controller.drafter("", "hybrid", "ngram")
+        decision = controller.decide("", drafter, AUTO, 0, inflight=0)
+        forward, drafted, per_token = served[drafter]
+        stats = pb.GenerationStats(generated_tokens=41, decode_ms=40 * per_token, forwards=32, drafted_tokens=drafted,
+                                   verify_ms=32 * forward, speculation_used=decision.speculate)
+        controller.observe("", drafter, decision, outcome(stats))
+        return drafter
+
+    for _ in range(2 * s.min_requests + 2):
+        serve_one()
+    chosen = [serve_one() for _ in range(s.probe_every)]
+    assert chosen.count("ngram") == s.probe_every - 1, chosen
+    # The measure itself: ngram's 5.0 ms/token over its 1-row forward (6.0 / 1.05 at 1.5 rows a forward).
+    assert abs(in_forwards(5.0, outcome(pb.GenerationStats(forwards=32, drafted_tokens=16, verify_ms=192.0)),
+                           controller.cost_curve) - 5.0 * 1.05 / 6.0) < 1e-9
