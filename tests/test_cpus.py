@@ -123,3 +123,23 @@ def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(mode
         assert " 1 torch thread (" in line, line
     verify = next(line for line in done.stdout.splitlines() if line.startswith("verify"))
     assert ("cgroup CPU limit 0.5" if confine == "cgroup" else "affinity 1 CPUs") in verify, verify
+
+
+def test_idle_clock_sums_the_idle_and_iowait_ticks_of_the_cpus_this_process_may_run_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2})
+    monkeypatch.setattr(cpus, "quota", lambda: None)
+    stat = tmp_path / "stat"
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def write(idle0: int, idle2: int) -> None:  # user nice system idle iowait ...
+        stat.write_text(f"cpu  9 9 9 {idle0 + idle2 + 500} 9 0 0\ncpu0 1 0 1 {idle0} 3 0 0\n"
+                        f"cpu1 1 0 1 500 0 0 0\ncpu2 1 0 1 {idle2} 0 0 0\nintr 1 2 3\n")
+
+    write(100, 200)
+    idle = cpus.idle_clock(stat)
+    assert idle() == (100 + 3 + 200) / tick  # cpu1 is not this process's
+    write(150, 260)
+    assert idle() == (150 + 3 + 260) / tick
+    monkeypatch.setattr(cpus, "quota", lambda: 1.0)  # a quota of one CPU of the two: idle ones may not be ours
+    assert cpus.idle_clock(stat) is None
+    assert cpus.idle_clock(tmp_path / "absent") is None

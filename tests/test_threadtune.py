@@ -107,3 +107,28 @@ def test_the_worker_runs_each_batch_on_the_tuners_size_and_reports_back(monkeypa
     finally:
         worker.shutdown()
         torch.set_num_threads(before)
+
+
+def test_a_reduced_team_tries_again_as_soon_as_the_cpus_it_gave_up_sit_idle():
+    """A co-located drafter computed beside the verifier and the team halved; the drafter stops and
+    the other CPU sits idle: the try comes after one idle window (0.1 s), not after the wait (1 s,
+    more after failed tries), which would outlast a whole request on half the team. A busy neighbour
+    keeps that CPU busy, and tries stay on the wait."""
+    for neighbour_busy in (False, True):
+        clock, idle = Clock(), [0.0]
+        tuner = ThreadTuner(2, lambda n: None, clock=clock, idle=lambda: idle[0])
+        for _ in range(2):
+            tuner.record(tuner.size(), 0.02, 0.01)  # two starved forwards: halved
+            clock.now += 0.02
+        assert tuner.current == 1
+        used = []
+        for _ in range(25):  # 0.5 s on one thread; the other CPU idle unless the neighbour is busy
+            size = tuner.size()
+            tuner.record(size, 0.02, 0.02)
+            clock.now += 0.02
+            idle[0] += 0.0 if neighbour_busy else 0.02
+            used.append(size)
+        if neighbour_busy:
+            assert used.count(2) == 0 and tuner.current == 1  # the next try is 1 s away
+        else:
+            assert tuner.current == 2 and used.index(2) <= 8, used  # after one window of 0.1 s

@@ -65,6 +65,32 @@ def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
     return out
 
 
+def idle_clock(stat: Path = Path("/proc/stat")):
+    """A function giving the seconds the CPUs this process may run on have spent idle so far (the
+    kernel's idle and iowait ticks, 10 ms apart), or None: no /proc/stat, or a cgroup quota below
+    the affinity (idle CPUs the quota does not give this process would look free)."""
+    try:
+        mine = os.sched_getaffinity(0)
+        limit = quota()
+        if limit is not None and math.ceil(limit) < len(mine):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        names = {f"cpu{c}".encode() for c in mine}
+        stat.read_bytes()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+    def idle_s() -> float:
+        ticks = 0
+        for line in stat.read_bytes().splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0] in names:
+                ticks += int(fields[4]) + int(fields[5])
+        return ticks / tick
+
+    return idle_s
+
+
 def available() -> tuple[int, str]:
     """(CPUs this process may use, why)."""
     cpus = affinity()

@@ -49,5 +49,7 @@ def tune_threads(worker, role: str, invariant: bool, fixed: bool) -> str:
     if fixed or not invariant:
         why = "--fixed-threads" if fixed else "transformers' forward"
         return f"; each forward on {most} ({why})"
-    worker.tuner = ThreadTuner(most, torch.set_num_threads, name=role)
+    from specsplit.serving.cpus import idle_clock
+
+    worker.tuner = ThreadTuner(most, torch.set_num_threads, name=role, idle=idle_clock())
     return "; fewer per forward while the scheduler does not run them all (see --fixed-threads)"

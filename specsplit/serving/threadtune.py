@@ -16,6 +16,11 @@ doubles the wait too: contention that comes and goes costs one round trip per `m
 Co-located services that compute at once (the drafter and the verifier under many sessions) see
 the same sign and split the cores between them.
 
+A reduced team also watches the CPUs it may run on (`idle`, from the kernel's per-CPU idle time)
+over windows of `idle_window_s`: when they sat idle for as many CPUs as the next size up adds (a
+co-located drafter that computed beside it has stopped), the try is due at once rather than after
+its wait, which can outlast a whole request run on half the team.
+
 Only where results do not depend on the team size (the native kernels: tests/test_modeling.py
 checks 1, 2 and 3 threads bit for bit) does the size change; elsewhere it stays at `most`. With
 OMP_WAIT_POLICY=active the leader spins through every wait and the sign is lost."""
@@ -33,7 +38,8 @@ log = logging.getLogger("specsplit")
 class ThreadTuner:
     def __init__(self, most: int, set_threads: Callable[[int], None], name: str = "", low: float = 0.75,
                  high: float = 0.9, first_probe_s: float = 1.0, max_probe_s: float = 4.0, stable_s: float = 10.0,
-                 min_wall_s: float = 1e-3, clock: Callable[[], float] = time.monotonic):
+                 min_wall_s: float = 1e-3, clock: Callable[[], float] = time.monotonic,
+                 idle: Callable[[], float] | None = None, idle_window_s: float = 0.1, idle_share: float = 0.7):
         self.sizes = sorted({most >> k for k in range(max(1, most).bit_length())} - {0}, reverse=True)
         self.current = self.sizes[0]
         # None: the first forward sets its size (the thread it runs on may have started with another)
@@ -43,6 +49,8 @@ class ThreadTuner:
         self._wait_s, self._probe_at, self._raised_at = first_probe_s, 0.0, float("-inf")
         self._starved: deque[bool] = deque(maxlen=3)  # the last forwards at the current size: share < low
         self.halvings = self.raises = 0
+        self._idle, self.idle_window_s, self.idle_share = idle, idle_window_s, idle_share
+        self._window: tuple[float, float] | None = None  # (clock, idle seconds) where the idle window began
 
     def size(self) -> int:
         """The team size for the next forward (and sets it): the current one, or the next up when a
@@ -60,6 +68,8 @@ class ThreadTuner:
         if wall_s < self.min_wall_s:
             return  # no model work (a retrieval draft, a release): nothing to learn
         share = leader_cpu_s / wall_s
+        if size == self.current != self.sizes[0]:
+            self._watch_idle()
         if size != self.current:  # a try at the next size up
             if share >= self.high:
                 self._move(size, f"a forward on {size} ran its leader {share:.0%} of the time")
@@ -77,6 +87,23 @@ class ThreadTuner:
             self._wait_s = min(self.max_probe_s, 2 * self._wait_s) if flapping else self.first_probe_s
             self._probe_at = now + self._wait_s
 
+    def _watch_idle(self) -> None:
+        """On a reduced team: a try is due now if, over the last idle window, the CPUs sat idle for
+        at least idle_share of what the next size up would use."""
+        if self._idle is None:
+            return
+        now, idle = self._clock(), self._idle()
+        if self._window is None:
+            self._window = (now, idle)
+            return
+        began, idle_then = self._window
+        if now - began < self.idle_window_s:
+            return
+        self._window = (now, idle)
+        more = self.sizes[self.sizes.index(self.current) - 1] - self.current
+        if idle - idle_then >= self.idle_share * more * (now - began):
+            self._probe_at = now
+
     def _move(self, size: int, why: str) -> None:
         log.info("%s: %d -> %d threads per forward (%s)", self.name, self.current, size, why)
         if size < self.current:
@@ -85,3 +112,4 @@ class ThreadTuner:
             self.raises += 1
         self.current = size
         self._starved.clear()
+        self._window = None
