@@ -116,10 +116,13 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 accepted[key] += stats.accepted_tokens
                 looked[key][0] += sum(rr.lookup_drafted for rr in stats.round_records)
                 looked[key][1] += sum(rr.lookup_accepted for rr in stats.round_records)
+            off_stats = outputs[OFF].stats
             print(f"traffic {r + 1}/{repeats} [{i}/{len(modes)}] {task:<10} default: "
-                  f"{stats.speculation_reason:<10} "
-                  f"{len(outputs[AUTO].token_ids) / max(1e-9, stats.total_ms / 1e3):6.1f}"
-                  f" tok/s, drafted {sum(1 for rr in stats.round_records if rr.drafted)}/{stats.rounds} rounds",
+                  f"{stats.speculation_reason:<10} {stats.drafter or 'none':<7}"
+                  f"{len(outputs[AUTO].token_ids) / max(1e-9, stats.total_ms / 1e3):6.1f} tok/s "
+                  f"({off_stats.total_ms / max(1e-9, stats.total_ms):.2f}x off; decode "
+                  f"{off_stats.decode_ms / max(1e-9, stats.decode_ms):.2f}x), "
+                  f"drafted {sum(1 for rr in stats.round_records if rr.drafted)}/{stats.rounds} rounds",
                   file=sys.stderr, flush=True)
     rows = {}
     forced = labels[2:]
