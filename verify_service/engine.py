@@ -14,6 +14,7 @@ from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.serving import hops
 from specsplit.serving.grammar import Language, Matcher
 from specsplit.spec import tokentree
+from specsplit.spec.ewma import Ewma
 from specsplit.spec.lookup import Agreement, BigramIndex
 from specsplit.spec.rollback import TreeRollback
 from specsplit.spec.sampling import Logprobs, Method, SamplingParams, token_logprobs
@@ -54,6 +55,7 @@ class TargetSession:
     agreement: Agreement = field(default_factory=Agreement)  # how often the target follows its lookups
     matcher: Matcher | None = None  # structured output: the output's place in its language (serving.grammar)
     output_start: int = 0  # tokens[output_start:] are its output (a resumed session's prompt holds some)
+    step_ms: Ewma = field(default_factory=lambda: Ewma(0.9))  # its lone one-row forwards now (verify_service.widths)
 
 
 @dataclass(frozen=True)

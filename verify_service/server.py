@@ -29,6 +29,7 @@ from specsplit.spec.sampling import Logprobs, SamplingParams
 from verify_service.decoding import Decoding, decodes
 from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
 from verify_service.statuses import failure
+from verify_service.widths import Widths
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
@@ -58,6 +59,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.prefilling = 0
         # Verify calls decoding ahead (VerifyRequest.decode_ahead), by session, between their steps.
         self._ahead: dict[str, Decoding] = {}
+        self._widths = Widths()  # a wider forward's cost now, for the decode-ahead's lookup depth
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -271,13 +273,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         length the caller believes), with a prompt-lookup draft where the context offers one."""
         try:
             session = self._sessions.get(request.session_id)
-            decoding = self._ahead.get(request.session_id)
-            if decoding is None:
-                decoding = self._ahead[request.session_id] = Decoding()
+            decoding = self._ahead.setdefault(request.session_id, Decoding())
             length = len(session.tokens) if decoding.results else request.length
             room = max(0, request.decode_ahead - decoding.committed)
-            return self._target.plan_verify(session, length, decoding.draft(request, session, self._curve(),
-                                                                            self._outputs),
+            curve = self._widths.curve(session.step_ms, self._curve())
+            return self._target.plan_verify(session, length, decoding.draft(request, session, curve, self._outputs),
                                             fill=min(request.forced_room, room), copied=True)
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
@@ -289,6 +289,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if decodes(request):
             decoding = self._ahead[request.session_id]
             decoding.add(result, session)
+            if result.batch_calls == 1:
+                self._widths.add(session.step_ms, result.batch_rows, result.forward_ns / 1e6)
             if not decoding.finished(request, session, self._lm.max_context):
                 return Again(1)
             del self._ahead[request.session_id]
