@@ -157,9 +157,10 @@ class Controller:
         on_ms = None if verify is None or draft is None else verify + draft + (st.network_on.value or 0.0)
         off_ms = st.off_time_per_token() or (self.cost_curve[0] if self.cost_curve else None)
         situations = {copy: (t.value, ms.value) for copy, (t, ms) in st.asked.items() if t.value is not None}
-        if situations and st.unasked_ms.value is not None:  # the gate's own units: wall time, both sides
-            return Prior(tokens, on_ms, st.unasked_ms.value, situations)
-        return Prior(tokens, on_ms, off_ms)
+        unasked = {copy: ms.value for copy, ms in st.unasked.items() if ms.value is not None}
+        if situations and False in unasked:  # the gate's own units: wall time, both sides
+            return Prior(tokens, on_ms, unasked[False], situations, unasked)
+        return Prior(tokens, on_ms, off_ms, {}, unasked)
 
     def drafter(self, task_type: str, default: str, cheaper: str) -> str:
         """The drafter of an AUTO request that names none: the draft service's default or a cheaper
@@ -191,7 +192,7 @@ class Controller:
                     tokens.add(r.accepted + 1 + r.decoded)
                     ms.add(r.round_ms)
                 else:
-                    st.unasked_ms.add(r.round_ms / (1 + r.accepted + r.decoded))
+                    st.unasked[r.copy].add(r.round_ms / (1 + r.accepted + r.decoded))
             if r.drafted:
                 st.accepted.add(r.accepted)
                 st.rejected.add(1.0 if r.accepted < (r.depth or r.drafted) else 0.0)

@@ -2,14 +2,17 @@
 prior, not a verdict: each request is judged on its own evidence, so unlabelled, mixed traffic gets
 speculation where its text can be drafted and loses nothing where it cannot.
 
-Where a copy is in sight (the request's context, prompt and committed tokens, indexed by bigram:
-its last two tokens occurred before), an AUTO round does not ask: the verifier drafts the copy
-itself as it decodes ahead (prompt lookup, docs/architecture.md#copies), the cheaper source. Where
-none is, only the drafter (its head or model) can draft, and the gate weighs committed tokens per
-millisecond of the rounds that asked against those of rounds without a copy that did not (the
-verifier decoding on its own). Below 0.97 of that rate while asking, it stops asking, except now
-and then (a probe: after 4 tokens, then 8, 16, then every 32). Forced requests ask every round.
-Plain Python, no gRPC (docs/controller.md#per-request)."""
+Rounds come in two situations, judged apart: a copy in sight (the request's context, prompt and
+committed tokens, indexed by bigram: its last two tokens occurred before) or not. Where one is,
+not asking is not idle: the verifier drafts the copy itself as it decodes ahead (prompt lookup,
+docs/architecture.md#copies), so asking must beat copying, which it rarely does with a cheap head
+on a small target and often does with a draft model on a large one; a request starts there not
+asking (the cheaper source) unless its type's earlier rounds say asking paid. Where none is, only
+the drafter can draft, and not asking is the verifier decoding alone. In each, the gate weighs
+committed tokens per millisecond of the rounds that asked against those that did not; below 0.97
+of that rate while asking it stops asking, except now and then (a probe: after 4 tokens of that
+situation, then 8, 16, then every 32). Forced requests ask every round. Plain Python, no gRPC
+(docs/controller.md#per-request)."""
 
 from __future__ import annotations
 
@@ -31,14 +34,56 @@ PROBE_MIN, PROBE_MAX = 4, 32
 class Prior:
     """What the request's type (or load bucket) knows: a round that asks commits `tokens` in
     `on_ms`; a round that does not commits one token in `off_ms`. None fields: unknown.
-    `situations`: where the type's earlier requests asked with a copy in sight (True: forced
-    requests) or without (False), what those rounds committed and took, (tokens, on_ms); an AUTO
-    request asks only without one, and starts from False's."""
+    By situation (a copy in sight: True), where earlier requests' rounds asked, what they committed
+    and took, `situations[copy] = (tokens, on_ms)`, and ms per token of those that did not ask,
+    `unasked[copy]`; without a copy in sight they fall back to the fields above."""
 
     tokens: float | None = None
     on_ms: float | None = None
     off_ms: float | None = None
     situations: dict[bool, tuple[float, float]] = field(default_factory=dict)
+    unasked: dict[bool, float] = field(default_factory=dict)
+
+
+class Situation:
+    """One situation's rounds in a request: what asking earned against not asking, whether it asks,
+    and when it probes."""
+
+    def __init__(self, asked: tuple[float | None, float | None], off_ms: float | None, unknown_asks: bool):
+        self.off_ms = Ewma(DECAY)  # ms per token of the rounds that did not ask
+        if off_ms is not None:
+            self.off_ms.add(off_ms, PRIOR_ROUNDS)
+        self.tokens, self.on_ms = Ewma(DECAY), Ewma(DECAY)  # of the rounds that asked
+        tokens, on_ms = asked
+        known = tokens is not None and on_ms is not None
+        if known:
+            self.tokens.add(tokens, PRIOR_ROUNDS)
+            self.on_ms.add(on_ms, PRIOR_ROUNDS)
+        self.asking = self.pays() if known else unknown_asks
+        self.interval = PROBE_MIN
+        self.since_ask = 0  # tokens committed in this situation since it last asked
+
+    def pays(self, share: float = 1.0) -> bool:
+        """Whether its rounds that ask beat `share` of the rate of those that do not (nothing asked
+        yet: yes; nothing unasked timed yet: ASK_COST of a round that asks)."""
+        tokens, on_ms, off_ms = self.tokens.value, self.on_ms.value, self.off_ms.value
+        if tokens is None or on_ms is None:
+            return True
+        return tokens / on_ms >= share / (off_ms if off_ms is not None else on_ms / ASK_COST)
+
+    def due(self) -> bool:
+        return self.asking or self.since_ask >= self.interval
+
+    def record(self, asked: bool, committed: int, ms: float) -> None:
+        self.since_ask += committed
+        if not asked:
+            self.off_ms.add(ms / max(1, committed))
+            return
+        self.tokens.add(committed)
+        self.on_ms.add(ms)
+        self.since_ask = 0
+        self.asking = self.pays(HOLD if self.asking else 1.0)
+        self.interval = PROBE_MIN if self.asking else min(PROBE_MAX, 2 * self.interval)
 
 
 class Gate:
@@ -47,17 +92,10 @@ class Gate:
 
     def __init__(self, prior: Prior = Prior(), always: bool = False):
         self.always = always
-        self.off_ms = Ewma(DECAY)  # ms per token of rounds without a copy in sight that did not ask
-        if prior.off_ms is not None:
-            self.off_ms.add(prior.off_ms, PRIOR_ROUNDS)
-        self.tokens, self.on_ms = Ewma(DECAY), Ewma(DECAY)  # of the rounds that asked without a copy in sight
-        tokens, on_ms = prior.situations.get(False, (prior.tokens, prior.on_ms))
-        if tokens is not None and on_ms is not None:
-            self.tokens.add(tokens, PRIOR_ROUNDS)
-            self.on_ms.add(on_ms, PRIOR_ROUNDS)
-        self.asking = self._pays(self.tokens.value, self.on_ms.value)
-        self.interval = PROBE_MIN
-        self.since_ask = 0  # tokens since the drafter was last asked: off by the prior, it probes after PROBE_MIN
+        self.situations = {
+            False: Situation(prior.situations.get(False, (prior.tokens, prior.on_ms)),
+                             prior.unasked.get(False, prior.off_ms), unknown_asks=True),
+            True: Situation(prior.situations.get(True, (None, None)), prior.unasked.get(True), unknown_asks=False)}
         self._context: list[int] = []  # the prompt and the committed tokens
         self._index = BigramIndex()
         self._copy: bool | None = None  # whether a copy was in sight as the round under way started
@@ -71,29 +109,21 @@ class Gate:
         """The last two tokens occurred before in the context: a retrieval draft exists."""
         return bool(self._index.follows(self._context, 1))
 
-    def _pays(self, tokens: float | None, on_ms: float | None, share: float = 1.0) -> bool:
-        """Whether rounds that ask, committing `tokens` in `on_ms`, beat `share` of the rate of rounds
-        that do not (unknown: yes; no round without asking timed yet: ASK_COST of one that asks)."""
-        if tokens is None or on_ms is None:
-            return True
-        off_ms = self.off_ms.value
-        return tokens / on_ms >= share / (off_ms if off_ms is not None else on_ms / ASK_COST)
-
     def ask(self) -> bool:
         self._copy = self.copyable
-        if self.always:
-            return True
-        return not self._copy and (self.asking or self.since_ask >= self.interval)
+        return self.always or self.situations[self._copy].due()
 
     def off_run(self) -> int:
         """Tokens the verifier may decode on its own now, this round's own included (at least 1):
-        until the drafter is due a probe, at least PROBE_MIN (copies meanwhile are the verifier's own
-        prompt lookup's: while one is in sight and the drafter pays, the gateway looks again after
-        PROBE_MIN tokens rather than after every token)."""
+        until this situation's drafter is due a probe, at least PROBE_MIN; while the other
+        situation asks, PROBE_MIN at most (a copy that ends, or one that starts, is where the
+        gateway asks again; copies meanwhile are the verifier's own prompt lookup's)."""
         if self.ask():
             return 1
-        due = self.interval - self.since_ask
-        return due if due > 0 else PROBE_MIN
+        here, other = self.situations[self._copy], self.situations[not self._copy]
+        due = here.interval - here.since_ask
+        run = due if due > 0 else PROBE_MIN
+        return min(run, PROBE_MIN) if other.asking else run
 
     def record(self, asked: bool, committed: int, ms: float) -> bool:
         """A round's outcome: it asked the drafter or not, committed `committed` tokens in `ms` wall
@@ -101,15 +131,5 @@ class Gate:
         Call extend() with its tokens after."""
         copy = self._copy if self._copy is not None else self.copyable
         self._copy = None
-        self.since_ask += committed
-        if copy:  # the verifier's copies (or a forced request's ask): no evidence on asking without one
-            return copy
-        if not asked:
-            self.off_ms.add(ms / max(1, committed))
-            return copy
-        self.tokens.add(committed)
-        self.on_ms.add(ms)
-        self.since_ask = 0
-        self.asking = self._pays(self.tokens.value, self.on_ms.value, HOLD if self.asking else 1.0)
-        self.interval = PROBE_MIN if self.asking else min(PROBE_MAX, 2 * self.interval)
+        self.situations[copy].record(asked, committed, ms)
         return copy

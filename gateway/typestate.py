@@ -115,7 +115,8 @@ class TypeState:
         # Rounds of AUTO requests that asked the drafter, by situation (a copy in sight or not): tokens
         # committed and wall time per round, the gate's own measure (gateway.gate)
         self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
-        self.unasked_ms = Ewma(d)  # and wall time per token of rounds that did not ask (spec-off's too)
+        # and wall time per token of rounds that did not ask, by situation (spec-off's: no copy)
+        self.unasked = {copy: Ewma(d) for copy in (True, False)}
         # With others in flight: per load bucket, decode ms per token of spec-on and spec-off
         # requests that ran at that concurrency, and the bucket's decisions so far.
         self.loaded: dict[int, tuple[deque[float], deque[float]]] = {}
@@ -215,7 +216,7 @@ class TypeState:
         d = self.settings.decay
         self.draft_ms_per_token, self.network_on, self.network_off = Ewma(d), Ewma(d), Ewma(d)
         self.asked = {copy: (Ewma(d), Ewma(d)) for copy in (True, False)}
-        self.unasked_ms = Ewma(d)
+        self.unasked = {copy: Ewma(d) for copy in (True, False)}
         self.since_change, self.rebasing = 0, True
         self.rebases += 1
 

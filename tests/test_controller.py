@@ -255,25 +255,31 @@ def test_a_busy_spell_is_followed_while_it_lasts_and_forgotten_after():
 
 
 def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
-    """A type whose requests win where a copy is in sight and lose where none is: the next request's
-    gate asks in the first situation and not in the second (the type's mean would ask in both)."""
-    controller = Controller(ControllerSettings())
-    off = [pb.RoundRecord(verify_ms=2.0, round_ms=2.2) for _ in range(20)]
-    controller.observe("qa", "hybrid", Decision(False, 0, "control", 1),
-                       outcome(pb.GenerationStats(generated_tokens=21, decode_ms=44.0, round_records=off)))
-    rounds = [pb.RoundRecord(drafted=4, accepted=3, verify_ms=2.6, draft_ms=0.3, network_ms=0.3, round_ms=3.3,
-                             asked=True, copy_in_sight=True) for _ in range(10)]
-    rounds += [pb.RoundRecord(drafted=3, accepted=0, verify_ms=2.5, draft_ms=0.4, network_ms=0.3, round_ms=3.3,
-                              asked=True, copy_in_sight=False) for _ in range(10)]
-    decision = Decision(True, 4, "on", 1)
-    controller.observe("qa", "hybrid", decision,
-                       outcome(pb.GenerationStats(generated_tokens=51, decode_ms=66.0, round_records=rounds,
-                                                  speculation_used=True)))
-    prior = controller.prior("qa", "hybrid", decision)
-    assert prior.situations[True] == (4.0, 3.3) and prior.situations[False] == (1.0, 3.3)
-    assert abs(prior.off_ms - 2.2) < 1e-9  # the rounds without asking, in the same units: wall time
-    gate = Gate(prior)
-    assert not gate.asking  # its rounds without a copy start from what asking without one earned: a loss
+    """A type whose requests' drafts beat the verifier's own copies where a copy is in sight and lose
+    where none is: the next request's gate asks in the first situation and not in the second (the
+    type's mean would ask in both). Where copying alone commits faster, it does not ask there."""
+    for copy_ms, asks_with_copy in ((1.1, True), (0.5, False)):  # ms per token of copying rounds
+        controller = Controller(ControllerSettings())
+        off = [pb.RoundRecord(verify_ms=2.0, round_ms=2.2) for _ in range(20)]
+        controller.observe("qa", "hybrid", Decision(False, 0, "control", 1),
+                           outcome(pb.GenerationStats(generated_tokens=21, decode_ms=44.0, round_records=off)))
+        rounds = [pb.RoundRecord(drafted=4, accepted=3, verify_ms=2.6, draft_ms=0.3, network_ms=0.3, round_ms=3.3,
+                                 asked=True, copy_in_sight=True) for _ in range(10)]
+        rounds += [pb.RoundRecord(drafted=3, accepted=0, verify_ms=2.5, draft_ms=0.4, network_ms=0.3, round_ms=3.3,
+                                  asked=True, copy_in_sight=False) for _ in range(10)]
+        rounds += [pb.RoundRecord(decoded=3, verify_ms=4 * 2.0, round_ms=4 * copy_ms, copy_in_sight=True)
+                   for _ in range(10)]  # the verifier copying on its own, 4 tokens a round
+        decision = Decision(True, 4, "on", 1)
+        controller.observe("qa", "hybrid", decision,
+                           outcome(pb.GenerationStats(generated_tokens=91, decode_ms=110.0, round_records=rounds,
+                                                      speculation_used=True)))
+        prior = controller.prior("qa", "hybrid", decision)
+        assert prior.situations[True] == (4.0, 3.3) and prior.situations[False] == (1.0, 3.3)
+        assert abs(prior.off_ms - 2.2) < 1e-9  # the rounds without asking, in the same units: wall time
+        assert abs(prior.unasked[True] - copy_ms) < 1e-9
+        gate = Gate(prior)
+        assert not gate.situations[False].asking  # without a copy, asking earned 1 token per 3.3 ms: a loss
+        assert gate.situations[True].asking == asks_with_copy  # 4 per 3.3 ms against copying's rate
 
 
 def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with():

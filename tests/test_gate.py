@@ -72,53 +72,62 @@ def test_off_run_is_the_tokens_until_the_next_probe():
     assert Gate().off_run() == 1 and Gate(always=True).off_run() == 1
 
 
-def test_a_copy_in_sight_is_left_to_the_verifier_and_rounds_without_one_are_judged_alone():
-    """A document in the prompt and an answer that quotes it now and then: while a copy is in sight
-    an AUTO round never asks the drafter (the verifier drafts the copy itself); the rounds without
-    one stop asking after a few losing rounds, whatever the quoting rounds earned; a forced
-    request asks every round."""
+def quoting(gate: Gate, copied: tuple[int, float], asked_copy: tuple[int, float], rounds: int = 120) -> dict:
+    """A document in the prompt and an answer that quotes it now and then (ten rounds of own words,
+    then ten quoting). A quoting round that does not ask is the verifier copying (`copied`: tokens
+    and ms a round); one that asks commits and takes `asked_copy`. Own words: asking finds nothing."""
     document = list(range(100, 160))
-    gate = Gate(Prior(tokens=1.5, on_ms=ASK, off_ms=STEP))
     gate.extend(document)
     text = list(document)
-    asked_copy, asked_other, copyable_rounds, other_rounds = 0, 0, 0, 0
+    seen = {"copy rounds": 0, "asked copy": 0, "other rounds": 0, "asked other": 0}
     fresh = 1000
-    for round_ in range(120):
-        quoting = (round_ // 10) % 2 == 1  # ten rounds of own words, then ten quoting the document
-        if quoting and not gate.copyable:  # the quote starts: the target's own two tokens of the document
+    for round_ in range(rounds):
+        if (round_ // 10) % 2 == 1 and not gate.copyable:  # the quote starts: its first two tokens
             asked = gate.ask()
             new = document[20 + round_ % 20:22 + round_ % 20]
             gate.record(asked, 2, 2 * (ASK if asked else STEP))
-        elif quoting:
+        elif (round_ // 10) % 2 == 1:
             at = document.index(text[-1]) + 1
-            copyable_rounds += 1
             asked = gate.ask()
-            asked_copy += asked
-            new = document[at:at + 4]  # the verifier's own lookup, all right, and its token
-            assert gate.record(asked, len(new), STEP) is True
+            n, ms = asked_copy if asked else copied
+            new = document[at:at + n]
+            seen["copy rounds"] += 1
+            seen["asked copy"] += asked
+            assert gate.record(asked, len(new), ms) is True
         else:  # own words (the first after a quote still sees its last two tokens: a copy in sight)
             asked = gate.ask()
             new = [fresh]
             fresh += 1
             copy = gate.record(asked, 1, ASK if asked else STEP)
-            other_rounds += not copy
-            asked_other += asked and not copy
-            asked_copy += asked and copy
+            seen["copy rounds" if copy else "other rounds"] += 1
+            seen["asked copy" if copy else "asked other"] += asked
         text += new
         gate.extend(new)
-    assert copyable_rounds > 20 and asked_copy == 0
-    assert asked_other <= other_rounds // 4, (asked_other, other_rounds)
+    return seen
+
+
+def test_with_a_copy_in_sight_the_drafter_is_asked_only_where_it_beats_the_verifier_copying():
+    """While a copy is in sight, not asking is the verifier drafting the copy itself: a request
+    starts there not asking (the cheaper source), probes, and asks on only if asking commits faster
+    than copying (a draft model on a large target) — not if copying does (a cheap head on a small
+    one). Rounds without a copy are judged alone either way: asking finds nothing there."""
+    head = quoting(Gate(Prior(tokens=1.5, on_ms=ASK, off_ms=STEP)), copied=(4, STEP), asked_copy=(2, ASK))
+    assert head["copy rounds"] > 20 and head["asked copy"] <= 6, head  # probes only
+    assert head["asked other"] <= head["other rounds"] // 4, head
+    model = quoting(Gate(Prior(tokens=1.5, on_ms=ASK, off_ms=STEP)), copied=(2, STEP), asked_copy=(5, ASK))
+    assert model["asked copy"] >= model["copy rounds"] // 2, model  # after its first probe, it asks (mostly)
+    assert model["asked other"] <= model["other rounds"] // 4, model
     forced = Gate(always=True)
     forced.extend([1, 2, 3, 1, 2])
     assert forced.copyable and forced.ask()
 
 
 def test_while_a_copy_is_in_sight_and_the_drafter_pays_the_gateway_looks_again_every_few_tokens():
-    gate = Gate()  # nothing known: asking pays
+    gate = Gate()  # nothing known: asking pays without a copy; with one, copying first
     gate.extend([1, 2, 3, 1, 2])  # (1, 2) occurred before: a copy is in sight
-    assert gate.asking and gate.copyable and not gate.ask()
+    assert gate.situations[False].asking and gate.copyable and not gate.ask()
     assert gate.off_run() == PROBE_MIN  # not one token per trip, and not a whole chunk past the copy
-    gate.since_ask = 1
+    gate.situations[True].since_ask = 1
     assert gate.off_run() == PROBE_MIN - 1
 
 
@@ -126,9 +135,11 @@ def test_rounds_without_a_copy_start_from_what_asking_without_one_earned_in_earl
     # The type's earlier requests: asking with a copy in sight committed 4 tokens a 3 ms round,
     # asking without one 1 token a 3 ms round, against a 2 ms token decoded alone.
     prior = Prior(tokens=2.5, on_ms=ASK, off_ms=STEP, situations={True: (4.0, ASK), False: (1.0, ASK)})
-    assert not Gate(prior).asking
-    # Without situations they start from the type's mean, which pays.
-    assert Gate(Prior(tokens=2.5, on_ms=ASK, off_ms=STEP)).asking
+    assert not Gate(prior).situations[False].asking
+    assert Gate(prior).situations[True].asking  # no copying timed yet: a round that asks costs ASK_COST of one
+    # Without situations they start from the type's mean, which pays; with a copy in sight, copying first.
+    assert Gate(Prior(tokens=2.5, on_ms=ASK, off_ms=STEP)).situations[False].asking
+    assert not Gate(Prior(tokens=2.5, on_ms=ASK, off_ms=STEP)).situations[True].asking
     # record() says which situation a round was in.
     gate = Gate(prior, always=True)
     gate.extend([1, 2, 3, 1, 2])  # "1 2" occurred before: a copy in sight
