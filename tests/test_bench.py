@@ -190,6 +190,7 @@ async def test_structured_runs_each_schema_constrained_and_free_and_checks_every
     assert summary["n"] == 3 * len(rows) and summary["identical"] == summary["n"]
     assert summary["complete"] == summary["n"] == summary["valid"]  # both schemas end within 24 tokens
     assert 0 < summary["forced_share"] <= 1  # `{"ok":` is forced
+    assert summary["decode_default_vs_off"] > 0 and summary["decode_free_default_vs_off"] > 0
     assert set(summary["per_prompt"]) == {"flag", "pick"}
     assert "valid against their schema 6/6" in text
 

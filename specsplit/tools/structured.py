@@ -77,6 +77,7 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
     out = out or sys.stdout
     seconds = {m: 0.0 for m in MODES}
     tokens = {m: 0 for m in MODES}
+    decoding = {m: [0.0, 0] for m in MODES}  # ms after the first token, tokens after the first
     per, outputs, checks = {}, {}, {"valid": 0, "complete": 0, "identical": 0, "n": 0}
     forced = generated = 0
     for row in rows:
@@ -90,6 +91,8 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
             got[mode] = (reply, statistics.median(walls))
             seconds[mode] += got[mode][1]
             tokens[mode] += len(reply.token_ids)
+            decoding[mode][0] += reply.stats.decode_ms
+            decoding[mode][1] += max(0, len(reply.token_ids) - 1)
         for mode in ("off", "default", "on"):
             reply = got[mode][0]
             checks["n"] += 1
@@ -107,6 +110,9 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
     total = {m: tokens[m] / seconds[m] for m in MODES}
     gain = total["default"] / total["off"]
     free_gain = total["free default"] / total["free off"]
+    rate_after = {m: n / ms if ms else 0.0 for m, (ms, n) in decoding.items()}
+    decode_gain = rate_after["default"] / rate_after["off"] if rate_after["off"] else 0.0
+    free_decode_gain = rate_after["free default"] / rate_after["free off"] if rate_after["free off"] else 0.0
     print(f"specsplit bench --structured: {len(rows)} prompts with a JSON schema, greedy, max_new_tokens="
           f"{max_new_tokens}, repeats={repeats}; tok/s = tokens / wall time incl. a cold prefill", file=out)
     print(f"{'prompt':<10}{'off':>8}{'default':>9}{'def/off':>8}{'on':>8}{'on/off':>7}{'free off':>9}"
@@ -116,12 +122,15 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
               f"{rate['on']:>8.1f}{rate['on'] / rate['off']:>6.2f}x{rate['free off']:>9.1f}{rate['free default']:>9.1f}"
               f"{rate['free default'] / rate['free off']:>9.2f}x", file=out)
     summary = {"per_prompt": per, "all": total, "default_vs_off": gain, "free_default_vs_off": free_gain,
-               "gain_vs_free_gain": gain / free_gain, "forced_share": forced / max(1, generated), **checks}
+               "gain_vs_free_gain": gain / free_gain, "forced_share": forced / max(1, generated),
+               "decode_default_vs_off": decode_gain, "decode_free_default_vs_off": free_decode_gain, **checks}
     print(f"constrained outputs valid against their schema {checks['valid']}/{checks['n']}, complete "
           f"{checks['complete']}/{checks['n']}, identical to spec-off {checks['identical']}/{checks['n']}; "
           f"forced by the schema: {forced}/{generated} tokens of the default request's outputs "
           f"({forced / max(1, generated):.0%}); default/off {gain:.2f}x against the unconstrained {free_gain:.2f}x "
           f"({gain / free_gain:.2f}x)", file=out)
+    print(f"decode only (tokens after the first / time after prefill): default/off {decode_gain:.2f}x constrained, "
+          f"{free_decode_gain:.2f}x unconstrained", file=out)
     if model_dir:
         us = mask_cost_us(model_dir, rows, outputs)
         summary["mask_us"] = us
