@@ -167,7 +167,12 @@ class Controller:
         one (n-gram alone: no head, no features), whichever the type's requests decoded faster with.
         (Arms: they take turns, then the faster runs and the other every probe_every-th request; a
         type that has not timed both yet follows what all types' requests decided, once they have:
-        which drafter pays depends on the target and the machine as much as on the text.)"""
+        which drafter pays depends on the target and the machine as much as on the text.) Where the
+        type's rounds that asked the default's drafter with no copy in sight beat those that did not,
+        n-gram alone cannot win (there its rounds are the verifier alone; its copies are the
+        default's too): the default runs, and no request is spent finding that out."""
+        if self.state(task_type, default).asking_pays():
+            return default
         key = task_type or "unspecified"
         arms = self._drafter_arms.get(key)
         if arms is None:

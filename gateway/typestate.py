@@ -180,6 +180,15 @@ class TypeState:
         per_round = verify + gamma * draft + (self.network_on.value or 0.0)
         return per_round / expected_length(alpha, gamma)
 
+    def asking_pays(self) -> bool | None:
+        """Whether rounds that asked the drafter with no copy in sight committed tokens faster than
+        rounds that did not (the verifier decoding alone, spec-off's rounds too), in the gate's units;
+        None: not both measured."""
+        (tokens, ms), alone = self.asked[False], self.unasked[False].value
+        if tokens.value is None or ms.value is None or alone is None:
+            return None
+        return tokens.value / ms.value >= 1.0 / alone
+
     def off_time_per_token(self) -> float | None:
         verify = self.verify_cost(0)
         return None if verify is None else verify + (self.network_off.value or 0.0)

@@ -355,3 +355,26 @@ def test_the_drafter_arms_compare_requests_in_one_row_forwards_of_their_own_cont
     # The measure itself: ngram's 5.0 ms/token over its 1-row forward (6.0 / 1.05 at 1.5 rows a forward).
     assert abs(in_forwards(5.0, outcome(pb.GenerationStats(forwards=32, drafted_tokens=16, verify_ms=192.0)),
                            controller.cost_curve) - 5.0 * 1.05 / 6.0) < 1e-9
+
+
+def test_where_asking_the_drafter_beats_the_verifier_alone_n_gram_alone_is_not_explored():
+    """The pair's 0.5B draft commits 4 tokens in 1.6 steps where no copy is in sight: n-gram alone,
+    there only the verifier decoding, cannot win, so no AUTO request is spent trying it. Where the
+    draft commits less per ms than the verifier alone, the arms take turns as before."""
+    for round_ms, expected in ((32.0, ["hybrid"] * 6), (90.0, ["hybrid", "ngram"] * 3)):
+        controller = Controller(ControllerSettings())
+        off = [pb.RoundRecord(verify_ms=19.0, round_ms=20.0) for _ in range(20)]  # spec-off: 20 ms a token
+        controller.observe("code", "hybrid", Decision(False, 0, "forced", 1),
+                           outcome(pb.GenerationStats(generated_tokens=21, decode_ms=400.0, round_records=off)))
+        asked = [pb.RoundRecord(drafted=4, accepted=3, verify_ms=22.0, draft_ms=round_ms - 23.0, network_ms=1.0,
+                                round_ms=round_ms, asked=True, copy_in_sight=False) for _ in range(10)]
+        controller.observe("code", "hybrid", Decision(True, 4, "forced", 1),
+                           outcome(pb.GenerationStats(generated_tokens=41, decode_ms=10 * round_ms,
+                                                      round_records=asked, speculation_used=True)))
+        assert controller.state("code", "hybrid").asking_pays() == (round_ms == 32.0)
+        chosen = []
+        for _ in range(6):
+            chosen.append(controller.drafter("code", "hybrid", "ngram"))
+            controller.observe("code", chosen[-1], Decision(True, 4, "on", 1),
+                               outcome(pb.GenerationStats(generated_tokens=41, decode_ms=400.0, speculation_used=True)))
+        assert chosen == expected
