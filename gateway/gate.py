@@ -22,7 +22,7 @@ from specsplit.spec.ewma import Ewma
 from specsplit.spec.lookup import BigramIndex
 
 DECAY = 0.95  # per asked round: acceptance is noisy round to round (a geometric run); bursts are the copy signal's
-PRIOR_ROUNDS = 1.0  # the type's prior counts as this many rounds of the request's own
+PRIOR_ROUNDS = 4.0  # the type's prior counts as this many rounds of the request's own
 HOLD = 0.97  # asking stops below this share of the rate without asking (an ask that finds nothing costs ~10 %)
 ASK_COST = 1.25  # a round that asks, in rounds that do not, until one that does not is timed
 # Tokens between probes of a kind of round that does not pay, doubled after each probe that lost: a
