@@ -30,3 +30,19 @@ def test_rows_that_got_dear_shorten_the_lookup():
         widths.add(step, 1, 2.3)
         widths.add(step, 2, 3.05)
     assert agreement.depth(8, widths.curve(step, start)) == 1
+
+
+def test_a_session_under_rejection_sampling_keeps_the_start_curve():
+    """Its text for a seed depends on what was drafted: a depth that followed the machine's moment
+    would make a repeated request's text differ. Greedy and coupled sampling do not depend on the
+    drafts, and follow the live costs."""
+    from specsplit.spec.sampling import Method, SamplingParams
+
+    widths, step = Widths(), Ewma(0.9)
+    start = [3.0, 3.1, 3.2]
+    widths.add(step, 1, 2.0)
+    widths.add(step, 3, 3.6)
+    live = [2.0, 2.8, 3.6]
+    assert widths.curve(step, start, SamplingParams(temperature=0.7, method=Method.REJECTION)) == start
+    assert widths.curve(step, start, SamplingParams(temperature=0.7, method=Method.COUPLED)) == live
+    assert widths.curve(step, start, SamplingParams(method=Method.REJECTION)) == live  # greedy

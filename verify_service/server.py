@@ -276,7 +276,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             decoding = self._ahead.setdefault(request.session_id, Decoding())
             length = len(session.tokens) if decoding.results else request.length
             room = max(0, request.decode_ahead - decoding.committed)
-            curve = self._widths.curve(session.step_ms, self._curve())
+            curve = self._widths.curve(session.step_ms, self._curve(), session.sampling)
             return self._target.plan_verify(session, length, decoding.draft(request, session, curve, self._outputs),
                                             fill=min(request.forced_room, room), copied=True)
         except Exception as e:  # noqa: BLE001 -- mapped to its status
