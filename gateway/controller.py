@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.gate import Prior
-from gateway.typestate import REBASE_CONTROL, TypeState, load_bucket, shift
+from gateway.typestate import REBASE_CONTROL, Arms, TypeState, load_bucket, shift
 from specsplit.serving.settings import ControllerSettings
 from specsplit.spec.ewma import Ewma
 from specsplit.spec.tokentree import verify_ms
@@ -86,6 +86,10 @@ class Controller:
         self._types: dict[tuple[str, str], TypeState] = {}
         self.requests = 0
         self.cost_curve: list[float] = []  # the verifier's forward ms by rows (InfoResponse.forward_ms_by_rows)
+        # Per task type, the drafters an AUTO request naming none may get, measured on lone,
+        # speculating requests.
+        self._drafter_arms: dict[str, Arms] = {}
+        self._drafter_all: Arms | None = None  # the same choice over every type: a new type's start
 
     def state(self, task_type: str, drafter: str) -> TypeState:
         key = (task_type or "unspecified", drafter)
@@ -160,17 +164,22 @@ class Controller:
 
     def drafter(self, task_type: str, default: str, cheaper: str) -> str:
         """The drafter of an AUTO request that names none: the draft service's default or a cheaper
-        one (n-gram alone: no draft session, its copies drafted by the verifier), from the gate's own
-        evidence on the type's rounds (TypeState.asking_pays: forced requests' and spec-off's rounds
-        included). Where asking the default's drafter paid in either situation, or nothing is known
-        yet, the default runs and its gate asks where it pays. Where asking lost in both, n-gram alone
-        is what the default's gate would do, without the probes and the draft session: it runs, and
-        the default every probe_every-th time, whose probes keep the evidence fresh."""
-        st = self.state(task_type, default)
-        if st.asking_pays(False) is not False or st.asking_pays(True):
+        one (n-gram alone: no head, no features), whichever the type's requests decoded faster with.
+        (Arms: they take turns, then the faster runs and the other every probe_every-th request; a
+        type that has not timed both yet follows what all types' requests decided, once they have:
+        which drafter pays depends on the target and the machine as much as on the text.) Where the
+        type's rounds that asked the default's drafter with no copy in sight beat those that did not,
+        n-gram alone cannot win (there its rounds are the verifier alone; its copies are the
+        default's too): the default runs, and no request is spent finding that out."""
+        if self.state(task_type, default).asking_pays():
             return default
-        st.cheaper_turns += 1
-        return default if st.cheaper_turns % self.settings.probe_every == 0 else cheaper
+        key = task_type or "unspecified"
+        arms = self._drafter_arms.get(key)
+        if arms is None:
+            arms = self._drafter_arms[key] = Arms(self.settings, default, cheaper)
+        if self._drafter_all is None:
+            self._drafter_all = Arms(self.settings, default, cheaper)
+        return arms.choose(self._drafter_all)
 
     def score_scale(self, task_type: str, drafter: str) -> float:
         return self.state(task_type, drafter).score_scale
@@ -217,12 +226,17 @@ class Controller:
             return
         times = st.on_ms_per_token if stats.speculation_used else st.off_ms_per_token
         times.append(per_token)
+        relative = in_forwards(per_token, stats, self.cost_curve)
+        arms = self._drafter_arms.get(task_type or "unspecified")
+        if arms is not None and decision.reason in ("on", "disabled"):  # an AUTO request that could draft
+            arms.add(drafter, relative)
+            self._drafter_all.add(drafter, relative)
         moved = shift(times, self.settings.min_requests)
         if moved is not None:
             st.rebase(f"{'spec-on' if stats.speculation_used else 'spec-off'} ms per token moved {moved:.2f}x")
             return
         if stats.speculation_used:
-            st.predraft_arms.add(predraft, in_forwards(per_token, stats, self.cost_curve))
+            st.predraft_arms.add(predraft, relative)
         if decision.reason in ("on", "probe", "disabled", "control"):
             self._evaluate(st)
 

@@ -19,13 +19,14 @@ log = logging.getLogger("specsplit")
 
 
 class Arms:
-    """A choice between two ways of serving a type's requests (pre-drafting or not), made by
-    measurement: each arm keeps the decode cost per token of the requests it served (the last
+    """A choice between two ways of serving a type's requests (pre-drafting or not; which drafter),
+    made by measurement: each arm keeps the decode ms per token of the requests it served (the last
     `window`). They take turns until each has min_requests (or EARLY each whose times do not overlap:
     every request of one arm faster than every request of the other, which two equal arms do by
     chance one time in ten at 3 + 3; exploring the loser costs traffic), then the one with the lower
     median runs (the first on a tie) and the other every probe_every-th time, so a change (load,
-    network, the text) is noticed."""
+    network, the text) is noticed. A `prior` (the same choice over every type) decides for a type
+    that has not measured both arms yet, once it has itself."""
 
     EARLY = 3
 
@@ -41,10 +42,12 @@ class Arms:
             return True
         return min(len(a), len(b)) >= self.EARLY and (max(a) < min(b) or max(b) < min(a))
 
-    def choose(self):
+    def choose(self, prior: Arms | None = None):
         s = self.settings
         (first, a), (second, b) = self.times.items()
         if not self.decided:
+            if prior is not None and prior.decided:
+                return prior.choose()
             return first if len(a) <= len(b) else second
         better, other = (first, second) if statistics.median(a) <= statistics.median(b) else (second, first)
         self.turns += 1
@@ -105,7 +108,6 @@ class TypeState:
         self.rebasing, self.rebases = False, 0  # times forgotten after the machine changed speed (rebase)
         # Pre-drafting, an A/B within speculation, on spec-on requests.
         self.predraft_arms = Arms(settings, False, True)
-        self.cheaper_turns = 0  # AUTO requests given the default's drafter or n-gram where asking lost
         # Token trees: accepted drafts per round and what the drafter's scores expected.
         self.tree_accepted, self.tree_expected = Ewma(d), Ewma(d)
         # Per spec-on round: the rows it verifies and its drafting on the critical path.
@@ -178,11 +180,11 @@ class TypeState:
         per_round = verify + gamma * draft + (self.network_on.value or 0.0)
         return per_round / expected_length(alpha, gamma)
 
-    def asking_pays(self, copy: bool) -> bool | None:
-        """Whether rounds that asked the drafter, with a copy in sight or not, committed tokens faster
-        than rounds in that situation that did not (copying, or decoding alone: spec-off's rounds
-        too), in the gate's units; None: not both measured."""
-        (tokens, ms), alone = self.asked[copy], self.unasked[copy].value
+    def asking_pays(self) -> bool | None:
+        """Whether rounds that asked the drafter with no copy in sight committed tokens faster than
+        rounds that did not (the verifier decoding alone, spec-off's rounds too), in the gate's units;
+        None: not both measured."""
+        (tokens, ms), alone = self.asked[False], self.unasked[False].value
         if tokens.value is None or ms.value is None or alone is None:
             return None
         return tokens.value / ms.value >= 1.0 / alone

@@ -282,6 +282,35 @@ def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
         assert gate.situations[True].asking == asks_with_copy  # 4 per 3.3 ms against copying's rate
 
 
+def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with():
+    """AUTO requests naming no drafter alternate between the service's default and n-gram alone until
+    each has min_requests, then the faster one runs, and the other every probe_every-th request; a
+    type new to it starts from that verdict."""
+    s = ControllerSettings()
+    controller = Controller(s)
+    ms = {"hybrid": 4.4, "ngram": 3.9}  # decode ms per token: the head costs more than it earns
+
+    def serve_one() -> str:
+        drafter = controller.drafter("", "hybrid", "ngram")
+        decision = controller.decide("", drafter, AUTO, 0, inflight=0)
+        rounds = [pb.RoundRecord(drafted=2, accepted=1, verify_ms=ms[drafter], round_ms=ms[drafter], asked=True)]
+        stats = pb.GenerationStats(generated_tokens=33, decode_ms=32 * ms[drafter], round_records=rounds,
+                                   speculation_used=decision.speculate)
+        controller.observe("", drafter, decision, outcome(stats))
+        return drafter
+
+    explored = [serve_one() for _ in range(2 * s.min_requests + 4)]  # (some of them are spec-off controls)
+    assert explored[:4] == ["hybrid", "ngram", "hybrid", "ngram"]
+    chosen = [serve_one() for _ in range(3 * s.probe_every)]
+    assert chosen.count("hybrid") == 3 and chosen.count("ngram") == 3 * s.probe_every - 3  # one probe in ten
+    # A type that has not timed both yet follows what all types' requests decided, probes included.
+    code = [controller.drafter("code", "hybrid", "ngram") for _ in range(s.probe_every)]
+    assert code.count("ngram") == s.probe_every - 1, code
+    ms["hybrid"], ms["ngram"] = 3.0, 5.0  # the head starts to pay: the probes see it, and it takes over
+    later = [serve_one() for _ in range(12 * s.probe_every)]
+    assert later[-s.probe_every:].count("hybrid") == s.probe_every - 1
+
+
 def test_arms_decide_after_three_each_only_when_every_time_of_one_beats_every_time_of_the_other():
     """Exploring the losing arm costs traffic: a lopsided comparison is decided at EARLY (3) requests
     each; one whose times overlap waits for min_requests each."""
@@ -300,52 +329,52 @@ def test_arms_decide_after_three_each_only_when_every_time_of_one_beats_every_ti
     assert close.decided
 
 
-def test_a_request_is_measured_in_one_row_forwards_of_its_own_context():
-    """Requests serve different prompts: n-gram's 5.0 ms a token, at 1.5 rows a forward of 6.0 ms
-    (its context long), is 5.0 x 1.05 / 6.0 of its own one-row forward by the verifier's curve."""
-    curve = [4.0, 4.4, 4.8, 5.2, 5.6]  # ms by rows: a second row costs 10 %
-    stats = outcome(pb.GenerationStats(forwards=32, drafted_tokens=16, verify_ms=192.0))
-    assert abs(in_forwards(5.0, stats, curve) - 5.0 * 1.05 / 6.0) < 1e-9
-
-
-def asked_rounds(controller: Controller, task: str, round_ms: float, copy: bool, n: int = 10) -> None:
-    """A forced hybrid request's rounds: 4 tokens committed per asked round of `round_ms`."""
-    rounds = [pb.RoundRecord(drafted=4, accepted=3, verify_ms=22.0, draft_ms=round_ms - 23.0, network_ms=1.0,
-                             round_ms=round_ms, asked=True, copy_in_sight=copy) for _ in range(n)]
-    controller.observe(task, "hybrid", Decision(True, 4, "forced", 1),
-                       outcome(pb.GenerationStats(generated_tokens=4 * n + 1, decode_ms=n * round_ms,
-                                                  round_records=rounds, speculation_used=True)))
-
-
-def unasked_rounds(controller: Controller, task: str, ms_per_token: float, copy: bool) -> None:
-    rounds = [pb.RoundRecord(decoded=3, verify_ms=4 * ms_per_token * 0.95, round_ms=4 * ms_per_token,
-                             copy_in_sight=copy) for _ in range(10)]
-    controller.observe(task, "hybrid", Decision(False, 0, "forced", 1),
-                       outcome(pb.GenerationStats(generated_tokens=41, decode_ms=40 * ms_per_token,
-                                                  round_records=rounds)))
-
-
-def test_a_request_naming_no_drafter_gets_n_gram_alone_only_where_asking_the_drafter_lost():
-    """The gate's evidence on the type's rounds decides: nothing known, the default (its gate
-    measures); asking that commits faster than decoding alone, the default every time (the real
-    pair's 0.5B: 4 tokens in 32 ms against 20 ms a token); asking that loses where no copy is in
-    sight and is not known to beat copying, n-gram alone, the default every probe_every-th request
-    (whose probes keep the evidence fresh); asking that beats copying, the default again."""
+def test_the_drafter_arms_compare_requests_in_one_row_forwards_of_their_own_context():
+    """In unlabelled mixed traffic each arm serves different prompts: the n-gram requests here got the
+    long documents, whose forwards cost twice as much. Raw ms per token would crown the head;
+    per token in one-row forwards of each request's own context (its forwards' mean compute, less
+    what their extra rows cost by the verifier's curve), n-gram alone is the faster."""
     s = ControllerSettings()
-    choose = lambda c, task: [c.drafter(task, "hybrid", "ngram") for _ in range(2 * s.probe_every)]  # noqa: E731
     controller = Controller(s)
-    assert choose(controller, "code") == ["hybrid"] * 2 * s.probe_every  # nothing known
-    unasked_rounds(controller, "code", 20.0, copy=False)
-    asked_rounds(controller, "code", 32.0, copy=False)
-    assert controller.state("code", "hybrid").asking_pays(False)
-    assert choose(controller, "code") == ["hybrid"] * 2 * s.probe_every
+    controller.cost_curve = [4.0, 4.4, 4.8, 5.2, 5.6]  # ms by rows: a second row costs 10 %
+    served = {"hybrid": (3.0, 0, 3.3), "ngram": (6.0, 16, 5.0)}  # forward ms, drafted per 32 forwards, ms/token
 
-    controller = Controller(s)  # the default model's head: 4 tokens in 90 ms against 20 ms a token
-    unasked_rounds(controller, "qa", 20.0, copy=False)
-    asked_rounds(controller, "qa", 90.0, copy=False)
-    chosen = choose(controller, "qa")
-    assert chosen.count("hybrid") == 2 and chosen[s.probe_every - 1] == "hybrid", chosen
-    unasked_rounds(controller, "qa", 30.0, copy=True)  # copying: 30 ms a token; asking with a copy: 4 in 60
-    asked_rounds(controller, "qa", 60.0, copy=True)
-    assert controller.state("qa", "hybrid").asking_pays(True)
-    assert choose(controller, "qa") == ["hybrid"] * 2 * s.probe_every
+    def serve_one() -> str:
+        drafter = controller.drafter("", "hybrid", "ngram")
+        decision = controller.decide("", drafter, AUTO, 0, inflight=0)
+        forward, drafted, per_token = served[drafter]
+        stats = pb.GenerationStats(generated_tokens=41, decode_ms=40 * per_token, forwards=32, drafted_tokens=drafted,
+                                   verify_ms=32 * forward, speculation_used=decision.speculate)
+        controller.observe("", drafter, decision, outcome(stats))
+        return drafter
+
+    for _ in range(2 * s.min_requests + 2):
+        serve_one()
+    chosen = [serve_one() for _ in range(s.probe_every)]
+    assert chosen.count("ngram") == s.probe_every - 1, chosen
+    # The measure itself: ngram's 5.0 ms/token over its 1-row forward (6.0 / 1.05 at 1.5 rows a forward).
+    assert abs(in_forwards(5.0, outcome(pb.GenerationStats(forwards=32, drafted_tokens=16, verify_ms=192.0)),
+                           controller.cost_curve) - 5.0 * 1.05 / 6.0) < 1e-9
+
+
+def test_where_asking_the_drafter_beats_the_verifier_alone_n_gram_alone_is_not_explored():
+    """The pair's 0.5B draft commits 4 tokens in 1.6 steps where no copy is in sight: n-gram alone,
+    there only the verifier decoding, cannot win, so no AUTO request is spent trying it. Where the
+    draft commits less per ms than the verifier alone, the arms take turns as before."""
+    for round_ms, expected in ((32.0, ["hybrid"] * 6), (90.0, ["hybrid", "ngram"] * 3)):
+        controller = Controller(ControllerSettings())
+        off = [pb.RoundRecord(verify_ms=19.0, round_ms=20.0) for _ in range(20)]  # spec-off: 20 ms a token
+        controller.observe("code", "hybrid", Decision(False, 0, "forced", 1),
+                           outcome(pb.GenerationStats(generated_tokens=21, decode_ms=400.0, round_records=off)))
+        asked = [pb.RoundRecord(drafted=4, accepted=3, verify_ms=22.0, draft_ms=round_ms - 23.0, network_ms=1.0,
+                                round_ms=round_ms, asked=True, copy_in_sight=False) for _ in range(10)]
+        controller.observe("code", "hybrid", Decision(True, 4, "forced", 1),
+                           outcome(pb.GenerationStats(generated_tokens=41, decode_ms=10 * round_ms,
+                                                      round_records=asked, speculation_used=True)))
+        assert controller.state("code", "hybrid").asking_pays() == (round_ms == 32.0)
+        chosen = []
+        for _ in range(6):
+            chosen.append(controller.drafter("code", "hybrid", "ngram"))
+            controller.observe("code", chosen[-1], Decision(True, 4, "on", 1),
+                               outcome(pb.GenerationStats(generated_tokens=41, decode_ms=400.0, speculation_used=True)))
+        assert chosen == expected
