@@ -160,7 +160,9 @@ class Controller:
         unasked = {copy: ms.value for copy, ms in st.unasked.items() if ms.value is not None}
         if situations and False in unasked:  # the gate's own units: wall time, both sides
             return Prior(tokens, on_ms, unasked[False], situations, unasked)
-        return Prior(tokens, on_ms, off_ms, {}, unasked)
+        # Else rounds without a copy start from the cost model's units on both sides (not its
+        # modelled asking against a timed wall); copying's wall time starts the other situation.
+        return Prior(tokens, on_ms, off_ms, {}, {True: unasked[True]} if True in unasked else {})
 
     def drafter(self, task_type: str, default: str, cheaper: str) -> str:
         """The drafter of an AUTO request that names none: the draft service's default or a cheaper

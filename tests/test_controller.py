@@ -378,3 +378,16 @@ def test_where_asking_the_drafter_beats_the_verifier_alone_n_gram_alone_is_not_e
             controller.observe("code", chosen[-1], Decision(True, 4, "on", 1),
                                outcome(pb.GenerationStats(generated_tokens=41, decode_ms=400.0, speculation_used=True)))
         assert chosen == expected
+
+
+def test_without_asked_rounds_the_prior_does_not_weigh_modelled_asking_against_a_timed_wall():
+    """Spec-off controls timed (5 ms a token of wall time, 2 ms of it the forward), no round asked
+    yet: the gate's start compares the cost model's asking with the cost model's decoding alone,
+    both without the gateway's share, rather than a modelled round against a timed one."""
+    controller = Controller(ControllerSettings())
+    off = [pb.RoundRecord(verify_ms=2.0, round_ms=5.0) for _ in range(20)]
+    controller.observe("qa", "hybrid", Decision(False, 0, "control", 1),
+                       outcome(pb.GenerationStats(generated_tokens=21, decode_ms=100.0, round_records=off)))
+    prior = controller.prior("qa", "hybrid", Decision(True, 4, "on", 1))
+    assert abs(prior.off_ms - controller.state("qa", "hybrid").off_time_per_token()) < 1e-9
+    assert prior.off_ms < 5.0 and False not in prior.unasked
