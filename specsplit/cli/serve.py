@@ -175,7 +175,7 @@ def _gateway_flags(g: argparse.ArgumentParser) -> None:
                    help="size of each speculative session's shared-memory segment (feature ring + proposals)")
 
 
-def _self_head(flag: str, target_model: str) -> str | None:
+def self_head_path(flag: str, target_model: str) -> str | None:
     """'auto': the shipped head if the target is the embedded default and the head is there."""
     if flag == "none":
         return None
@@ -202,7 +202,7 @@ def _settings(a: argparse.Namespace):
                              default_drafter=a.default_drafter,
                              ngram_min=a.ngram_min, ngram_max=a.ngram_max, max_sessions=a.max_sessions,
                              idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
-                             self_head=_self_head(a.self_head, a.target_model), target_model=a.target_model,
+                             self_head=self_head_path(a.self_head, a.target_model), target_model=a.target_model,
                              device=a.device, hybrid_min_match=a.hybrid_min_match,
                              self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k,
                              batch_wait_ms=a.batch_wait_ms)

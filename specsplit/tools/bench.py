@@ -234,6 +234,10 @@ def main(args, config: StackConfig) -> int:
         from specsplit.tools import structured
 
         return structured.main(args, config)
+    if args.ceiling:  # no services: the verifier's own code in this process
+        from specsplit.tools import ceiling
+
+        return ceiling.main(args, config)
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
                    predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])
