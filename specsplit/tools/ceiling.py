@@ -119,7 +119,7 @@ def main(args, config) -> int:
     drafter = drafters.get("self") or drafters.get("model")  # the hybrid's neural drafter
     modes = MODES if drafter is not None else MODES[:2]
     print(f"ceiling: {lm.model_id} ({lm.kernels}), {len(prompts)} prompts, {args.max_new_tokens} tokens, greedy, "
-          f"{args.repeats} repeat(s); decode only, in this process; a forward by rows 1..{len(curve)}: "
+          f"{args.repeats} repeat(s); decode only, in this process; a forward by rows 1..{min(9, len(curve))}: "
           + " ".join(f"{ms:.2f}" for ms in curve[:9]) + " ms; neural: "
           + (f"{drafter.description.kind} {drafter.description.model_id}" if drafter else "none for this target"),
           file=sys.stderr, flush=True)
