@@ -48,3 +48,22 @@ def test_every_mode_decodes_spec_offs_tokens_and_the_table_counts_them(models, d
     assert [line.split()[0] for line in lines[1:4]] == ["a", "b", "ALL"]
     assert all(line.split()[-1] == ("2/2" if line.startswith("ALL") else "1/1") for line in lines[1:4])
     assert lines[-1].startswith("drafting: ")
+
+
+def test_under_a_constraint_only_the_drafting_modes_draft_what_it_forces(models):
+    """`bench --ceiling --structured`: spec-off chooses every token in the language by a forward of
+    its own, as served; the lookup mode also drafts what the language forces, with the same output."""
+    from specsplit.api.common.v1 import common_pb2 as cpb
+    from specsplit.serving.grammar import Language
+
+    lm = load_model(models["target"], "float32")
+    target = Target(lm)
+    language = Language(cpb.Constraint(regex=r"The answer is (yes|no), and that is final\."), lm.tokenizer,
+                        lm.vocab_size)
+    ids = lm.tokenizer("Answer:").input_ids
+    off, lookup = (ceiling.decode(target, ids, 40, mode, [1.0] * 9, None, 4, language=language)
+                   for mode in ("off", "lookup"))
+    assert lookup.tokens == off.tokens
+    assert lm.tokenizer.decode(off.tokens, skip_special_tokens=True).startswith("The answer is")
+    assert off.forced == 0 and off.forwards == len(off.tokens) - 1
+    assert lookup.forced > 0 and lookup.forwards < off.forwards

@@ -134,11 +134,11 @@ class Target:
         self.batches = lm.native is not None and self.verifies_trees
 
     def prefill(self, prompt: list[int], with_features: bool = False, sampling: SamplingParams = SamplingParams(),
-                chunk: int | None = None) -> tuple[TargetSession, VerifyResult]:
+                chunk: int | None = None, language: Language | None = None) -> tuple[TargetSession, VerifyResult]:
         """Returns the new session and its first generated token (as a result with no drafts;
         features, if asked, cover the prompt); the prompt fed in chunks of `chunk` tokens (None:
         one call)."""
-        prefilling = self.start_prefill(prompt, with_features, sampling)
+        prefilling = self.start_prefill(prompt, with_features, sampling, language=language)
         while True:
             result = self.run_one(self.plan_prefill(prefilling, chunk))
             if prefilling.finished:

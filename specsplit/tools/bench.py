@@ -230,14 +230,14 @@ def busy_spell(stub, prompts: list[Prompt], max_new_tokens: int, n: int) -> None
 def main(args, config: StackConfig) -> int:
     if not args.gateway:  # a stack started here: its target's weights named and measured as served
         config = config.resolved()
-    if args.structured:  # its own workload: prompts with schemas
-        from specsplit.tools import structured
-
-        return structured.main(args, config)
     if args.ceiling:  # no services: the verifier's own code in this process
         from specsplit.tools import ceiling
 
         return ceiling.main(args, config)
+    if args.structured:  # its own workload: prompts with schemas
+        from specsplit.tools import structured
+
+        return structured.main(args, config)
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
                    predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])

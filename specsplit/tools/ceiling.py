@@ -10,6 +10,7 @@ or drafter choice can give the same drafters on this target and machine
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -29,20 +30,23 @@ class Run:
     tokens: list[int]
     ms: float  # decode wall time after the prefill
     forwards: int
+    forced: int = 0  # tokens the language forced (drafted by the verifier)
     drafted: int = 0  # by the neural drafter
     accepted: int = 0
     draft_ms: float = 0.0
 
 
-def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafter, gamma: int, widths=None) -> Run:
+def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafter, gamma: int, widths=None,
+           language=None) -> Run:
     """One greedy decode of up to n tokens by `mode`, as the verifier's decode-ahead runs it: drafts
     priced at the width curve measured at `start`, then (`widths`, verify_service.widths.Widths) at
-    what its lone forwards cost now."""
+    what its lone forwards cost now. With a `language` (structured output) every token is chosen in
+    it, and a mode that drafts also drafts what the language forces (spec-off does not: as served)."""
     from verify_service.decoding import Decoding
 
     neural = mode in ("neural", "both") and drafter is not None
     reads = neural and drafter.description.needs_features
-    session, first = target.prefill(ids, with_features=reads)
+    session, first = target.prefill(ids, with_features=reads, language=language)
     # The decode-ahead commits decode_ahead + 1 tokens after the prefill's: n in all.
     lookup = LOOKUP_GAMMA if mode in ("lookup", "both") else 0
     request = vpb.VerifyRequest(decode_ahead=max(0, n - 2), lookup_gamma=lookup)
@@ -68,8 +72,10 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
                 draft = drafter.propose(own, depth).tokens
                 run.draft_ms += 1e3 * (time.perf_counter() - t)
         length = len(session.tokens)
-        result = target.run_one(target.plan_verify(session, length, draft, copied=True))
+        fill = request.decode_ahead - decoding.committed if mode != "off" else 0
+        result = target.run_one(target.plan_verify(session, length, draft, copied=True, fill=fill))
         run.forwards += 1
+        run.forced += result.forced_accepted
         decoding.add(result, session)
         if widths is not None:
             widths.add(session.step_ms, 1 + len(draft), result.forward_ns / 1e6)
@@ -103,7 +109,6 @@ def main(args, config) -> int:
     from verify_service.server import first_id, measure_rows
     from verify_service.widths import Widths
 
-    prompts = load_prompts(args.prompts or "general", args.limit)
     config = config.resolved()
     model_dir = catalog.resolve(config.target_model)
     lm = load_model(model_dir, config.dtype, config.device, config.exact, quantize=config.quantize)
@@ -111,27 +116,56 @@ def main(args, config) -> int:
     target = Target(lm)
     curve = measure_rows(target, first_id(lm))
     widths = Widths()
-    draft_model = ModelSettings(config.draft_model, config.draft_dtype, config.device, exact=False,
-                                quantize=config.draft_quantize) if config.draft_model else None
-    drafters = build_drafters(DraftSettings(ServerSettings(""), draft_model, draft_vocab=config.draft_vocab,
-                                            self_head=self_head_path(config.self_head, config.target_model),
-                                            target_model=config.target_model, device=config.device))
-    drafter = drafters.get("self") or drafters.get("model")  # the hybrid's neural drafter
+    drafter, languages = None, None
+    if args.structured:  # each prompt with its schema, then without: the verifier's own drafting only
+        from specsplit.api.common.v1 import common_pb2 as cpb
+        from specsplit.serving.grammar import Language
+        from specsplit.tools import structured
+
+        rows = structured.load(args.prompts)
+        prompts = [Prompt(r["task_type"], r["prompt"]) for r in rows]
+        languages = [Language(cpb.Constraint(json_schema=json.dumps(r["schema"])), tokenizer, lm.vocab_size)
+                     for r in rows]
+    else:
+        prompts = load_prompts(args.prompts or "general", args.limit)
+        draft_model = ModelSettings(config.draft_model, config.draft_dtype, config.device, exact=False,
+                                    quantize=config.draft_quantize) if config.draft_model else None
+        drafters = build_drafters(DraftSettings(ServerSettings(""), draft_model, draft_vocab=config.draft_vocab,
+                                                self_head=self_head_path(config.self_head, config.target_model),
+                                                target_model=config.target_model, device=config.device))
+        drafter = drafters.get("self") or drafters.get("model")  # the hybrid's neural drafter
     modes = MODES if drafter is not None else MODES[:2]
     print(f"ceiling: {lm.model_id} ({lm.kernels}), {len(prompts)} prompts, {args.max_new_tokens} tokens, greedy, "
           f"{args.repeats} repeat(s); decode only, in this process; a forward by rows 1..{min(9, len(curve))}: "
           + " ".join(f"{ms:.2f}" for ms in curve[:9]) + " ms; neural: "
-          + (f"{drafter.description.kind} {drafter.description.model_id}" if drafter else "none for this target"),
+          + (f"{drafter.description.kind} {drafter.description.model_id}" if drafter else "none"),
           file=sys.stderr, flush=True)
-    runs: dict[tuple[int, str], list[Run]] = defaultdict(list)
+    constrained: dict[tuple[int, str], list[Run]] = defaultdict(list)
+    free: dict[tuple[int, str], list[Run]] = defaultdict(list)
     for repeat in range(args.repeats):
         for i, p in enumerate(prompts):
             ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": p.prompt}])
             order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]
             for mode in order:
-                runs[(i, mode)].append(decode(target, ids, args.max_new_tokens, mode, curve, drafter,
-                                              ControllerSettings.gamma_max, widths))
-    print_table(prompts, runs, modes)
+                for runs, language in ((free, None), (constrained, languages[i] if languages else None)):
+                    if runs is constrained and languages is None:
+                        continue
+                    runs[(i, mode)].append(decode(target, ids, args.max_new_tokens, mode, curve, drafter,
+                                                  ControllerSettings.gamma_max, widths, language))
+    if languages is None:
+        print_table(prompts, free, modes)
+        return 0
+    print("with each prompt's schema (the lookup's steps also draft what the schema forces):")
+    print_table(prompts, constrained, modes)
+    print("the same prompts without it:")
+    print_table(prompts, free, modes)
+    gains = [sum(statistics.median(r.ms for r in runs[(i, "off")]) for i in range(len(prompts)))
+             / sum(statistics.median(r.ms for r in runs[(i, "lookup")]) for i in range(len(prompts)))
+             for runs in (constrained, free)]
+    forced = sum(runs[0].forced for (i, m), runs in constrained.items() if m == "lookup")
+    tokens = sum(len(runs[0].tokens) for (i, m), runs in constrained.items() if m == "lookup")
+    print(f"constrained gain {gains[0]:.2f}x against the unconstrained {gains[1]:.2f}x ({gains[0] / gains[1]:.2f} "
+          f"of it); the schema forced {forced} of {tokens} tokens")
     return 0
 
 
