@@ -66,6 +66,16 @@ def resolve_head(path: str) -> Path:
     return Path(path).expanduser()
 
 
+def head_setting(flag: str, target_model: str) -> str | None:
+    """The --self-head flag as DraftSettings.self_head takes it: 'none' none; 'auto' the shipped head
+    if the target is the embedded default and the head is there; else the flag (a directory)."""
+    if flag == "none":
+        return None
+    if flag == "auto":
+        return "default" if target_model == "default" and (resolve_head("default") / "head.json").is_file() else None
+    return flag
+
+
 def read_head_card(head_dir: Path) -> dict:
     card_path = head_dir / "head.json"
     if not card_path.is_file():

@@ -175,18 +175,9 @@ def _gateway_flags(g: argparse.ArgumentParser) -> None:
                    help="size of each speculative session's shared-memory segment (feature ring + proposals)")
 
 
-def self_head_path(flag: str, target_model: str) -> str | None:
-    """'auto': the shipped head if the target is the embedded default and the head is there."""
-    if flag == "none":
-        return None
-    if flag == "auto":
-        from draft_service.drafters.selfdraft import resolve_head
-
-        return "default" if target_model == "default" and (resolve_head("default") / "head.json").is_file() else None
-    return flag
-
-
 def _settings(a: argparse.Namespace):
+    from draft_service.drafters.selfdraft import head_setting
+
     server = server_settings(a)
     if a.role == "verify":
         return VerifySettings(server=server, model=ModelSettings(a.target_model, a.dtype, a.device, a.exact,
@@ -202,7 +193,7 @@ def _settings(a: argparse.Namespace):
                              default_drafter=a.default_drafter,
                              ngram_min=a.ngram_min, ngram_max=a.ngram_max, max_sessions=a.max_sessions,
                              idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
-                             self_head=self_head_path(a.self_head, a.target_model), target_model=a.target_model,
+                             self_head=head_setting(a.self_head, a.target_model), target_model=a.target_model,
                              device=a.device, hybrid_min_match=a.hybrid_min_match,
                              self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k,
                              batch_wait_ms=a.batch_wait_ms)

@@ -99,8 +99,8 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
 def main(args, config) -> int:
     from transformers import AutoTokenizer
 
+    from draft_service.drafters.selfdraft import head_setting
     from draft_service.main import build_drafters
-    from specsplit.cli.serve import self_head_path
     from specsplit.model import catalog
     from specsplit.model.modeling import chat_prompt_ids, load_model
     from specsplit.serving.settings import ControllerSettings, DraftSettings, ModelSettings, ServerSettings
@@ -131,7 +131,7 @@ def main(args, config) -> int:
         draft_model = ModelSettings(config.draft_model, config.draft_dtype, config.device, exact=False,
                                     quantize=config.draft_quantize) if config.draft_model else None
         drafters = build_drafters(DraftSettings(ServerSettings(""), draft_model, draft_vocab=config.draft_vocab,
-                                                self_head=self_head_path(config.self_head, config.target_model),
+                                                self_head=head_setting(config.self_head, config.target_model),
                                                 target_model=config.target_model, device=config.device))
         drafter = drafters.get("self") or drafters.get("model")  # the hybrid's neural drafter
     modes = MODES if drafter is not None else MODES[:2]
