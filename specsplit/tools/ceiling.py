@@ -181,7 +181,7 @@ def print_table(prompts: list[Prompt], runs: dict, modes: tuple[str, ...], out=s
         return statistics.median(r.ms for r in runs[(i, mode)])
 
     head = f"{'category':<10}{'off ms/tok':>11}" + "".join(f"{m + ' /off':>11}{'tok/fwd':>8}" for m in modes[1:])
-    head += f"{'accepted':>10}{'identical':>10}"
+    head += (f"{'accepted':>10}" if "neural" in modes else "") + f"{'identical':>10}"
     print(head, file=out)
     for name, members in groups.items():
         tokens = sum(max(1, len(runs[(i, "off")][0].tokens) - 1) for i in members)  # after the prefill's
