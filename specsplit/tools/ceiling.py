@@ -73,6 +73,7 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
                 run.draft_ms += 1e3 * (time.perf_counter() - t)
         length = len(session.tokens)
         fill = request.decode_ahead - decoding.committed if mode != "off" else 0
+        # Greedy: how a draft was made does not enter its verification (`copied` only speaks to q).
         result = target.run_one(target.plan_verify(session, length, draft, copied=True, fill=fill))
         run.forwards += 1
         run.forced += result.forced_accepted
@@ -90,6 +91,8 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
         if decoding.finished(request, session, target.lm.max_context):
             break
     run.ms = 1e3 * (time.perf_counter() - started)
+    if own is not None:
+        drafter.end(own)
     out = session.tokens[len(ids):]
     end = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
     run.tokens = out[:min(end, n)]
