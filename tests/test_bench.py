@@ -18,11 +18,25 @@ def test_starter_prompts_cover_four_task_types():
     assert [p.task_type for p in load_prompts(None, limit=1)] == ["code", "structured", "rewrite", "open"]
 
 
-def record(task, off_s, on_s, tokens, rounds, accepted, identical=True, drafter="ngram"):
+def record(task, off_s, on_s, tokens, rounds, accepted, identical=True, drafter="ngram", ran="ngram"):
     return Record(task, "p", drafter, off_s, on_s, tokens, tokens, rounds, rounds * 4, accepted, 1.0, 2.0, 0.5,
                   identical, -1 if identical else 3, [off_s, off_s + 1], [on_s], target_step_ms=40.0,
                   parts={"total": on_s * 1e3, "draft": 1.0, "verify": 2.0, "network": 0.5,
-                         "gateway": on_s * 1e3 - 3.5})
+                         "gateway": on_s * 1e3 - 3.5}, ran=ran)
+
+
+def test_the_summary_says_which_drafter_each_default_request_ran():
+    import io
+
+    from specsplit.tools.records import print_table
+
+    rows = summarise([record("code", 2.0, 1.0, 20, 8, 11, drafter="default", ran="hybrid"),
+                      record("code", 2.0, 1.5, 20, 8, 11, drafter="default", ran="ngram"),
+                      record("open", 1.0, 1.0, 10, 9, 0, drafter="default", ran=""),
+                      record("open", 1.0, 0.9, 10, 9, 0)])
+    out = io.StringIO()
+    print_table(rows, "header", out=out)
+    assert "default request ran: code hybrid 1, ngram 1; open none 1" in out.getvalue().splitlines()
 
 
 def test_summary_ratios_and_counts():
@@ -121,6 +135,7 @@ async def test_bench_measures_the_target_step_per_forward_and_the_default_reques
 
         record, default = await asyncio.to_thread(run)
     assert (record.drafter, default.drafter) == ("ngram", "default")
+    assert record.ran == "ngram" and default.ran in ("ngram", "hybrid", "")  # AUTO's choice, or none
     assert default.identical and default.on_tokens == 32
     assert record.off_tokens == 32 and record.target_step_ms > 0
     assert record.target_step_ms * (record.off_tokens - 1) <= record.off_s * 1e3  # the decode's forwards fit in it

@@ -69,7 +69,8 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
                               (s.predraft_attempts, s.predraft_hits), list(off.token_ids),
                               {"total": s.total_ms, **roundtime.request_split(
                                   s.total_ms, s.prefill_compute_ms, s.prefill_ms - s.prefill_compute_ms,
-                                  s.round_records)}, depth_counts(s.round_records), off.stats.prefill_ms))
+                                  s.round_records)}, depth_counts(s.round_records), off.stats.prefill_ms,
+                              s.drafter if s.speculation_used else ""))
     return records
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from gateway.controller import p95
+from specsplit.tools.workload import DEFAULT_REQUEST
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Record:
     parts: dict = None  # the last spec-on run's time by part (specsplit.serving.roundtime.request_split), ms
     by_depth: list = None  # per draft depth d (1, 2, ...): [rounds that drafted that deep, rounds that accepted d]
     prefill_ms: float = 0.0  # the spec-off request's prompt processing (stats.prefill_ms: cold, to the first token)
+    ran: str = ""  # the drafter the request ran (stats.drafter; the default request's is AUTO's choice), "" none
 
 
 def depth_counts(rounds) -> list[list[int]]:
@@ -98,6 +100,7 @@ def summarise(records: list[Record]) -> list[dict]:
             "proposal_bytes_per_round": sum(r.proposal_bytes for r in rs) / rounds if rounds else 0.0,
             "predraft_attempts": sum(r.predraft[0] for r in rs), "predraft_hits": sum(r.predraft[1] for r in rs),
             "prefill_ms_off": statistics.median(r.prefill_ms for r in rs),
+            "ran": dict(Counter(r.ran or "none" for r in rs)),
         })
     return rows
 
@@ -140,6 +143,10 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
     for drafter, mix in mixes:
         parts = [f"{src} {n} rounds acc.len {(acc + n) / n:.2f}" for src, (n, _, acc) in sorted(mix.items()) if n]
         print(f"{drafter} rounds by source: " + "; ".join(parts), file=out)
+    chosen = [r for r in rows if r["drafter"].split("+")[0] == DEFAULT_REQUEST and r["task_type"] != "ALL"]
+    if chosen:  # which drafter AUTO ran, per task type (none: it decided against speculating)
+        per_type = [f"{r['task_type']} " + ", ".join(f"{d} {n}" for d, n in sorted(r["ran"].items())) for r in chosen]
+        print(f"{chosen[0]['drafter']} request ran: " + "; ".join(per_type), file=out)
     for r in rows:
         if r["task_type"] == "ALL" and r["by_depth"]:
             print(f"{r['drafter']} acceptance by draft position (accepted / drafted that deep): " + " ".join(
