@@ -22,6 +22,10 @@ log = logging.getLogger("specsplit")
 
 AUTO, ON, OFF = "auto", "on", "off"  # a request's speculation mode
 LOAD_PROBE_FACTOR = 4  # under load, one decision in probe_every x this runs the other mode
+# The service's default drafter runs instead of n-gram alone only when its requests' median decode
+# time per token (in one-row forwards) is this much lower: different prompts' requests differ by
+# tens of per cent, and n-gram alone needs no draft service.
+DRAFTER_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -178,9 +182,9 @@ class Controller:
         key = task_type or "unspecified"
         arms = self._drafter_arms.get(key)
         if arms is None:
-            arms = self._drafter_arms[key] = Arms(self.settings, default, cheaper)
+            arms = self._drafter_arms[key] = Arms(self.settings, default, cheaper, cheaper, DRAFTER_MARGIN)
         if self._drafter_all is None:
-            self._drafter_all = Arms(self.settings, default, cheaper)
+            self._drafter_all = Arms(self.settings, default, cheaper, cheaper, DRAFTER_MARGIN)
         return arms.choose(self._drafter_all)
 
     def score_scale(self, task_type: str, drafter: str) -> float:

@@ -25,15 +25,20 @@ class Arms:
     every request of one arm faster than every request of the other, which two equal arms do by
     chance one time in ten at 3 + 3; exploring the loser costs traffic), then the one with the lower
     median runs (the first on a tie) and the other every probe_every-th time, so a change (load,
-    network, the text) is noticed. A `prior` (the same choice over every type) decides for a type
-    that has not measured both arms yet, once it has itself."""
+    network, the text) is noticed. `cheaper`: the arm whose turn comes first, and that runs unless
+    the other's median is lower by more than `margin` (a share of it): between different prompts'
+    requests a few per cent is noise, and the cheaper way (n-gram alone: no draft session, no
+    features) should not lose to it.
+    A `prior` (the same choice over every type) decides for a type that has not measured both arms
+    yet, once it has itself."""
 
     EARLY = 3
 
-    def __init__(self, settings: ControllerSettings, first, second):
+    def __init__(self, settings: ControllerSettings, first, second, cheaper=None, margin: float = 0.0):
         self.settings = settings
         self.times = {arm: deque(maxlen=settings.window) for arm in (first, second)}
         self.turns = 0
+        self.cheaper, self.margin = cheaper, margin
 
     @property
     def decided(self) -> bool:
@@ -48,8 +53,13 @@ class Arms:
         if not self.decided:
             if prior is not None and prior.decided:
                 return prior.choose()
+            if len(a) == len(b) and self.cheaper is not None:
+                return self.cheaper  # turns start with the cheaper way
             return first if len(a) <= len(b) else second
         better, other = (first, second) if statistics.median(a) <= statistics.median(b) else (second, first)
+        if better != self.cheaper and other == self.cheaper and \
+                statistics.median(self.times[better]) > (1 - self.margin) * statistics.median(self.times[other]):
+            better, other = other, better  # within the margin: the cheaper way
         self.turns += 1
         return better if self.turns % s.probe_every else other
 

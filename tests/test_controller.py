@@ -283,7 +283,7 @@ def test_the_gate_starts_each_situation_from_the_type_s_own_rounds_in_it():
 
 
 def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with():
-    """AUTO requests naming no drafter alternate between the service's default and n-gram alone until
+    """AUTO requests naming no drafter alternate between n-gram alone and the service's default until
     each has min_requests, then the faster one runs, and the other every probe_every-th request; a
     type new to it starts from that verdict."""
     s = ControllerSettings()
@@ -300,7 +300,7 @@ def test_a_request_naming_no_drafter_gets_the_one_its_type_decoded_faster_with()
         return drafter
 
     explored = [serve_one() for _ in range(2 * s.min_requests + 4)]  # (some of them are spec-off controls)
-    assert explored[:4] == ["hybrid", "ngram", "hybrid", "ngram"]
+    assert explored[:4] == ["ngram", "hybrid", "ngram", "hybrid"]  # turns start with the cheaper way
     chosen = [serve_one() for _ in range(3 * s.probe_every)]
     assert chosen.count("hybrid") == 3 and chosen.count("ngram") == 3 * s.probe_every - 3  # one probe in ten
     # A type that has not timed both yet follows what all types' requests decided, probes included.
@@ -327,6 +327,27 @@ def test_arms_decide_after_three_each_only_when_every_time_of_one_beats_every_ti
         close.add("hybrid", 4.4)
         close.add("ngram", 4.3)
     assert close.decided
+
+
+def test_the_default_drafter_must_beat_n_gram_alone_by_the_margin_to_run():
+    """Requests of different prompts differ by tens of per cent: a default drafter that measures a few
+    per cent faster than n-gram alone has not shown it pays for its draft service; clearly faster, it
+    runs (and n-gram alone is probed)."""
+    from gateway.controller import DRAFTER_MARGIN
+
+    s = ControllerSettings()
+    for faster, runs in ((0.95, "ngram"), (1 - 2 * DRAFTER_MARGIN, "hybrid")):
+        arms = Arms(s, "hybrid", "ngram", "ngram", DRAFTER_MARGIN)
+        for i in range(s.min_requests):
+            arms.add("hybrid", faster * (4.0 + 0.1 * i))
+            arms.add("ngram", 4.0 + 0.1 * i)
+        chosen = [arms.choose() for _ in range(s.probe_every)]
+        assert chosen.count(runs) == s.probe_every - 1, (faster, chosen)
+    plain = Arms(s, "hybrid", "ngram")  # no cheaper arm: the lower median runs, as before
+    for i in range(s.min_requests):
+        plain.add("hybrid", 0.95 * (4.0 + 0.1 * i))
+        plain.add("ngram", 4.0 + 0.1 * i)
+    assert plain.choose() == "hybrid"
 
 
 def test_the_drafter_arms_compare_requests_in_one_row_forwards_of_their_own_context():
@@ -361,7 +382,7 @@ def test_where_asking_the_drafter_beats_the_verifier_alone_n_gram_alone_is_not_e
     """The pair's 0.5B draft commits 4 tokens in 1.6 steps where no copy is in sight: n-gram alone,
     there only the verifier decoding, cannot win, so no AUTO request is spent trying it. Where the
     draft commits less per ms than the verifier alone, the arms take turns as before."""
-    for round_ms, expected in ((32.0, ["hybrid"] * 6), (90.0, ["hybrid", "ngram"] * 3)):
+    for round_ms, expected in ((32.0, ["hybrid"] * 6), (90.0, ["ngram", "hybrid"] * 3)):
         controller = Controller(ControllerSettings())
         off = [pb.RoundRecord(verify_ms=19.0, round_ms=20.0) for _ in range(20)]  # spec-off: 20 ms a token
         controller.observe("code", "hybrid", Decision(False, 0, "forced", 1),
