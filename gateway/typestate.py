@@ -56,9 +56,9 @@ class Arms:
             if len(a) == len(b) and self.cheaper is not None:
                 return self.cheaper  # turns start with the cheaper way
             return first if len(a) <= len(b) else second
-        better, other = (first, second) if statistics.median(a) <= statistics.median(b) else (second, first)
-        if better != self.cheaper and other == self.cheaper and \
-                statistics.median(self.times[better]) > (1 - self.margin) * statistics.median(self.times[other]):
+        median = {first: statistics.median(a), second: statistics.median(b)}
+        better, other = (first, second) if median[first] <= median[second] else (second, first)
+        if other == self.cheaper and median[better] > (1 - self.margin) * median[other]:
             better, other = other, better  # within the margin: the cheaper way
         self.turns += 1
         return better if self.turns % s.probe_every else other

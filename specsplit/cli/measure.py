@@ -25,8 +25,9 @@ MODES = (
                      "constrained spec-off, AUTO and forced on beside the same prompts unconstrained; validity, "
                      "the share of tokens the schema forced, and the mask's cost against a step"),
     ("--ceiling", "instead: what the drafters could win with no round plumbing: the verifier's own code decoding in "
-                  "this process (no services), spec-off, its prompt lookup, the feature head and both, per category "
-                  "of --prompts (default: the general workload); decode-only ratios, tokens a forward"),
+                  "this process (no services), spec-off, its prompt lookup, the stack's neural drafter (the feature "
+                  "head, or the draft model) and both, per category of --prompts (default: the general workload); "
+                  "decode-only ratios, tokens a forward (with --structured: each prompt with and without its schema)"),
     ("--tracing-overhead", "instead: spec-on requests alternated between a stack with tracing off and one with "
                            "tracing on (OTLP-JSON file), and the median cost of tracing per token"),
 )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.spec.lookup import Agreement
 from specsplit.tools.workload import Prompt
+from verify_service.decoding import Decoding
 
 MODES = ("off", "lookup", "neural", "both")
 LOOKUP_GAMMA = 8  # as the gateway asks: max(gamma, tree budget)
@@ -42,8 +43,6 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
     priced at the width curve measured at `start`, then (`widths`, verify_service.widths.Widths) at
     what its lone forwards cost now. With a `language` (structured output) every token is chosen in
     it, and a mode that drafts also drafts what the language forces (spec-off does not: as served)."""
-    from verify_service.decoding import Decoding
-
     neural = mode in ("neural", "both") and drafter is not None
     reads = neural and drafter.description.needs_features
     session, first = target.prefill(ids, with_features=reads, language=language)
