@@ -277,6 +277,20 @@ def free_ports(n: int = 1) -> int:
     raise RuntimeError("no free ports")
 
 
+@pytest.fixture(params=["amx", "avx512", "avx2"])
+def kernel_path(request, monkeypatch):
+    """Runs the test once on each native kernel path this CPU has (SPECSPLIT_ISA); the others are
+    skipped saying what the CPU lacks, so `pytest -rs` shows only what it truly lacks."""
+    from specsplit.model import native
+
+    why = native.lacks(request.param)
+    if why:
+        pytest.skip(f"kernel path {request.param} not tested on this CPU: {why}")
+    monkeypatch.setenv("SPECSPLIT_ISA", request.param)
+    monkeypatch.delenv("SPECSPLIT_AMX", raising=False)
+    return request.param
+
+
 def native_model(models, dtype: str = "bfloat16", model: str = "target"):
     """A fixture model loaded on the native kernels; the test is skipped (saying why) where they
     cannot run."""

@@ -83,7 +83,7 @@ def _skip_unless_runs(dtype, quantize):
 
 
 @pytest.mark.parametrize("dtype,tol,quantize", QUANT_CASES)
-def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantize):
+def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantize, kernel_path):
     """The native kernels run the head's layer and draft logits as head_step + logits do, through
     a prefix, drafted steps and a rollback (bfloat16 weights: within bf16 rounding; q8_0 weights
     and activations, as the draft service serves the head where the CPU has VNNI: within theirs)."""
@@ -111,7 +111,7 @@ def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantiz
 
 
 @pytest.mark.parametrize("dtype,tol,quantize", QUANT_CASES)
-def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dtype, tol, quantize):
+def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dtype, tol, quantize, kernel_path):
     """NativeHead.tree_step: rows whose parents are slots of earlier calls (a draft tree grown
     depth by depth, EAGLE-2 style) get what a chain feed of their path gives (up to the rounding of
     the head's input projection, a torch GEMM whose result depends on the rows in the call)."""

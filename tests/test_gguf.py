@@ -50,7 +50,7 @@ def test_the_files_blocks_are_the_weights_transformers_dequantized(default_dir):
     assert seen == {"Q4_1"}
 
 
-def test_gguf_weights_verify_exactly_and_agree_with_the_dequantized_model(default_dir):
+def test_gguf_weights_verify_exactly_and_agree_with_the_dequantized_model(default_dir, kernel_path):
     _needs_vnni()
     lm = load_model(default_dir, "bfloat16", quantize="gguf")
     assert lm.kernels == "native gguf"
@@ -195,7 +195,7 @@ def test_every_served_type_unpacks_to_the_values_gguf_itself_reads():
         assert torch.equal(dequantize(layout, parts), torch.from_numpy(expected)), kind
 
 
-def test_a_model_of_every_served_type_runs_as_shipped_exactly(every_type_dir, caplog):
+def test_a_model_of_every_served_type_runs_as_shipped_exactly(every_type_dir, caplog, kernel_path):
     """Q4_K, Q5_0, Q6_K (and Q8_0) served from the file: nothing re-quantized, a 5-row verify
     bit-identical to single steps, and the logits those of the dequantized weights (int8 activations
     aside). A kernel that read Q6_K's two scales of a block as one fails the last check."""
@@ -259,7 +259,7 @@ def test_a_type_not_served_is_requantized_from_the_files_own_values(every_type_d
     _exact_and_like_the_dequantized_model(lm, tmp_path, list(range(3, 30, 2)), [5, 70, 9, 41, 200, 8, 13, 99])
 
 
-def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_every_type_dir, monkeypatch):
+def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_every_type_dir, monkeypatch, kernel_path):
     """Q4_K's and Q6_K's scales travel as the file keeps them (int8 factors of a float16 base per
     256 inputs) and are multiplied out in the GEMM: every logit is bit for bit what float32
     products give (an off-by-one super-block, or a wrong base, fails)."""
@@ -275,7 +275,8 @@ def test_k_quant_scales_kept_factored_give_the_bits_of_their_products(wider_ever
     assert torch.equal(factored, products)
 
 
-def test_six_bit_values_streamed_as_six_bits_give_the_bits_of_eight(every_type_dir, wider_every_type_dir, monkeypatch):
+def test_six_bit_values_streamed_as_six_bits_give_the_bits_of_eight(every_type_dir, wider_every_type_dir, monkeypatch,
+                                                                    kernel_path):
     """Q6_K (and Q4_K stacked with it) packed as q6_h, 6 bits a value, multiply to exactly the
     logits of the same values as q8_h, 8 bits a value, for 1 to 9 rows (a mis-placed high bit pair
     fails); a matrix with Q8_0 values stays 8 bits."""

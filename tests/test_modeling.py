@@ -1,6 +1,5 @@
 """Numerics and rollback on a tiny random model, through the real loading code."""
 
-import os
 
 import pytest
 import torch
@@ -13,22 +12,24 @@ from verify_service.engine import LengthMismatch, Target
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
 
 
-KERNEL_PATHS = [("bfloat16", "", "amx"), ("bfloat16", "", "avx512"), ("float32", "", "avx512"),
-                ("bfloat16", "q8_0", "vnni"), ("bfloat16", "q4_0", "vnni")]
+# (dtype, quantize, kernel path): every weight format on every path (AMX runs bf16 GEMMs only).
+KERNEL_PATHS = [("bfloat16", "", "amx")] + [(dtype, quantize, path) for path in ("avx512", "avx2")
+                                            for dtype, quantize in (("bfloat16", ""), ("float32", ""),
+                                                                    ("bfloat16", "q8_0"), ("bfloat16", "q4_0"))]
 
 
 def _kernel_path(monkeypatch, dtype: str, quantize: str, path: str) -> None:
-    """Selects one native kernel path, or skips naming what this CPU lacks (pytest -rs lists them)."""
+    """Forces one native kernel path (SPECSPLIT_ISA), or skips naming what this CPU lacks (pytest
+    -rs lists them)."""
     from specsplit.model import native
 
+    monkeypatch.setenv("SPECSPLIT_ISA", path)
+    monkeypatch.delenv("SPECSPLIT_AMX", raising=False)
     reason = native.unavailable(getattr(torch, dtype), torch.device("cpu"))
-    if not reason and path == "amx" and not native.amx():
-        reason = "SPECSPLIT_AMX=0" if os.environ.get("SPECSPLIT_AMX") == "0" else "no AMX (amx_bf16, amx_tile) here"
-    if not reason and path == "vnni":
+    if not reason and quantize:
         reason = native.lacks_vnni()
     if reason:
         pytest.skip(f"kernel path {dtype} {quantize or ''} {path} not tested on this CPU: {reason}")
-    monkeypatch.setenv("SPECSPLIT_AMX", "1" if path == "amx" else "0")
 
 
 @pytest.mark.parametrize("model", ["target", "wide"])
@@ -279,18 +280,13 @@ def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
         target.prefill(PROMPT, sampling=SamplingParams(temperature=1.0, method="magic"))
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
 @pytest.mark.parametrize("quantize,dtype", [("int8", "bfloat16"), ("q8_0", "bfloat16"), ("q8_0", "float32"),
                                             ("q4_0", "bfloat16")])
-def test_quantized_weights_keep_verification_exact_and_stay_close(models, quantize, dtype):
-    """int8 (weights only) and q8_0 (int8 weights and activations per block of 32, vpdpbusd): a row's
-    logits do not depend on how many rows share the call, and stay close to the unquantized model's."""
-    from specsplit.model import native
-
-    torch_dtype = getattr(torch, dtype)
-    if native.unavailable(torch_dtype, torch.device("cpu")):
-        pytest.skip(f"{quantize} path not tested on this CPU: {native.unavailable(torch_dtype, torch.device('cpu'))}")
-    if quantize in ("q8_0", "q4_0") and native.lacks_vnni():
-        pytest.skip(f"q8_0 path not tested on this CPU: {native.lacks_vnni()}")
+def test_quantized_weights_keep_verification_exact_and_stay_close(models, monkeypatch, quantize, dtype, path):
+    """int8 (weights only) and q8_0 (int8 weights and activations per block of 32): a row's logits do
+    not depend on how many rows share the call, and stay close to the unquantized model's."""
+    _kernel_path(monkeypatch, dtype, quantize if quantize != "int8" else "", path)
     lm = load_model(models["target"], dtype, quantize=quantize)
     assert lm.kernels == f"native {quantize}"
     singles = _one_by_one_equals_verified(lm)

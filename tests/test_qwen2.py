@@ -45,7 +45,7 @@ def _needs_native(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_qwen2_runs_natively_exact_and_close_to_transformers(qwen2_dir, dtype):
+def test_qwen2_runs_natively_exact_and_close_to_transformers(qwen2_dir, dtype, kernel_path):
     lm = load_model(qwen2_dir, dtype)
     _needs_native(lm.dtype)
     assert lm.kernels == "native" and lm.vocab_size != 49152
@@ -71,7 +71,7 @@ def test_draft_vocabulary_is_the_first_ids_and_the_added_tokens(qwen2_dir):
 
 
 @pytest.mark.parametrize("quantize", ["", "int8"])
-def test_a_native_draft_vocabulary_scores_exactly_the_full_heads_rows(qwen2_dir, quantize):
+def test_a_native_draft_vocabulary_scores_exactly_the_full_heads_rows(qwen2_dir, quantize, kernel_path):
     full = load_model(qwen2_dir, "bfloat16", exact=False, quantize=quantize) if not quantize else None
     _needs_native(torch.bfloat16)
     vocab = draft_vocabulary(qwen2_dir, 150)

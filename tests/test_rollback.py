@@ -38,7 +38,7 @@ CACHES = {
 
 
 @pytest.mark.parametrize("kind", CACHES)
-def test_truncate_rolls_back_by_position(models, kind):
+def test_truncate_rolls_back_by_position(models, kind, kernel_path):
     new, feed = CACHES[kind](models)
     cache = new()
     feed(cache, 0, 6)

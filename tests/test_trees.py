@@ -33,7 +33,7 @@ def _path(row: int) -> list[int]:
 @pytest.mark.parametrize("model", ["target", "wide"])  # wide: head_dim 32, bf16 pair dot products on bf16
 @pytest.mark.parametrize("prompt_len", [8, 40])  # the prefix's keys end inside the first key block, or after two
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype, prompt_len, model):
+def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype, prompt_len, model, kernel_path):
     """The tree's rows share the prefix's key blocks and the branches' own; each row still gets the
     bits of its path decoded alone."""
     lm = native_model(models, dtype, model)
@@ -50,7 +50,7 @@ def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype,
         assert torch.equal(logits[row], last), f"row {row} (path {_path(row)})"
 
 
-def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models):
+def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models, kernel_path):
     lm = native_model(models, "bfloat16")
     seq = KVSequence(lm)
     seq.forward(PROMPT)

@@ -9,6 +9,7 @@ import time
 
 from opentelemetry.metrics import Observation
 
+from specsplit.model import native
 from specsplit.model.prefixcache import PrefixCache
 from specsplit.serving import runtime, telemetry
 from specsplit.serving.server import serve
@@ -57,7 +58,8 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     worker = ModelWorker("verify", settings.batch_wait_ms / 1e3, settings.batch_rows)
     started = time.perf_counter()
     lm = await worker.run(runtime.load, settings.model)
-    log.info("target %s loaded in %.1f s; forward: %s", lm.model_id, time.perf_counter() - started, lm.kernels)
+    log.info("target %s loaded in %.1f s; forward: %s%s", lm.model_id, time.perf_counter() - started, lm.kernels,
+             f" ({lm.native.kernel}; kernel path {native.describe()})" if lm.native is not None else "")
     log.info(threads + runtime.tune_threads(worker, "verify", lm.native is not None, settings.server.fixed_threads))
     freed = lm.release_transformers_weights()
     if freed:

@@ -118,4 +118,5 @@ def _build_native() -> None:
         return
     started = time.perf_counter()
     native.module()
-    print(f"native kernels: ready in {time.perf_counter() - started:.1f} s ({native.cache_dir()})", file=sys.stderr)
+    print(f"native kernels: {native.describe()}, ready in {time.perf_counter() - started:.1f} s ({native.cache_dir()})",
+          file=sys.stderr)

@@ -87,7 +87,14 @@ def dense(weight: torch.Tensor, quant: int = 0):
 
 
 def kernel_name(quantize: str, dtype: torch.dtype) -> str:
-    """What multiplies the weights, for logs and the bench header."""
+    """What multiplies the weights, on which kernel path, for logs and the bench header."""
+    path = native.isa()[0]
+    if path == "avx2":
+        if quantize in ("q8_0", "q4_0", "gguf"):
+            return f"{quantize} x int8 rows, AVX2 vpmaddubsw"
+        if quantize == "int8":
+            return "int8 widened to fp32, AVX2 FMA"
+        return f"{'bf16 widened to fp32' if dtype == torch.bfloat16 else 'fp32'}, AVX2 FMA"
     if quantize in ("q8_0", "q4_0", "gguf"):
         return f"{quantize} x int8 rows, AVX-512 VNNI vpdpbusd"
     if quantize == "int8":
@@ -149,7 +156,7 @@ class FastLlama:
         if quantize not in QUANTIZE:
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {sorted(QUANTIZE)}")
         if quantize in ("q8_0", "q4_0", "gguf") and native.lacks_vnni():
-            raise ValueError(f"--quantize {quantize} needs AVX-512 VNNI: {native.lacks_vnni()}")
+            raise ValueError(f"--quantize {quantize} needs AVX-512 VNNI on this path: {native.lacks_vnni()}")
         config, base = model.config, model.model
         embed = base.embed_tokens.weight.detach()
         self.dtype, self.device = embed.dtype, embed.device

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specsplit.model import native
+
 LOOKUP_TOKENS = 3
 
 
@@ -108,7 +110,7 @@ def step_profile(model_dir: str, dtype: str, quantize: str = "", context: int = 
             if i >= 3:
                 times[rows].append(time.perf_counter() - start)
             seq.truncate(context)
-    kernels = lm.kernels + (f": {lm.native.kernel}" if lm.native is not None else "")
+    kernels = lm.kernels + (f": {lm.native.kernel}; path {native.describe()}" if lm.native is not None else "")
     return {"kernels": kernels, **{f"rows{r}_ms": 1e3 * statistics.median(t) for r, t in times.items()}}
 
 

@@ -14,10 +14,17 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, attention_*.inc
+SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, *.inc
 PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h", ".inc"})
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
-         "-fopenmp"]
+# The instruction sets the kernels are built for, best first: compiler flags and the CPU flags each
+# needs. One library per set (decoder.cpp includes isa_<set>.h); "amx" is the avx512 library with
+# bf16 GEMMs and attention on AMX tiles.
+ISAS = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
+                "-mf16c"], {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+}
+PATHS = ("amx", "avx512", "avx2")  # what SPECSPLIT_ISA may name, best first
 _LOCK = threading.Lock()
 
 
@@ -31,60 +38,114 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def lacks(path: str) -> str | None:
+    """None if this CPU can run kernel path `path`, else what it lacks."""
+    flags = cpu_flags()
+    need = ISAS["avx512" if path == "amx" else path][1] | ({"amx_bf16", "amx_tile"} if path == "amx" else set())
+    missing = sorted(need - flags)
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
+def runnable() -> list[str]:
+    """The kernel paths this CPU can run, best first (tests run each of them)."""
+    return [p for p in PATHS if lacks(p) is None]
+
+
+def isa() -> tuple[str | None, str]:
+    """(the kernel path that runs, why): SPECSPLIT_ISA if set, else the best this CPU runs
+    (SPECSPLIT_AMX=0 passes over AMX). None where none can run."""
+    forced = os.environ.get("SPECSPLIT_ISA", "")
+    if forced:
+        if forced not in PATHS:
+            return None, f"SPECSPLIT_ISA={forced} is not one of {', '.join(PATHS)}"
+        why = lacks(forced)
+        return (None, f"SPECSPLIT_ISA={forced}, but {why}") if why else (forced, f"SPECSPLIT_ISA={forced}")
+    paths = [p for p in runnable() if not (p == "amx" and os.environ.get("SPECSPLIT_AMX", "1") == "0")]
+    if not paths:
+        return None, lacks("avx2") or "no kernel path"
+    return paths[0], "the best this CPU runs" + (" (SPECSPLIT_AMX=0)" if "amx" in runnable() and paths[0] != "amx"
+                                                 else "")
+
+
 def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
     """None if the kernels can run a model of `dtype` on `device` here, else why not."""
     if device.type != "cpu":
         return f"the native kernels are for CPUs, not {device.type}"
     if os.environ.get("SPECSPLIT_NATIVE", "1") == "0":
         return "SPECSPLIT_NATIVE=0"
-    flags = cpu_flags()
-    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} | ({"avx512_bf16"} if dtype == torch.bfloat16 else set())
-    missing = sorted(need - flags)
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    path, why = isa()
+    if path is None:
+        return why
     if dtype not in (torch.bfloat16, torch.float32):
         return f"the native kernels run bfloat16 or float32, not {dtype}"
+    if dtype == torch.bfloat16 and path != "avx2" and "avx512_bf16" not in cpu_flags():
+        return "this CPU lacks avx512_bf16 (SPECSPLIT_ISA=avx2 widens bf16 instead)"
     return None
 
 
 def amx() -> bool:
-    """bf16 GEMMs on AMX tiles (tdpbf16ps): where the CPU has them, unless SPECSPLIT_AMX=0 (which
-    tests use to check the AVX-512 path on an AMX machine too)."""
-    return {"amx_bf16", "amx_tile"} <= cpu_flags() and os.environ.get("SPECSPLIT_AMX", "1") != "0"
+    """bf16 GEMMs and attention on AMX tiles (tdpbf16ps): the "amx" path."""
+    return isa()[0] == "amx"
 
 
 def lacks_vnni() -> str | None:
-    """None if q8_0 GEMMs (vpdpbusd) can run here, else why not."""
+    """None if the block formats (q8 rows by q8_0 / q4 / GGUF blocks) can run here, else why not: the
+    AVX-512 path multiplies them with vpdpbusd (AVX512_VNNI), the AVX2 path with vpmaddubsw."""
+    if isa()[0] == "avx2":
+        return None
     return None if "avx512_vnni" in cpu_flags() else "this CPU lacks avx512_vnni"
 
 
-def cache_dir() -> Path:
+def describe() -> str:
+    """The kernel path that runs and why, for logs, `validate`, `models` and the bench."""
+    path, why = isa()
+    if os.environ.get("SPECSPLIT_NATIVE", "1") == "0":
+        return "native kernels off (SPECSPLIT_NATIVE=0)"
+    return f"{path} ({why})" if path else f"no native kernels: {why}"
+
+
+def _library(path: str | None = None) -> str:
+    """The library a kernel path runs on (amx: the avx512 one)."""
+    path = path or isa()[0]
+    if path is None:
+        raise RuntimeError(isa()[1])
+    return "avx512" if path == "amx" else path
+
+
+def cache_dir(library: str | None = None) -> Path:
+    library = library or _library()
     root = Path(os.environ.get("SPECSPLIT_CACHE", Path.home() / ".cache" / "specsplit"))
+    flags = ISAS[library][0] + ["-O3", "-fopenmp"]
     digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in PARTS)
-                            + torch.__version__.encode() + " ".join(FLAGS).encode())
-    return root / "native" / digest.hexdigest()[:12]
+                            + torch.__version__.encode() + " ".join(flags).encode())
+    return root / "native" / f"{library}_{digest.hexdigest()[:12]}"
 
 
-@lru_cache(maxsize=1)
 def module():
-    """The compiled extension: imported from the cache when built before (the cache directory is
-    named by the digest of everything that goes into it), else built first. Raises if it cannot be
-    built."""
+    """The compiled extension of the kernel path that runs (isa()). Raises if none can run."""
+    return _module(_library())
+
+
+@lru_cache(maxsize=None)
+def _module(library: str):
+    """The compiled extension for one instruction set: imported from the cache when built before
+    (the cache directory is named by the digest of everything that goes into it), else built first.
+    Raises if it cannot be built."""
     import importlib.util
 
-    build = cache_dir()
+    build = cache_dir(library)
     name = f"specsplit_decoder_{build.name}"
-    library = build / f"{name}.so"
+    so = build / f"{name}.so"
     with _LOCK:
-        if not library.exists():
-            return _build(build, name)
-        spec = importlib.util.spec_from_file_location(name, library)
+        if not so.exists():
+            return _build(build, name, ISAS[library][0] + ["-O3", "-fopenmp"])
+        spec = importlib.util.spec_from_file_location(name, so)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod
 
 
-def _build(build: Path, name: str):
+def _build(build: Path, name: str, flags: list[str]):
     """Compiles into a private directory, then moves the library into place, so that concurrent
     builds (three services starting at once) never load a half-written file."""
     import tempfile
@@ -93,7 +154,7 @@ def _build(build: Path, name: str):
 
     build.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=build) as tmp:
-        mod = load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        mod = load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                    build_directory=tmp, verbose=False)
         os.replace(Path(tmp) / f"{name}.so", build / f"{name}.so")
     return mod

@@ -1,4 +1,6 @@
-// A Llama-family decoder forward for x86 CPUs with AVX-512 (bf16 weights need AVX512_BF16).
+// A Llama-family decoder forward for x86 CPUs, built once per instruction set (isa_avx512.h: AVX-512,
+// bf16 weights need AVX512_BF16, with AMX tiles where present; isa_avx2.h: AVX2 + FMA + F16C), the one
+// that runs chosen at run time (native/__init__.py, SPECSPLIT_ISA).
 //
 // Why it exists: transformers' CPU step spends most of its time in per-op overhead and in GEMM
 // kernels that are far from the memory bandwidth for 1-9 rows; and those kernels give a row other
@@ -29,6 +31,15 @@
 #include <immintrin.h>
 #include <omp.h>
 
+// The instruction set this build is for (native/__init__.py compiles one library per set).
+#if defined(__AVX512F__)
+#define SPECSPLIT_AVX512 1
+#define SPECSPLIT_ISA "avx512"
+#else
+#define SPECSPLIT_AVX512 0
+#define SPECSPLIT_ISA "avx2"
+#endif
+
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -43,7 +54,12 @@ namespace {
 // The parts, in dependency order (each included once, here, inside this anonymous namespace).
 #include "common.h"
 #include "packing.h"
-#include "gemm.h"
+#include "rows.h"
+#if SPECSPLIT_AVX512
+#include "isa_avx512.h"
+#else
+#include "isa_avx2.h"
+#endif
 #include "layers.h"
 
 class Decoder {
@@ -301,30 +317,9 @@ class Decoder {
     }
     const int64_t c0 = std::min(n, panels * tid / team * kLanes), c1 = std::min(n, panels * (tid + 1) / team * kLanes);
     for (int64_t r = 0; r < rows && c0 < c1; ++r) {
-      const float* row = y + r * n;
-      __m512 top = _mm512_set1_ps(-INFINITY);
-      __mmask16 nan = 0;
-      int64_t c = c0;
-      for (; c + kLanes <= c1; c += kLanes) {
-        const __m512 v = _mm512_loadu_ps(row + c);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        top = _mm512_max_ps(top, v);
-      }
-      float best = _mm512_reduce_max_ps(top);
-      bool any_nan = nan != 0;
-      for (; c < c1; ++c) {
-        any_nan = any_nan || std::isnan(row[c]);
-        best = std::max(best, row[c]);
-      }
-      int64_t at = -1;
-      const __m512 want = _mm512_set1_ps(best);
-      for (c = c0; c + kLanes <= c1 && at < 0; c += kLanes) {
-        const __m512 v = _mm512_loadu_ps(row + c);
-        const __mmask16 hit = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, want, _CMP_EQ_OQ);
-        if (hit) at = c + __builtin_ctz(hit);
-      }
-      for (; c < c1 && at < 0; ++c)
-        if (any_nan ? std::isnan(row[c]) : row[c] == best) at = c;
+      float best;
+      int64_t at;
+      const bool any_nan = argmax_span(y + r * n, c0, c1, best, at);
       part_v[tid * rows + r] = any_nan ? NAN : best;
       part_i[tid * rows + r] = at;
     }
@@ -364,9 +359,11 @@ class Decoder {
       rope(row, heads_ + kv_heads_, seg.base + static_cast<int64_t>(s.path[r].size()) - 1);
       store_kv(seg.kv[li], seg.cap, row + qw, row + qw + kw, s.path[r].back());
     }
+#if SPECSPLIT_AVX512
     if (attn_amx_)
       attend_amx_team(li, s.qkv.data(), ld, s, s.att.data());
     else
+#endif
       attend_team(li, s.qkv.data(), ld, s, s.att.data());
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r) row_to(s.att.data() + r * qw, r, qw, act_, s.in_att);
@@ -379,15 +376,9 @@ class Decoder {
       row_to(s.a.data() + r * width, r, width, act_, s.in);
     }
     gemm_team(l.gate_up, s.in, n, s.gu.data());
-    const __m512 one = _mm512_set1_ps(1.0f);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r) {
-      for (int64_t j = 0; j < inter; j += kLanes) {  // SiLU(gate) * up, 16 features at a time
-        const float* pair = s.gu.data() + r * 2 * inter + 2 * j;
-        const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm512_storeu_ps(s.h.data() + r * inter + j, _mm512_mul_ps(silu, u));
-      }
+      silu_mul(s.gu.data() + r * 2 * inter, s.h.data() + r * inter, inter);
       row_to(s.h.data() + r * inter, r, inter, act_, s.in_mlp);
     }
     gemm_team(l.down, s.in_mlp, n, s.y.data());
@@ -427,6 +418,7 @@ class Decoder {
     }
   }
 
+#if SPECSPLIT_AVX512
 #include "attention_avx512.inc"
 #include "attention_amx.inc"
 
@@ -444,6 +436,9 @@ class Decoder {
     const char* at = static_cast<const char*>(base) + ((plane + j) * kw + g * d_) * size;
     for (int64_t b = 0; b < d_ * size; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
   }
+#else
+#include "attention_avx2.inc"
+#endif
 
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
   float eps_;
@@ -457,6 +452,7 @@ class Decoder {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = SPECSPLIT_ISA;
   m.def("amx_permitted", &amx_permitted);
   pybind11::class_<Weight>(m, "Weight")
       .def_static("dense", &Weight::dense)

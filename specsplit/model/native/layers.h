@@ -1,26 +1,6 @@
-// Part of decoder.cpp (included once, inside its anonymous namespace): norm, a layer's weights, a
+// Part of decoder.cpp (included once, inside its anonymous namespace): a layer's weights, a
 // packed weight as Python builds it.
 #pragma once
-
-void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* y) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * width;
-    __m512 acc = _mm512_setzero_ps();  // the same lanes and order for every row
-    int64_t i = 0;
-    for (; i + kLanes <= width; i += kLanes) {
-      const __m512 v = _mm512_loadu_ps(xr + i);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    float ss = _mm512_reduce_add_ps(acc);
-    for (; i < width; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (i = 0; i + kLanes <= width; i += kLanes)
-      _mm512_storeu_ps(y + r * width + i,
-                       _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv), _mm512_loadu_ps(weight + i)));
-    for (; i < width; ++i) y[r * width + i] = xr[i] * inv * weight[i];
-  }
-}
 
 struct Layer {
   Packed qkv, o, gate_up, down;

@@ -1,20 +1,32 @@
-// Part of decoder.cpp (included once, inside its anonymous namespace): activation rows and the GEMMs
-// (AVX-512 bf16/fp32/int8 weight-only, VNNI block formats, AMX tiles).
+// Part of decoder.cpp (included once, inside its anonymous namespace) in the AVX-512 build: the
+// row steps (quantizing, norm, SiLU, argmax) and the GEMMs (bf16/fp32/int8 weight-only, VNNI block
+// formats, AMX tiles).
 #pragma once
 
-// Activation rows as the GEMM reads them: bf16 pairs, fp32, or q8 blocks (signed bytes and a scale
-// per block), `stride` elements apart.
-struct Rows {
-  std::vector<uint16_t> h;
-  std::vector<float> f;
-  std::vector<int8_t> q;
-  std::vector<float> qs;  // q8: per row and block, x = q * qs
-  std::vector<int32_t> qi;  // q8: per row and half-block (16 inputs), sum(q): what the weights' offsets multiply
-  std::vector<float> qsum;  // q8: per row and block, qs * sum(q): what q4_1's m multiplies
-  int64_t stride = 0;
-};
+inline __m512 load_bf16x16(const uint16_t* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
 
-enum class Act { kF32, kBF16, kQ8 };
+// exp for x in [-87, 88] (clamped): Cody-Waite range reduction and Cephes' expf polynomial.
+// Deterministic, lane by lane.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
 
 // One row quantized per block of 32: s = max|x| / 127, q = round-to-nearest-even(x / s) in
 // [-127, 127]; the integer sum of q per half-block and s * sum(q) per block (exact conversions).
@@ -38,24 +50,6 @@ void quantize_row_q8(const float* src, int64_t k, int64_t stride, int8_t* dst, f
     isums[2 * b] = _mm512_reduce_add_epi32(qlo);
     isums[2 * b + 1] = _mm512_reduce_add_epi32(qhi);
     sums[b] = s * static_cast<float>(isums[2 * b] + isums[2 * b + 1]);  // exact: |sum| < 2^24
-  }
-}
-
-// Sizes `out` for `rows` rows of k features (done once, before the rows are filled in parallel).
-void shape_rows(int64_t rows, int64_t k, Act act, Rows& out) {
-  if (act == Act::kQ8) {
-    out.stride = (k + kBlock - 1) / kBlock * kBlock;
-    out.q.resize(rows * out.stride);
-    out.qs.resize(rows * out.stride / kBlock);
-    out.qi.resize(rows * out.stride / kBlock * 2);
-    out.qsum.resize(rows * out.stride / kBlock);
-  } else if (act == Act::kF32) {
-    out.stride = k;
-    out.f.resize(rows * k);
-  } else {
-    out.stride = (k + 1) / 2 * 2;
-    // Whole tiles of 16 rows for AMX (a tile row depends only on its own input row: padding is never read back).
-    out.h.resize((rows + kTileRows - 1) / kTileRows * kTileRows * out.stride);
   }
 }
 
@@ -467,3 +461,63 @@ void gemm_team(const Packed& w, const Rows& x, int64_t rows, float* y) {
     }
 }
 
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * width;
+    __m512 acc = _mm512_setzero_ps();  // the same lanes and order for every row
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {
+      const __m512 v = _mm512_loadu_ps(xr + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < width; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + kLanes <= width; i += kLanes)
+      _mm512_storeu_ps(y + r * width + i,
+                       _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv), _mm512_loadu_ps(weight + i)));
+    for (; i < width; ++i) y[r * width + i] = xr[i] * inv * weight[i];
+  }
+}
+
+
+// SiLU(gate) * up for one row of the gate_up GEMM's output (gate and up interleaved by panel).
+void silu_mul(const float* gu, float* h, int64_t inter) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < inter; j += kLanes) {  // 16 features at a time
+    const float* pair = gu + 2 * j;
+    const __m512 g = _mm512_loadu_ps(pair), u = _mm512_loadu_ps(pair + kLanes);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(h + j, _mm512_mul_ps(silu, u));
+  }
+}
+
+// The largest of row[c0, c1) and its first index (with a NaN: the first NaN); true if there is a NaN.
+bool argmax_span(const float* row, int64_t c0, int64_t c1, float& best, int64_t& at) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  int64_t c = c0;
+  for (; c + kLanes <= c1; c += kLanes) {
+    const __m512 v = _mm512_loadu_ps(row + c);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, v);
+  }
+  best = _mm512_reduce_max_ps(top);
+  bool any_nan = nan != 0;
+  for (; c < c1; ++c) {
+    any_nan = any_nan || std::isnan(row[c]);
+    best = std::max(best, row[c]);
+  }
+  at = -1;
+  const __m512 want = _mm512_set1_ps(best);
+  for (c = c0; c + kLanes <= c1 && at < 0; c += kLanes) {
+    const __m512 v = _mm512_loadu_ps(row + c);
+    const __mmask16 hit = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, want, _CMP_EQ_OQ);
+    if (hit) at = c + __builtin_ctz(hit);
+  }
+  for (; c < c1 && at < 0; ++c)
+    if (any_nan ? std::isnan(row[c]) : row[c] == best) at = c;
+  return any_nan;
+}
