@@ -143,3 +143,77 @@ def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dty
     assert not same(logits3[0], la)  # the comparison can tell two nodes apart
     with pytest.raises(RuntimeError, match="slot"):
         runner.tree_step(tree, out1[:1], tokens[:1], [-2 - (base + 99)], base, [-1] * (tree.length - base))
+
+
+def _round(runner, head, feats, tokens, gamma, min_confidence=0.0, width=0):
+    from specsplit.model.featurehead import HeadRound
+
+    cache = runner.new_cache()
+    drafted = runner.run([HeadRound(cache, feats, tokens, [], None, gamma, min_confidence, width, 0.05)])[0]
+    return cache, drafted
+
+
+@pytest.mark.parametrize("min_confidence", [0.0, 0.4])
+def test_a_native_round_drafts_the_greedy_chain_its_head_computes(kernel_path, min_confidence):
+    """NativeHead.draft: the whole chain in one call. Each token is the argmax of the head's draft
+    logits on the chain so far (as torch computes them step by step), its top probability that
+    step's softmax maximum, and drafting stops exactly before the running product of top
+    probabilities falls below min_confidence; the cache holds the fed rows."""
+    from specsplit.model.featurehead import NativeHead, TorchHead
+
+    head = random_head(2, head_dim=16)
+    native = NativeHead(head, 64, torch.float32)
+    feats, tokens = torch.randn(6, 32), torch.randint(0, 50, (6,)).tolist()
+    cache, drafted = _round(native, head, feats, tokens, 5, min_confidence)
+    chain = drafted.chain
+    torch_head = TorchHead(head)
+    ref = torch_head.new_cache()
+    pred, logits = torch_head.step(ref, feats, tokens)
+    assert torch.allclose(drafted.last[1], logits, atol=1e-4) and torch.allclose(drafted.last[0], pred[-1], atol=1e-4)
+    confidence = 1.0
+    for k in range(5):
+        probs = logits.softmax(-1)
+        if confidence * float(probs.max()) < min_confidence:
+            break
+        confidence *= float(probs.max())
+        assert chain.tokens[k] == int(head.vocab_ids[int(logits.argmax())])
+        assert chain.top_probs[k] == pytest.approx(float(probs.max()), abs=1e-4)
+        second = int(probs.topk(2).indices[1])
+        assert chain.runner_ups[k] == int(head.vocab_ids[second])
+        pred, logits = torch_head.step(ref, pred[-1:], [chain.tokens[k]])
+    else:
+        k = 5
+    assert len(chain.tokens) == k and 0 < k and (min_confidence == 0) == (k == 5)
+    # the target rows, then each drafted token but a fifth (whose step was never needed)
+    assert cache.length == 6 + min(k, 4)
+
+
+def test_a_native_round_grows_the_tree_the_step_by_step_drafter_grows(kernel_path):
+    """The dynamic tree in one call: the same nodes, parents and path probabilities (up to the
+    rounding of the input projection) as SelfDrafter._expand growing it one head call a depth."""
+    from types import SimpleNamespace
+
+    from draft_service.drafters.base import drive
+    from draft_service.drafters.selfdraft import MIN_EXPAND, WIDTH, SelfDrafter, SelfSession
+    from specsplit.model.featurehead import NativeHead
+
+    head = random_head(3, head_dim=16)
+    native = NativeHead(head, 64, torch.float32)
+    feats, tokens = torch.randn(6, 32), torch.randint(0, 50, (6,)).tolist()
+    cache, drafted = _round(native, head, feats, tokens, 4, width=WIDTH)
+    session = SelfSession(tokens, 32, native.new_cache())
+    pred, logits = native.step(session.cache, feats, tokens)
+    steps = SelfDrafter._expand(SimpleNamespace(head=head), session, session.cache, pred[-1], logits, 4, 64)
+    expected = drive(steps, native)
+    tree = drafted.tree
+    assert len(tree.tokens) > WIDTH  # it grew past the first depth
+    assert all(s >= 0 for s in tree.scores) and all(-1 <= p < i for i, p in enumerate(tree.parents))
+    from specsplit.spec.tokentree import Tree
+
+    nodes = Tree()
+    for parent, token, score in zip(*tree):
+        nodes.add(parent, token, score)
+    got = nodes.select(64, 4)
+    assert got[0] == expected.tokens and got[1] == expected.parents
+    assert got[2] == pytest.approx(expected.scores, abs=1e-4)
+    assert cache.length == session.cache.length and MIN_EXPAND > 0

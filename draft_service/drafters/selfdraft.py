@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
-from specsplit.model.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, NativeHead, TorchHead
+from specsplit.model.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, HeadRound, NativeHead, TorchHead
 from specsplit.model.identity import weights_fingerprint
-from specsplit.spec.drafting import Proposal, candidates, chain_tree, choose, sampled_from
+from specsplit.spec.drafting import Choice, Proposal, candidates, chain_tree, choose, sampled_from
 from specsplit.spec.tokentree import Tree
 
 HEAD_FORMAT = "specsplit-feature-head/1"
@@ -160,6 +160,9 @@ class SelfDrafter:
             return Proposal([], "")  # no features yet: nothing to draft from
         head, cache, runner = self.head, session.cache, self.runner
         cache.truncate(session.cached)  # drop last round's drafted steps
+        tree = budget > 1 and not session.rejects and runner.trees
+        if isinstance(runner, NativeHead) and session.sampling.temperature == 0:  # the whole round in one call
+            return (yield from self._round(session, gamma, budget, tree))
         if session.cached < have:
             feats = session.features[session.cached:have].to(self.device)
             out, logits = yield HeadCall(cache, feats, session.tokens[session.cached + 1:have + 1])
@@ -170,7 +173,7 @@ class SelfDrafter:
         for token in session.tokens[have + 1:n]:
             out, logits = yield HeadCall(cache, pred[None], [token])
             pred = out[-1]
-        if budget > 1 and not session.rejects and runner.trees:
+        if tree:
             return (yield from self._expand(session, cache, pred, logits, gamma, budget))
         choices = []
         confidence = 1.0
@@ -187,6 +190,28 @@ class SelfDrafter:
         if budget > 1 and choices:
             return chain_tree(choices, budget, "self")
         return Proposal([c.token for c in choices], "self" if choices else "", sampled_from(choices))
+
+    def _round(self, session: SelfSession, gamma: int, budget: int, tree: bool) -> Steps:
+        """A greedy round as one HeadRound: the new target features, the tokens a pre-drafting
+        gateway assumed, and the chain (or EAGLE-2 tree, as _expand grows it) in one native call."""
+        n, have = len(session.tokens), len(session.features)
+        new = session.features[session.cached:have].to(self.device)
+        drafted = yield HeadRound(session.cache, new, session.tokens[session.cached + 1:have + 1],
+                                  session.tokens[have + 1:n], session.last if session.cached >= have else None,
+                                  gamma, self.min_confidence, WIDTH if tree else 0, MIN_EXPAND)
+        session.cached, session.last = have, drafted.last
+        if tree:
+            nodes = Tree()
+            for parent, token, score in zip(*drafted.tree):
+                nodes.add(parent, token, score, "self")
+            tokens, parents, scores, _ = nodes.select(budget, gamma)
+            return Proposal(tokens, "self" if tokens else "", None, parents, scores)
+        c = drafted.chain
+        choices = [Choice(token, top, None, top, (second, p2) if second >= 0 else None)
+                   for token, top, second, p2 in zip(c.tokens, c.top_probs, c.runner_ups, c.runner_up_probs)]
+        if budget > 1 and choices:
+            return chain_tree(choices, budget, "self")
+        return Proposal([ch.token for ch in choices], "self" if choices else "", None)
 
     def _expand(self, session: SelfSession, cache, pred: torch.Tensor, logits: torch.Tensor, gamma: int,
                 budget: int) -> Steps:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,10 @@ class NativeHead:
                                dense(interleave(head.gate_proj.weight, head.up_proj.weight).to(dtype)),
                                dense(head.down_proj.weight.to(dtype)),
                                head.input_norm.weight.float(), head.post_norm.weight.float())
+        # fc in the kernels too: draft() runs a whole round (fc, the layer, the output rows and the
+        # choices of every step) in one call
+        self.decoder.set_input(dense(head.fc.weight.to(dtype)), head.embed, head.vocab_ids.cpu())
+        self.packed_bytes += int(size * head.fc.weight.numel())
 
     def new_cache(self):
         from specsplit.model.fastllama import KVBuffer
@@ -294,9 +299,48 @@ class NativeHead:
         return self.run([HeadCall(cache, features, next_tokens, parents, base, slot_parents)])[0]
 
     @torch.inference_mode()
-    def run(self, calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Several sessions' steps in one call of the kernels (each on its own cache): per call what
-        step (a chain step) or tree_step (parents given) returns."""
+    def run(self, calls: list) -> list:
+        """Several sessions' work in one call of the kernels each (every session on its own cache):
+        whole drafting rounds (HeadRound: a DraftRound each) and single steps (HeadCall: what step or
+        tree_step returns), in the order asked."""
+        out: list = [None] * len(calls)
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(calls):
+            key = (c.gamma, c.min_confidence, c.width, c.min_expand) if isinstance(c, HeadRound) else ()
+            groups.setdefault(key, []).append(i)
+        for key, members in groups.items():
+            results = self.draft([calls[i] for i in members]) if key else self._steps([calls[i] for i in members])
+            for i, r in zip(members, results):
+                out[i] = r
+        return out
+
+    def draft(self, rounds: list[HeadRound]) -> list[DraftRound]:
+        """Greedy drafting rounds of several sessions (the same gamma, stop and tree shape) in one
+        call of the kernels: no Python between the head's steps (decoder.cpp, Decoder::draft)."""
+        first = rounds[0]
+        for r in rounds:  # room for every row the round may feed
+            r.cache.reserve(r.cache.length + len(r.next_tokens) + len(r.forced) + r.gamma * max(1, r.width))
+        empty = torch.empty(0)
+        results = self.decoder.draft(
+            torch.cat([r.features.float() for r in rounds]) if any(len(r.next_tokens) for r in rounds)
+            else torch.empty(0, self.head.cfg.hidden), torch.tensor([t for r in rounds for t in r.next_tokens],
+                                                                    dtype=torch.long),
+            [len(r.next_tokens) for r in rounds], [torch.tensor(r.forced, dtype=torch.long) for r in rounds],
+            [r.cache.kv for r in rounds], [r.cache.length for r in rounds],
+            [r.prev[0] if r.prev is not None else empty for r in rounds],
+            [r.prev[1] if r.prev is not None else empty for r in rounds],
+            first.gamma, first.min_confidence, first.width, first.min_expand)
+        out = []
+        for r, res in zip(rounds, results):
+            r.cache.length += int(res[2])
+            lists = [t.tolist() for t in res[3:]]
+            out.append(DraftRound((res[0], res[1]), tree=TreeDraft(*lists)) if r.width
+                       else DraftRound((res[0], res[1]), chain=ChainDraft(*lists)))
+        return out
+
+    def _steps(self, calls: list[HeadCall]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Single head steps of several sessions in one forward: per call what step (a chain step)
+        or tree_step (parents given) returns."""
         head = self.head
         # fc call by call: torch's GEMM gives a row other bits among other rows, and a session's
         # drafts should not depend on what it was batched with.
@@ -341,6 +385,49 @@ class HeadCall:
     parents: list[int] | None = None
     base: int | None = None
     slot_parents: tuple[int, ...] | list[int] = ()
+
+
+@dataclass(frozen=True)
+class HeadRound:
+    """One session's whole greedy drafting round as NativeHead.draft runs it: the target features
+    not yet fed (and the tokens after them), the tokens already assumed after those (fed on the
+    head's own predictions), the session's last prediction (pred, logits) when no feature is new,
+    and the draft's shape: gamma steps, a chain (width 0, stopping below min_confidence) or a
+    dynamic tree (width nodes a depth, path probability at least min_expand)."""
+
+    cache: object
+    features: torch.Tensor  # [n, d]
+    next_tokens: list[int]
+    forced: list[int]
+    prev: tuple[torch.Tensor, torch.Tensor] | None
+    gamma: int
+    min_confidence: float
+    width: int
+    min_expand: float
+
+
+class ChainDraft(NamedTuple):
+    tokens: list[int]
+    top_probs: list[float]
+    runner_ups: list[int]  # each step's second-best token, -1: none
+    runner_up_probs: list[float]
+
+
+class TreeDraft(NamedTuple):
+    """A dynamic tree's nodes in the order made (children of one node: distinct tokens)."""
+
+    parents: list[int]  # an earlier node, -1: a root
+    tokens: list[int]
+    scores: list[float]  # path probabilities
+
+
+class DraftRound(NamedTuple):
+    """What a HeadRound gives: the prediction after the target features (the next round's prev),
+    and the chain or the tree drafted."""
+
+    last: tuple[torch.Tensor, torch.Tensor]
+    chain: ChainDraft | None = None
+    tree: TreeDraft | None = None
 
 
 class TorchHead:

@@ -381,3 +381,14 @@ bool argmax_span(const float* row, int64_t c0, int64_t c1, float& best, int64_t&
     if (any_nan ? std::isnan(row[c]) : row[c] == best) at = c;
   return any_nan;
 }
+
+// sum over row[0, n) of exp(row[i] - top), lane-wise in index order, then across lanes.
+float sum_exp(const float* row, int64_t n, float top) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 t = _mm256_set1_ps(top);
+  for (int64_t i = 0; i < n; i += kHalf) {
+    const __m256 m = _mm256_castsi256_ps(lanes8(n - i));
+    acc = _mm256_add_ps(acc, _mm256_and_ps(m, exp8(_mm256_sub_ps(_mm256_maskload_ps(row + i, lanes8(n - i)), t))));
+  }
+  return hsum8(acc);
+}

@@ -521,3 +521,14 @@ bool argmax_span(const float* row, int64_t c0, int64_t c1, float& best, int64_t&
     if (any_nan ? std::isnan(row[c]) : row[c] == best) at = c;
   return any_nan;
 }
+
+// sum over row[0, n) of exp(row[i] - top), lane-wise in index order, then across lanes.
+float sum_exp(const float* row, int64_t n, float top) {
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 t = _mm512_set1_ps(top);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = n - i >= kLanes ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), t))));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
