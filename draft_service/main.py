@@ -12,9 +12,10 @@ from draft_service.drafters.base import Drafter
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.model import ModelDrafter, draft_vocabulary
 from draft_service.drafters.ngram import NgramDrafter
-from draft_service.drafters.selfdraft import SelfDrafter, resolve_head
+from draft_service.drafters.selfdraft import SelfDrafter
 from draft_service.server import SERVICE_NAME, DrafterServicer, register
 from specsplit.model import catalog
+from specsplit.model.headfile import resolve_head
 from specsplit.serving import runtime, telemetry
 from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable

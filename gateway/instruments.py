@@ -102,10 +102,10 @@ class GatewayMetrics:
                 self.drafted_at.add(1, at)
                 if d <= record.accepted:
                     self.accepted_at.add(1, at)
-        if record.lookup_steps:  # the verifier's own copies, in a round that decoded ahead (no positions)
-            self.drafts.add(record.lookup_steps, attrs)
-            self.draft_tokens.add(record.lookup_drafted, attrs)
-            self.accepted_tokens.add(record.lookup_accepted, attrs)
+        if record.lookup_steps or record.head_steps:  # the verifier's own drafts, decoding ahead (no positions)
+            self.drafts.add(record.lookup_steps + record.head_steps, attrs)
+            self.draft_tokens.add(record.lookup_drafted + record.head_drafted, attrs)
+            self.accepted_tokens.add(record.lookup_accepted + record.head_accepted, attrs)
         self.verify.record(record.verify_ms / 1e3, attrs)
         self.network.record(record.network_ms / 1e3, attrs)
         self.gateway.record(record.gateway_ms / 1e3, attrs)
@@ -238,8 +238,8 @@ def _record(r) -> pb.RoundRecord:
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,
                           expected=r.expected, batch_rows=r.batch_rows, batch_calls=r.batch_calls,
                           decoded=r.decoded, lookup_drafted=r.lookup_drafted, lookup_accepted=r.lookup_accepted,
-                          lookup_steps=r.lookup_steps,
-                          forced=r.forced, forced_accepted=r.forced_accepted, asked=r.asked,
+                          lookup_steps=r.lookup_steps, head_drafted=r.head_drafted, head_accepted=r.head_accepted,
+                          head_steps=r.head_steps, forced=r.forced, forced_accepted=r.forced_accepted, asked=r.asked,
                           copy_in_sight=r.copy)
 
 
@@ -251,8 +251,9 @@ def _prefill_network_ms(request: Request) -> float:
 def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact: bool) -> pb.GenerationStats:
     plan, drafting = request.plan, request.speculates or bool(request.drafter.lost)
     # A round that decoded ahead drafted in the verifier: its lookups, and the tokens a constraint forced.
-    drafted = sum(r.drafted + r.lookup_drafted + (0 if r.drafted else r.forced) for r in rounds)
-    accepted = sum(r.accepted + r.lookup_accepted + (0 if r.drafted else r.forced_accepted) for r in rounds)
+    drafted = sum(r.drafted + r.lookup_drafted + r.head_drafted + (0 if r.drafted else r.forced) for r in rounds)
+    accepted = sum(r.accepted + r.lookup_accepted + r.head_accepted + (0 if r.drafted else r.forced_accepted)
+                   for r in rounds)
     forwards = sum(_forwards(r) for r in rounds)
     bonus = sum(1 for r in rounds if r.drafted and r.accepted == r.depth)
     params = plan.sampling
@@ -285,7 +286,7 @@ def _stats(request: Request, rounds: list[pb.RoundRecord], generated: int, exact
 def _forwards(r: pb.RoundRecord) -> int:
     """The verifier's forwards in a round: one, or one per step of a decode-ahead (each step commits
     its accepted lookup or forced drafts and its own token)."""
-    return 1 if r.drafted else 1 + r.decoded - r.lookup_accepted - r.forced_accepted
+    return 1 if r.drafted else 1 + r.decoded - r.lookup_accepted - r.head_accepted - r.forced_accepted
 
 
 def _digest(ids: list[int]) -> str:

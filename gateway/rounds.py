@@ -164,7 +164,8 @@ class RoundLoop:
             draft.predrafted, draft.depth, draft.expected, verdict.batch_rows, verdict.batch_calls,
             len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.lookup_steps,
             verdict.forced,
-            verdict.forced_accepted, draft.asked, copy))
+            verdict.forced_accepted, draft.asked, copy, verdict.head_drafted, verdict.head_accepted,
+            verdict.head_steps))
         request.measured.constraint_complete = verdict.constraint_complete
         return end
 

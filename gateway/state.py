@@ -71,6 +71,9 @@ class Round(NamedTuple):
     forced_accepted: int = 0
     asked: bool = False  # the round asked the drafter (or used a pre-draft)
     copy: bool = False  # a copy was in sight as it started (gateway.gate)
+    head_drafted: int = 0  # of the decoded tokens, the verifier's own feature-head drafts (where the features are)
+    head_accepted: int = 0
+    head_steps: int = 0
 
 
 @dataclass

@@ -199,7 +199,7 @@ def test_the_self_head_drafts_several_sessions_in_one_call_as_it_drafts_each_alo
     where they would."""
     from draft_service.drafters.base import drive_all
     from draft_service.drafters.selfdraft import SelfDrafter
-    from specsplit.model.featurehead import NativeHead
+    from specsplit.model.headserving import NativeHead
 
     drafter = SelfDrafter(self_head, models["target"])
     if not isinstance(drafter.runner, NativeHead):

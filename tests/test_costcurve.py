@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from verify_service import server
-from verify_service.server import WARMUP_ROWS, WIDE_ROWS, measure_rows
+from verify_service import widths
+from verify_service.widths import WARMUP_ROWS, WIDE_ROWS, measure_rows
 
 
 class ScriptedTarget:
@@ -41,7 +41,7 @@ def test_a_slow_spell_at_start_up_costs_each_width_one_sample_not_its_figure():
 
 
 def test_costs_never_fall_with_width_and_noise_keeps_passes_going(monkeypatch):
-    monkeypatch.setattr(server, "MAX_PASSES", 5)
+    monkeypatch.setattr(widths, "MAX_PASSES", 5)
     # 9 rows measure faster than 8 (noise, or a kernel's sweet spot): a tree cut must not read
     # "one more row is cheaper". And a width that keeps improving keeps the passes going, to the cap.
     target = ScriptedTarget(lambda rows, call: 10 - (2 if rows == 9 else 0) + (1000 / call if rows == 64 else 0))

@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 from conftest import running_stack
 
 from specsplit.api.common.v1 import common_pb2 as cpb
@@ -129,3 +130,41 @@ async def test_the_verifier_drafts_from_the_context_itself_and_stays_exact(model
                 assert ahead.lookup_accepted <= ahead.lookup_drafted
                 if name == "greedy":  # the random model repeats one token: the lookup copies it
                     assert ahead.lookup_accepted > 0 and ahead.lookup_drafted > 0, ahead
+
+
+@pytest.mark.e2e
+async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_changes_no_token(tmp_path):
+    """A verify service that runs the target's feature head (VerifySettings.self_head) drafts with it
+    in its decode-ahead where the prompt lookup has nothing: its steps and tokens are counted apart
+    from the lookup's, and the text is the one-token-per-call text (greedy: drafts change no token)."""
+    from transformers import AutoTokenizer
+
+    from specsplit.model import catalog, native
+    from specsplit.model.modeling import chat_prompt_ids
+
+    why = native.unavailable(torch.bfloat16, torch.device("cpu"))
+    if why:
+        pytest.skip(f"the verifier's head needs the native kernels: {why}")
+    target = catalog.resolve(catalog.DEFAULT)
+    prompt = chat_prompt_ids(AutoTokenizer.from_pretrained(target),
+                             [{"role": "user", "content": "Write a Python function that checks if a number is prime."}])
+    async with running_stack(tmp_path, "unix", target, None, verify_kw={"self_head": "default"}) as stack:
+        async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'verify.sock'}") as ch:
+            v = vpb_grpc.VerifierStub(ch)
+            first = await v.Prefill(vpb.PrefillRequest(session_id="one", prompt_token_ids=prompt))
+            steps, length = [first.next_token_id], first.length
+            for _ in range(47):
+                step = await v.Verify(vpb.VerifyRequest(session_id="one", length=length))
+                steps.append(step.next_token_id)
+                length = step.length
+            first = await v.Prefill(vpb.PrefillRequest(session_id="ahead", prompt_token_ids=prompt))
+            ahead = await v.Verify(vpb.VerifyRequest(session_id="ahead", length=first.length, decode_ahead=46,
+                                                     lookup_gamma=8))
+            got = [first.next_token_id, ahead.next_token_id, *ahead.decoded_token_ids]
+            assert got == steps[:len(got)] and len(got) == 48
+            assert ahead.head_steps > 0 and 0 < ahead.head_accepted <= ahead.head_drafted
+            assert not ahead.HasField("features")  # the head read them here; none were asked for
+            off = await v.Prefill(vpb.PrefillRequest(session_id="off", prompt_token_ids=prompt))
+            plain = await v.Verify(vpb.VerifyRequest(session_id="off", length=off.length, decode_ahead=46))
+            assert plain.head_steps == plain.head_drafted == 0  # no lookup_gamma: the verifier drafts nothing
+            assert stack.verify

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import write_prompts
 
-from draft_service.drafters.selfdraft import SelfDrafter, target_tensors
+from draft_service.drafters.selfdraft import SelfDrafter
+from specsplit.model.headfile import target_tensors
 from specsplit.model.identity import weights_fingerprint
 from specsplit.model.modeling import load_model
 from specsplit.spec.drafting import Proposal

@@ -87,7 +87,7 @@ def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantiz
     """The native kernels run the head's layer and draft logits as head_step + logits do, through
     a prefix, drafted steps and a rollback (bfloat16 weights: within bf16 rounding; q8_0 weights
     and activations, as the draft service serves the head where the CPU has VNNI: within theirs)."""
-    from specsplit.model.featurehead import NativeHead, TorchHead
+    from specsplit.model.headserving import NativeHead, TorchHead
 
     _skip_unless_runs(dtype, quantize)
     head = random_head(0, head_dim=16)
@@ -115,7 +115,7 @@ def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dty
     """NativeHead.tree_step: rows whose parents are slots of earlier calls (a draft tree grown
     depth by depth, EAGLE-2 style) get what a chain feed of their path gives (up to the rounding of
     the head's input projection, a torch GEMM whose result depends on the rows in the call)."""
-    from specsplit.model.featurehead import NativeHead
+    from specsplit.model.headserving import NativeHead
 
     _skip_unless_runs(dtype, quantize)
     head = random_head(1, head_dim=16)
@@ -146,7 +146,7 @@ def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dty
 
 
 def _round(runner, head, feats, tokens, gamma, min_confidence=0.0, width=0):
-    from specsplit.model.featurehead import HeadRound
+    from specsplit.model.headserving import HeadRound
 
     cache = runner.new_cache()
     drafted = runner.run([HeadRound(cache, feats, tokens, [], None, gamma, min_confidence, width, 0.05)])[0]
@@ -159,7 +159,7 @@ def test_a_native_round_drafts_the_greedy_chain_its_head_computes(kernel_path, m
     logits on the chain so far (as torch computes them step by step), its top probability that
     step's softmax maximum, and drafting stops exactly before the running product of top
     probabilities falls below min_confidence; the cache holds the fed rows."""
-    from specsplit.model.featurehead import NativeHead, TorchHead
+    from specsplit.model.headserving import NativeHead, TorchHead
 
     head = random_head(2, head_dim=16)
     native = NativeHead(head, 64, torch.float32)
@@ -195,7 +195,7 @@ def test_a_native_round_grows_the_tree_the_step_by_step_drafter_grows(kernel_pat
 
     from draft_service.drafters.base import drive
     from draft_service.drafters.selfdraft import MIN_EXPAND, WIDTH, SelfDrafter, SelfSession
-    from specsplit.model.featurehead import NativeHead
+    from specsplit.model.headserving import NativeHead
 
     head = random_head(3, head_dim=16)
     native = NativeHead(head, 64, torch.float32)

@@ -9,7 +9,7 @@ import torch
 from conftest import random_head
 
 from specsplit.model import native
-from specsplit.model.featurehead import NativeHead, TorchHead
+from specsplit.model.headserving import NativeHead, TorchHead
 from specsplit.model.modeling import KVSequence, load_model
 
 

@@ -29,6 +29,10 @@ class Decoding:
     drafted: int = 0  # its steps' lookup drafts
     lookup_steps: int = 0  # its steps that verified a lookup draft
     copying: bool = False  # the last lookup was accepted whole
+    head_looked: int = 0  # the step in flight's head draft (verify_service.headdraft), where the lookup had none
+    head_drafted: int = 0
+    head_accepted: int = 0
+    head_steps: int = 0
 
     @property
     def accepted(self) -> int:  # lookup drafts accepted
@@ -43,14 +47,15 @@ class Decoding:
         return len(self.results) + self.accepted
 
     def draft(self, request: pb.VerifyRequest, session: TargetSession, step_ms: list[float],
-              outputs: OutputIndex | None = None) -> list[int]:
+              outputs: OutputIndex | None = None, head=None) -> list[int]:
         """The next step's prompt-lookup draft: where the last two tokens occurred before, what
         followed them (in the session's own context, or in earlier outputs where a stored occurrence
         agrees with more of the context), as many tokens as pay at the rate the session's lookups
         have been accepted and the forward's cost by width (`step_ms`, from 1 row up), within
         lookup_gamma (twice that after a lookup accepted whole: a span being copied) and so that
         accepted + 1 fits the budget. (Under rejection sampling each token's q is 1 on it:
-        Target.plan_verify's `copied`.)"""
+        Target.plan_verify's `copied`.) Where it finds nothing, the session's feature head drafts
+        if it has one here (`head`: verify_service.headdraft.VerifierHead)."""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
         room = session.agreement.depth(room, step_ms) if room > 0 else 0
@@ -59,14 +64,23 @@ class Decoding:
             stored, longer = outputs.match(session.tokens, room)
             if longer > agree:
                 draft = stored
-        self.looked = len(draft)
+        self.looked, self.head_looked = len(draft), 0
+        if not draft and request.lookup_gamma and head is not None and session.head is not None:
+            draft = head.draft(session.head, session.tokens, request.decode_ahead - self.committed, step_ms)
+            self.head_looked = len(draft)
         return draft
 
     def add(self, result, session: TargetSession) -> None:
         self.results.append(result)
         if result.constrained:  # the lookup as verified: cut to the language, forced tokens aside
             self.looked = len(result.draft) - result.forced
-        own = result.num_accepted - result.forced_accepted  # of the lookup's tokens
+        own = result.num_accepted - result.forced_accepted  # of the lookup's (or the head's) tokens
+        if self.head_looked:
+            self.head_drafted += self.head_looked
+            self.head_accepted += own
+            self.head_steps += 1
+            self.copying = False
+            return
         self.drafted += self.looked
         self.lookup_steps += self.looked > 0
         self.copying = self.looked > 0 and own == self.looked

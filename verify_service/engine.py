@@ -56,6 +56,12 @@ class TargetSession:
     matcher: Matcher | None = None  # structured output: the output's place in its language (serving.grammar)
     output_start: int = 0  # tokens[output_start:] are its output (a resumed session's prompt holds some)
     step_ms: Ewma = field(default_factory=lambda: Ewma(0.9))  # its lone one-row forwards now (verify_service.widths)
+    head: object = None  # the target's feature head drafting for it here (verify_service.headdraft.HeadState)
+
+    @property
+    def needs_features(self) -> bool:
+        """Its forwards keep their rows' features: its caller asked for them, or its head reads them."""
+        return self.with_features or self.head is not None
 
 
 @dataclass(frozen=True)
@@ -158,13 +164,14 @@ class Target:
     def start_prefill(self, prompt: list[int], with_features: bool = False,
                       sampling: SamplingParams = SamplingParams(), use_cache: bool = True,
                       logprobs: Logprobs = Logprobs(), resume: bool = False, language: Language | None = None,
-                      output_tokens: int = 0) -> Prefilling:
+                      output_tokens: int = 0, head=None) -> Prefilling:
         """A new session whose prompt is still to be fed (by plan_prefill's steps); a prefix of it
         already in the prefix cache is loaded into its cache at once (unless not use_cache, or the
         prompt's own log-probabilities are asked for: they need every prompt row's logits). With
         `resume`, the prompt's last token is the session's last committed one (PrefillRequest.resume):
         the rest is fed, and it is appended as the answer. `language`: structured output, every
-        token chosen in it (a resumed session's last `output_tokens` prompt tokens are its output)."""
+        token chosen in it (a resumed session's last `output_tokens` prompt tokens are its output).
+        `head`: the feature head's state for the session, where it drafts in this service."""
         sampling.check()
         logprobs.check()
         self._check_room(len(prompt) + 1)
@@ -175,7 +182,7 @@ class Target:
             prompt = prompt[:-1]
         session = TargetSession(kv=self._new_sequence(), tokens=list(prompt), with_features=with_features,
                                 sampling=sampling, logprobs=logprobs,
-                                output_start=len(prompt) + (1 if resume else 0) - output_tokens)
+                                output_start=len(prompt) + (1 if resume else 0) - output_tokens, head=head)
         if language is not None:
             session.matcher = language.matcher()
             if resume:
@@ -188,7 +195,7 @@ class Target:
             features = self.prefix_cache.load(prompt, session.kv)
             if features is not None:
                 prefilling.done = prefilling.cached = prefilling.stored = len(features)
-                if with_features:
+                if session.needs_features:
                     prefilling.features.append(features)
         return prefilling
 
@@ -208,7 +215,7 @@ class Target:
                 prefilling.prompt_logprobs += token_logprobs(logits, prompt[start + 1:end + 1], asked.top)
                 logits, chosen = logits[-1:], chosen[-1:] if chosen else None
             prefilling.done = end
-            if session.with_features:
+            if session.needs_features:
                 prefilling.features.append(features)
             if self.prefix_cache is not None:
                 self._keep_blocks(prefilling, features)
@@ -221,7 +228,7 @@ class Target:
             session.tokens.append(first)
             if session.matcher is not None:
                 session.matcher.consume([first])
-            features = torch.cat(prefilling.features) if session.with_features else None
+            features = torch.cat(prefilling.features) if session.needs_features else None
             return VerifyResult(0, first, len(session.tokens), 0, features, cached=prefilling.cached,
                                 logprobs=tuple(token_logprobs(logits, [first], asked.top) if asked.generated else ()),
                                 prompt_logprobs=tuple(prefilling.prompt_logprobs))
@@ -230,7 +237,7 @@ class Target:
         # can load them with the keys and values.
         chooses = last and prefilling.resumed is None
         return Step(session, prompt[start:end], finish, last_only=not asked.prompt, logits=chooses or asked.prompt,
-                    features=session.with_features or self.prefix_cache is not None)
+                    features=session.needs_features or self.prefix_cache is not None)
 
     def plan_verify(self, session: TargetSession, length: int, draft: list[int],
                     proposals: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -298,7 +305,7 @@ class Target:
                                 forced_accepted=sum(forced[:len(path)]),
                                 complete=session.matcher is not None and session.matcher.complete)
 
-        return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.with_features)
+        return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.needs_features)
 
     def run(self, steps: list[Step]) -> list[VerifyResult | BaseException]:
         """The steps' rows in one forward where the kernels batch (each row's logits are those of

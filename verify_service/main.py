@@ -7,9 +7,12 @@ import logging
 import os
 import time
 
+import torch
 from opentelemetry.metrics import Observation
 
-from specsplit.model import native
+from specsplit.model import catalog, native
+from specsplit.model.headfile import head_runner, load_head, max_context, resolve_head
+from specsplit.model.headserving import NativeHead
 from specsplit.model.prefixcache import PrefixCache
 from specsplit.serving import runtime, telemetry
 from specsplit.serving.server import serve
@@ -18,6 +21,7 @@ from specsplit.serving.settings import VerifySettings
 from specsplit.serving.worker import ModelWorker
 from specsplit.spec.lookup import OutputIndex
 from verify_service.engine import Target
+from verify_service.headdraft import VerifierHead
 from verify_service.server import SERVICE_NAME, VerifierServicer, register
 
 log = logging.getLogger("specsplit")
@@ -52,6 +56,23 @@ def _gauges(lm, sessions: SessionTable, cache: PrefixCache | None) -> None:
                                   callbacks=[lambda _: [Observation(cache.used_bytes)]])
 
 
+def _head(settings: VerifySettings) -> VerifierHead | None:
+    """The target's feature head for this service's own drafting (VerifySettings.self_head): only on
+    the native kernels, where a round is one call."""
+    if settings.self_head is None:
+        return None
+    head_dir = resolve_head(settings.self_head)
+    target_dir = catalog.resolve(settings.model.path)
+    head, _ = load_head(head_dir, target_dir, settings.model.device)
+    runner = head_runner(head, torch.device(settings.model.device), max_context(target_dir))
+    if not isinstance(runner, NativeHead):
+        log.info("feature head %s: not drafting here (no native kernels: a round would be a call a step)",
+                 head_dir.name)
+        return None
+    log.info("feature head %s drafts here (decode-ahead, where the lookup finds nothing)", head_dir.name)
+    return VerifierHead(runner, head_dir.name, settings.head_gamma, settings.self_min_confidence)
+
+
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:
     threads = runtime.configure_process(settings.server.threads, "verify")
     tel = telemetry.configure("specsplit-verify", settings.server.metrics_port)
@@ -67,8 +88,9 @@ async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None,
     log.info(lm.set_kv_budget(kv_budget(settings, lm)))
     sessions = SessionTable(settings.max_sessions, settings.idle_timeout_s)
     cache = PrefixCache(lm.native.pool) if settings.prefix_cache and lm.native is not None else None
+    head = await worker.run(_head, settings)
     servicer = VerifierServicer(lm, sessions, worker, settings.server.shared_memory, Target(lm, prefix_cache=cache),
-                                OutputIndex(settings.store_tokens) if settings.store_tokens > 0 else None)
+                                OutputIndex(settings.store_tokens) if settings.store_tokens > 0 else None, head)
     worker.expected = servicer.expected  # every live session sends a round per forward, every prefill a chunk
     _gauges(lm, sessions, cache)
     fast = servicer.rounds.open_fast_path("verify", settings.server.shared_memory)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
-import math
 from dataclasses import dataclass
 
 import grpc
@@ -28,13 +26,11 @@ from specsplit.spec.lookup import OutputIndex
 from specsplit.spec.sampling import Logprobs, SamplingParams
 from verify_service.decoding import Decoding, decodes
 from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
+from verify_service.headdraft import VerifierHead
 from verify_service.statuses import failure
-from verify_service.widths import Widths
+from verify_service.widths import Widths, first_id, measure_rows
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
-WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds), linear in between
-MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
 # A prompt is fed in chunks: PREFILL_CHUNK tokens while no other session is live (so a Release can
 # stop it between chunks); beside other sessions, chunks sized so that a forward takes about
 # PREFILL_SLICE times a 1-row step, so their decoding stalls for about a step, not the prefill's time
@@ -47,8 +43,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     _warming: asyncio.Future | None = None
 
     def __init__(self, lm: LoadedModel, sessions: SessionTable[TargetSession], worker: ModelWorker,
-                 shared_memory: bool = True, target: Target | None = None, outputs: OutputIndex | None = None):
+                 shared_memory: bool = True, target: Target | None = None, outputs: OutputIndex | None = None,
+                 head: VerifierHead | None = None):
         self._lm = lm
+        self._head = head  # the target's feature head, drafting for greedy decode-aheads here
         self._outputs = outputs  # earlier sessions' outputs, for decode-ahead lookups (added at Release)
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._target = target or Target(lm)
@@ -135,7 +133,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         record_compute(result.forward_ns)
         self._forward.record(result.forward_ns / 1e9, {"call": "prefill", "rows": len(prompt)})
         return pb.PrefillResponse(next_token_id=result.next_token, length=result.length,
-                                  forward_ns=result.forward_ns, features=_features(result, 0, segment),
+                                  forward_ns=result.forward_ns, features=_features(result, 0, session),
                                   shm_nonce=segment.nonce if segment else b"",
                                   fast_path=self.rounds.fast_path if segment else "",
                                   batch_rows=result.batch_rows, batch_calls=result.batch_calls,
@@ -195,10 +193,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """The prefill's next chunk, sized for the batch it runs in; its first also loads what the
         prefix cache holds of the prompt. SessionEnded once its caller released it (gave up)."""
         if call.state is None:
+            # The head drafts greedy sessions (a round is one native call there); a resumed one goes on without.
+            head = self._head.start(call.prompt) if self._head and call.sampling.temperature == 0 \
+                and not call.resume else None
             call.state = self._target.start_prefill(call.prompt, call.with_features, call.sampling,
                                                     use_cache=not call.skip_cache, logprobs=call.logprobs,
                                                     resume=call.resume, language=call.language,
-                                                    output_tokens=call.output_tokens)
+                                                    output_tokens=call.output_tokens, head=head)
         elif self._sessions.ended(call.session_id):
             raise SessionEnded(call.session_id)
         return self._target.plan_prefill(call.state, self._chunk(call, len(calls) > 1))
@@ -243,6 +244,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if not state.finished:  # the next chunk's rows, about (the worker packs batches by them)
             return Again(min(len(call.prompt) - state.done, len(step.ids)), self._company_wait())
         self._sessions.put(call.session_id, state.session)
+        if state.session.head is not None:
+            self._head.prefilled(state.session.head, state.session.tokens, result.features)
         return state.session, dataclasses.replace(result, forward_ns=call.forward_ns)
 
     def _plan_verify(self, request: pb.VerifyRequest):
@@ -277,8 +280,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             length = len(session.tokens) if decoding.results else request.length
             room = max(0, request.decode_ahead - decoding.committed)
             curve = self._widths.curve(session.step_ms, self._curve(), session.sampling)
-            return self._target.plan_verify(session, length, decoding.draft(request, session, curve, self._outputs),
-                                            fill=min(request.forced_room, room), copied=True)
+            draft = decoding.draft(request, session, curve, self._outputs, self._head)
+            return self._target.plan_verify(session, length, draft, fill=min(request.forced_room, room), copied=True)
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 
@@ -286,6 +289,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """The answer; Again while a decode-ahead has tokens to go (its forwards are kept until then)."""
         session = self._sessions.get(request.session_id)
         self._forward.record(result.forward_ns / 1e9, {"call": "verify", "rows": 1 + len(request.draft_token_ids)})
+        self._follow(session, result)
         if decodes(request):
             decoding = self._ahead[request.session_id]
             decoding.add(result, session)
@@ -299,20 +303,29 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             return pb.VerifyResponse(
                 num_accepted=0, next_token_id=committed[0], decoded_token_ids=committed[1:],
                 length=result.length, forward_ns=sum(r.forward_ns for r in decoding.results),
-                features=_features(decoding.merged(), request.length - 1, session.segment),
+                features=_features(decoding.merged(), request.length - 1, session),
                 batch_rows=result.batch_rows, batch_calls=result.batch_calls,
                 logprobs=wire.token_logprobs([lp for r in decoding.results for lp in r.logprobs]),
-                lookup_drafted=decoding.drafted, lookup_accepted=decoding.accepted - forced_accepted,
-                lookup_steps=decoding.lookup_steps,
+                lookup_drafted=decoding.drafted,
+                lookup_accepted=decoding.accepted - forced_accepted - decoding.head_accepted,
+                lookup_steps=decoding.lookup_steps, head_drafted=decoding.head_drafted,
+                head_accepted=decoding.head_accepted, head_steps=decoding.head_steps,
                 forced=forced, forced_accepted=forced_accepted, constraint_complete=result.complete)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,
-                                 features=_features(result, request.length - 1, session.segment),
+                                 features=_features(result, request.length - 1, session),
                                  accepted_indices=result.path, batch_rows=result.batch_rows,
                                  batch_calls=result.batch_calls, logprobs=wire.token_logprobs(result.logprobs),
                                  forced=result.forced, forced_accepted=result.forced_accepted,
                                  constraint_complete=result.complete,
                                  verified_draft_ids=result.draft)
+
+    def _follow(self, session: TargetSession, result) -> None:
+        """The session's head (drafting here) takes the step's committed tokens and their features."""
+        if session.head is not None:
+            length = result.length - result.num_accepted - 1
+            self._head.follow(session.head, length, session.tokens, result.features,
+                              result.num_accepted - result.forced_accepted)
 
     async def Release(self, request, context):
         return await self._worker.run(self._release, request.session_id)
@@ -332,43 +345,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._warming = asyncio.ensure_future(self._worker.run(measure_rows, self._target, first_id(self._lm)))
         self.forward_ms_by_rows = await self._warming
 
-def measure_rows(target: Target, token: int) -> list[float]:
-    """Each width's cost in ms (InfoResponse.forward_ms_by_rows), on a 32-token session of `token`:
-    the fastest of its forwards over passes that visit every width in turn, so that a slow spell (a
-    co-located service warming up at the same moment: measured, widths 1..6 at 180-200 ms against
-    8-15 ms) costs each width one sample, not all of them; passes go on until one improves no width
-    by more than STABLE (at most MAX_PASSES). Costs never fall with width (noise aside, a wider
-    forward does more of the same work)."""
-    session, result = target.prefill([token] * 32)
-
-    def cost(rows: int) -> float:
-        length = len(session.tokens)
-        ms = target.verify(session, length, [result.next_token] * (rows - 1)).forward_ns / 1e6
-        session.kv.truncate(length - 1)
-        del session.tokens[length:]
-        return ms
-
-    widths = [*range(1, WARMUP_ROWS + 1), *(WIDE_ROWS if target.batches else ())]
-    best = {w: math.inf for w in widths}
-    for n in range(MAX_PASSES):
-        moved = False
-        for w in widths:
-            ms = cost(w)
-            moved |= ms < best[w] * (1 - STABLE)
-            best[w] = min(best[w], ms)
-        if n + 1 >= MIN_PASSES and not moved:
-            break
-    costs = [best[w] for w in range(1, WARMUP_ROWS + 1)]
-    last = WARMUP_ROWS
-    for rows in WIDE_ROWS if target.batches else ():  # beyond one call's width only batches reach
-        end = best[rows]
-        costs += [costs[-1] + (end - costs[-1]) * (r - last) / (rows - last) for r in range(last + 1, rows + 1)]
-        last = rows
-    return list(itertools.accumulate(costs, max))
-
-
-def _features(result, start: int, segment: shm.Segment | None):
-    return None if result.features is None else shm.stash_features(segment, wire.encode(result.features, start))
+def _features(result, start: int, session: TargetSession):
+    """The features the caller asked for (a head drafting here reads them too, and sends none)."""
+    if result.features is None or not session.with_features:
+        return None
+    return shm.stash_features(session.segment, wire.encode(result.features, start))
 
 
 @dataclass(eq=False)
@@ -389,10 +370,6 @@ class _Prefill:
     chunks: int = 0
     forward_ns: int = 0  # over its chunks
     last: tuple[int, float] | None = None  # the previous chunk's (rows, forward ms)
-
-
-def first_id(lm: LoadedModel) -> int:
-    return lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else 0
 
 
 def register(server: grpc.aio.Server, servicer: VerifierServicer) -> None:

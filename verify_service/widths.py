@@ -9,9 +9,20 @@ sessions keep the start curve."""
 
 from __future__ import annotations
 
+import itertools
+import math
+from typing import TYPE_CHECKING
+
 from specsplit.spec.ewma import Ewma
 from specsplit.spec.sampling import Method, SamplingParams
 
+if TYPE_CHECKING:
+    from specsplit.model.modeling import LoadedModel
+    from verify_service.engine import Target
+
+WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
+WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds), linear in between
+MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
 DECAY = 0.9  # per forward
 SPIKE = 3.0  # a forward this many times the session's step was preempted, not wide: not a sample
 
@@ -38,3 +49,42 @@ class Widths:
         if one is None or row is None or (sampling is not None and sampling.verification is Method.REJECTION):
             return start
         return [one + row * extra for extra in range(len(start))]
+
+
+def measure_rows(target: Target, token: int) -> list[float]:
+    """Each width's cost in ms (InfoResponse.forward_ms_by_rows), on a 32-token session of `token`:
+    the fastest of its forwards over passes that visit every width in turn, so that a slow spell (a
+    co-located service warming up at the same moment: measured, widths 1..6 at 180-200 ms against
+    8-15 ms) costs each width one sample, not all of them; passes go on until one improves no width
+    by more than STABLE (at most MAX_PASSES). Costs never fall with width (noise aside, a wider
+    forward does more of the same work)."""
+    session, result = target.prefill([token] * 32)
+
+    def cost(rows: int) -> float:
+        length = len(session.tokens)
+        ms = target.verify(session, length, [result.next_token] * (rows - 1)).forward_ns / 1e6
+        session.kv.truncate(length - 1)
+        del session.tokens[length:]
+        return ms
+
+    widths = [*range(1, WARMUP_ROWS + 1), *(WIDE_ROWS if target.batches else ())]
+    best = {w: math.inf for w in widths}
+    for n in range(MAX_PASSES):
+        moved = False
+        for w in widths:
+            ms = cost(w)
+            moved |= ms < best[w] * (1 - STABLE)
+            best[w] = min(best[w], ms)
+        if n + 1 >= MIN_PASSES and not moved:
+            break
+    costs = [best[w] for w in range(1, WARMUP_ROWS + 1)]
+    last = WARMUP_ROWS
+    for rows in WIDE_ROWS if target.batches else ():  # beyond one call's width only batches reach
+        end = best[rows]
+        costs += [costs[-1] + (end - costs[-1]) * (r - last) / (rows - last) for r in range(last + 1, rows + 1)]
+        last = rows
+    return list(itertools.accumulate(costs, max))
+
+
+def first_id(lm: LoadedModel) -> int:
+    return lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else 0

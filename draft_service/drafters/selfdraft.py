@@ -4,132 +4,42 @@ KV cache over the committed positions and drafts greedily in its reduced vocabul
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
-from specsplit.model.featurehead import FeatureHead, HeadCache, HeadCall, HeadConfig, HeadRound, NativeHead, TorchHead
-from specsplit.model.identity import weights_fingerprint
+from specsplit.model.headfile import head_runner, load_head, max_context
+from specsplit.model.headserving import HeadCall, HeadTrack, NativeHead
 from specsplit.spec.drafting import Choice, Proposal, candidates, chain_tree, choose, sampled_from
 from specsplit.spec.tokentree import Tree
 
-HEAD_FORMAT = "specsplit-feature-head/1"
 WIDTH = 3  # token trees: nodes expanded per depth, and children per node
 MIN_EXPAND = 0.05  # token trees: a node whose path probability is below this is not expanded
-PACKAGED = Path(__file__).resolve().parents[2] / "specsplit" / "model" / "drafts"
 
 
-class SelfSession(DraftSession):
+class SelfSession(DraftSession, HeadTrack):
+    """The committed tokens and the target's features as the head reads them (HeadTrack)."""
+
     def __init__(self, prompt: list[int], dim: int, cache=None):
-        super().__init__(prompt)
-        self.feature_dim = dim
-        # Features of committed positions [0, len(tokens) - 1), written by position into a buffer
-        # that grows by doubling (a concatenation per round made every round cost the whole history).
-        self._rows = torch.zeros(max(64, len(prompt)), dim, dtype=torch.float32)
-        self._count = 0
-        self.cache = cache if cache is not None else HeadCache()  # the head's one-layer KV cache (or a KVBuffer)
-        self.cached = 0  # leading positions whose head cache entries came from true features
-        self.last = None  # (the head's predicted feature at position cached - 1, its draft logits)
-
-    @property
-    def features(self) -> torch.Tensor:
-        return self._rows[:self._count]  # [positions, dim], a view
+        DraftSession.__init__(self, prompt)
+        HeadTrack.__init__(self, dim, cache, len(prompt))
 
     def sync(self, base_length: int, new_tokens: list[int]) -> None:
         super().sync(base_length, new_tokens)
-        # Head cache position i used feature i and token i+1: keep those still committed.
-        self.cached = min(self.cached, base_length - 1)
-        self._count = min(self._count, base_length)
+        self.cut(base_length)
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
-        if start > self._count:
-            raise ValueError(f"features start at position {start}; the drafter has {self._count}")
-        end = start + len(features)
-        if end > len(self.tokens) - 1:
-            raise ValueError(f"features up to position {end} for {len(self.tokens)} tokens: "
-                             "the last committed token has no feature yet")
-        if end > len(self._rows):
-            rows = torch.zeros(max(end, 2 * len(self._rows)), self.feature_dim, dtype=torch.float32)
-            rows[:self._count] = self._rows[:self._count]
-            self._rows = rows
-        self._rows[start:end] = features
-        self._count = end
-        self.cached = min(self.cached, start)
-
-
-def resolve_head(path: str) -> Path:
-    """A head directory, or `default` for the one shipped for the embedded default target."""
-    if path == "default":
-        return PACKAGED / "smollm2-135m-instruct-self"
-    return Path(path).expanduser()
-
-
-def head_setting(flag: str, target_model: str) -> str | None:
-    """The --self-head flag as DraftSettings.self_head takes it: 'none' none; 'auto' the shipped head
-    if the target is the embedded default and the head is there; else the flag (a directory)."""
-    if flag == "none":
-        return None
-    if flag == "auto":
-        return "default" if target_model == "default" and (resolve_head("default") / "head.json").is_file() else None
-    return flag
-
-
-def read_head_card(head_dir: Path) -> dict:
-    card_path = head_dir / "head.json"
-    if not card_path.is_file():
-        raise FileNotFoundError(f"{head_dir} is not a feature head (no head.json); make one with `specsplit distill`")
-    card = json.loads(card_path.read_text())
-    if card.get("format") != HEAD_FORMAT:
-        raise ValueError(f"{card_path}: format {card.get('format')!r}, expected {HEAD_FORMAT!r}")
-    return card
-
-
-def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and output head, read alone from its safetensors files."""
-    from safetensors import safe_open
-
-    embed = head = None
-    for f in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                if name.endswith("embed_tokens.weight"):
-                    embed = st.get_tensor(name)
-                elif name == "lm_head.weight":
-                    head = st.get_tensor(name)
-    if embed is None:
-        raise ValueError(f"{target_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
-    if head is None:
-        if not tied:
-            raise ValueError(f"{target_dir}: no 'lm_head.weight' tensor and the embeddings are not tied")
-        head = embed
-    return embed, head
+        self.put_features(start, features, len(self.tokens))
 
 
 class SelfDrafter:
 
     def __init__(self, head_dir: Path, target_dir: Path, device: str = "cpu", name: str = "self",
                  min_confidence: float = 0.0):
-        card = read_head_card(head_dir)
-        theirs = card["target"]["model_fingerprint"]
-        ours = weights_fingerprint(target_dir)
-        if theirs != ours:
-            raise ValueError(f"feature head {head_dir} was trained for target {card['target']['model_id']} "
-                             f"(weights {theirs}); {target_dir} has weights {ours or '(no safetensors)'}: "
-                             "retrain it with `specsplit distill` for this target")
-        from safetensors.torch import load_file
-
-        # float32 explicitly: the default dtype is process-wide, and a model loading in another
-        # thread (transformers switches it while it builds) must not decide this head's dtype.
-        self.head = FeatureHead(HeadConfig(**card["config"])).float()
-        self.head.load_state_dict({k: v.float() for k, v in load_file(str(head_dir / "head.safetensors")).items()})
-        embed, lm_head = target_tensors(target_dir, card.get("tied_embeddings", True))
-        self.head.attach(embed.to(torch.bfloat16), lm_head.float())
-        self.head.to(device).eval().requires_grad_(False)
+        self.head, card = load_head(head_dir, target_dir, device)
         self.device = torch.device(device)
-        context = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings") or 8192
-        self.runner = _runner(self.head, self.device, int(context))
+        self.runner = head_runner(self.head, self.device, max_context(target_dir))
         self.card = card
         # Drafting stops once the head's own probability that the whole draft so far is right
         # (the product of its top probabilities) falls below this: a doubtful draft costs draft
@@ -143,7 +53,7 @@ class SelfDrafter:
             name=name, kind="self", model_id=head_dir.name,
             tokenizer_fingerprint=card["target"]["tokenizer_fingerprint"],
             param_bytes=own, dtype="float32", device=str(self.device), needs_features=True,
-            target_model_fingerprint=theirs)
+            target_model_fingerprint=card["target"]["model_fingerprint"])
 
     def start(self, prompt: list[int]) -> SelfSession:
         return SelfSession(prompt, self.head.cfg.hidden, self.runner.new_cache())
@@ -194,12 +104,8 @@ class SelfDrafter:
     def _round(self, session: SelfSession, gamma: int, budget: int, tree: bool) -> Steps:
         """A greedy round as one HeadRound: the new target features, the tokens a pre-drafting
         gateway assumed, and the chain (or EAGLE-2 tree, as _expand grows it) in one native call."""
-        n, have = len(session.tokens), len(session.features)
-        new = session.features[session.cached:have].to(self.device)
-        drafted = yield HeadRound(session.cache, new, session.tokens[session.cached + 1:have + 1],
-                                  session.tokens[have + 1:n], session.last if session.cached >= have else None,
-                                  gamma, self.min_confidence, WIDTH if tree else 0, MIN_EXPAND)
-        session.cached, session.last = have, drafted.last
+        drafted = yield session.round(session.tokens, gamma, self.min_confidence, WIDTH if tree else 0, MIN_EXPAND)
+        session.took(drafted)
         if tree:
             nodes = Tree()
             for parent, token, score in zip(*drafted.tree):
@@ -245,20 +151,3 @@ class SelfDrafter:
 
     def end(self, session: SelfSession) -> None:
         pass
-
-
-def _runner(head: FeatureHead, device: torch.device, max_positions: int):
-    """The native kernels when they run here, else torch. Weights q8_0 where the CPU has VNNI (a
-    drafting step of the default's head 0.27 -> 0.19 ms: every step of a round's tree pays it; drafts
-    need not match any other path, only be the same for a session however it is batched), else
-    bfloat16 where it has bf16 dot products (half the bytes of float32)."""
-    from specsplit.model import native
-
-    if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
-        dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32
-        quantize = "q8_0" if native.lacks_vnni() is None else ""
-        try:
-            return NativeHead(head, max_positions, dtype, quantize)
-        except (RuntimeError, OSError):  # no compiler, a failed build: torch still drafts
-            pass
-    return TorchHead(head)

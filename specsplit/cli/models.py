@@ -57,7 +57,7 @@ def add(sub) -> None:
 
 
 def run_distill(a: argparse.Namespace) -> int:
-    from draft_service.drafters.selfdraft import resolve_head
+    from specsplit.model.headfile import resolve_head
     from specsplit.serving import runtime
     from specsplit.tools.distill.pipeline import DistillSettings, distill
 

@@ -77,6 +77,12 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
                         "the sessions leave free")
     store_tokens_flag(v, VerifySettings.store_tokens, "earlier outputs the verifier's own copies (prompt lookup "
                       "as it decodes ahead) also draw on, across requests (0: none)")
+    v.add_argument("--self-head", default=ENV("SPECSPLIT_VERIFY_SELF_HEAD", "none"),
+                   help="the target's feature head drafting in this service, where its decode-ahead's lookup finds "
+                        "nothing (greedy sessions; no process crossing a head round); 'auto': the shipped head when "
+                        "--target-model is the default; 'none': no head here")
+    setting(v, "--self-min-confidence", s, "self_min_confidence", "the head here stops drafting below this chain "
+                                                                  "probability")
     setting(v, "--batch-rows", s, "batch_rows",
             "most rows of concurrent sessions' calls batched into one forward (1: no batching)")
     setting(v, "--batch-wait-ms", s, "batch_wait_ms", "how long a call may wait for other sessions' calls to join "
@@ -176,7 +182,7 @@ def _gateway_flags(g: argparse.ArgumentParser) -> None:
 
 
 def _settings(a: argparse.Namespace):
-    from draft_service.drafters.selfdraft import head_setting
+    from specsplit.model.headfile import head_setting
 
     server = server_settings(a)
     if a.role == "verify":
@@ -185,7 +191,8 @@ def _settings(a: argparse.Namespace):
                               max_sessions=a.max_sessions, idle_timeout_s=a.idle_timeout,
                               kv_cache_mib=a.kv_cache_mib, batch_rows=a.batch_rows,
                               batch_wait_ms=a.batch_wait_ms, prefix_cache=a.prefix_cache,
-                              store_tokens=a.store_tokens)
+                              store_tokens=a.store_tokens, self_head=head_setting(a.self_head, a.target_model),
+                              self_min_confidence=a.self_min_confidence)
     if a.role == "draft":
         model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False,
                               quantize=a.draft_quantize) if a.draft_model else None

@@ -70,6 +70,11 @@ class VerifySettings:
     # Earlier outputs the verifier's own copies (decode-ahead lookups) also draw on (0: none): a
     # bigram index, at most ≈ 10 MiB at 64k tokens (every bigram distinct; text repeats many).
     store_tokens: int = 65536
+    # The target's feature head, drafting here where the decode-ahead's lookup finds nothing (no
+    # process crossing a head round); None: none. Greedy sessions only; see DraftSettings for the stop.
+    self_head: str | None = None
+    self_min_confidence: float = 0.3
+    head_gamma: int = 8  # most tokens of one head draft
 
 
 @dataclass(frozen=True)

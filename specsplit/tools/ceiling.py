@@ -101,15 +101,14 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
 def main(args, config) -> int:
     from transformers import AutoTokenizer
 
-    from draft_service.drafters.selfdraft import head_setting
     from draft_service.main import build_drafters
     from specsplit.model import catalog
+    from specsplit.model.headfile import head_setting
     from specsplit.model.modeling import chat_prompt_ids, load_model
     from specsplit.serving.settings import ControllerSettings, DraftSettings, ModelSettings, ServerSettings
     from specsplit.tools.workload import load_prompts
     from verify_service.engine import Target
-    from verify_service.server import first_id, measure_rows
-    from verify_service.widths import Widths
+    from verify_service.widths import Widths, first_id, measure_rows
 
     config = config.resolved()
     model_dir = catalog.resolve(config.target_model)

@@ -66,6 +66,8 @@ class StackConfig:
     batch_wait_ms: float = VerifySettings.batch_wait_ms  # the verify service's --batch-wait-ms
     drafter: str = DraftSettings.default_drafter  # the draft service's default drafter
     self_head: str = "auto"  # feature head for the self/hybrid drafters (see `serve draft --self-head`)
+    # the same head drafting in the verify service's decode-ahead (see `serve verify --self-head`): "none" there
+    verify_head: str = "auto"
     # The draft service's store of earlier outputs (0: none), and the verifier's up to its own default.
     store_tokens: int = DraftSettings.store_tokens
     gamma: int = ControllerSettings.gamma_start
@@ -219,7 +221,7 @@ class Stack:
             model_flags = ["--dtype", c.dtype, "--device", c.device] + ([] if c.exact else ["--no-exact"])
             for name in self.verify_names:
                 self._spawn(name, ["--target-model", c.target_model, *model_flags, "--quantize", c.quantize,
-                                   "--batch-wait-ms", str(c.batch_wait_ms),
+                                   "--batch-wait-ms", str(c.batch_wait_ms), "--self-head", c.verify_head,
                                    "--store-tokens", str(min(c.store_tokens, VerifySettings.store_tokens))])
             draft_flags = ["--default-drafter", c.drafter, "--device", c.device, "--self-head", c.self_head,
                            "--target-model", c.target_model, "--store-tokens", str(c.store_tokens)]

@@ -155,242 +155,25 @@ class Decoder {
     return run(x, s);
   }
 
-  // A draft head's input projection (EAGLE): row x = fc [feature, embed(token)], fc [hidden, 2 hidden]
-  // packed like the layer's weights; embed [target vocab, hidden] (bf16 or fp32, the target's input
-  // embedding); ids [draft vocab]: the target id of each row of the output head. With it set, draft()
-  // runs whole drafting rounds in one call.
-  void set_input(const Weight& fc, torch::Tensor embed, torch::Tensor ids) {
-    TORCH_CHECK(fc.p.k == 2 * hidden_ && fc.p.n == hidden_, "fc must be [hidden, 2 hidden]");
-    TORCH_CHECK(act_of(fc.p.kind) == act_, "fc must read the same kind of input rows as the layer");
-    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == hidden_, "embed must be [vocab, hidden]");
-    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.numel() == head_.n, "ids: one target id per output row");
-    fc_ = fc.p;
-    in_embed_ = embed.contiguous();
-    ids_ = ids.contiguous();
-    has_input_ = true;
+  // A draft head's rows for several sequences in one forward (as forward_batch with rows: x is
+  // [sum of counts, hidden] fp32), the hidden rows kept in fp32: (logits of the head rows, hidden).
+  using Tensors = std::vector<torch::Tensor>;
+  using Ints = std::vector<int64_t>;
+  std::pair<torch::Tensor, std::vector<float>> forward_f32(std::vector<float>& x, const Tensors& caches, const Ints& starts,
+                                                           const Ints& counts, const Ints& heads, const Tensors& trees,
+                                                           const Ints& bases, const Tensors& slot_parents) {
+    Scratch s;
+    for (size_t i = 0; i < caches.size(); ++i)
+      add_segment(s, caches[i], counts[i], starts[i], heads[i], trees[i], bases[i], slot_parents[i]);
+    auto out = run(x, s);
+    return {out[0], std::move(s.a)};
   }
 
-  // One greedy drafting round for several sessions (each its own cache), in one call with no Python
-  // between head steps. Per session i: counts[i] rows of target features (features, with the tokens
-  // after them) fed at starts[i] (none: the session's last prediction prev_pred[i] / prev_logits[i]
-  // stands), then forced[i] (tokens already assumed: fed on the head's own predictions), then gamma
-  // draft steps: a chain (width 0) that stops before a step whose running product of top
-  // probabilities falls below min_confidence, or EAGLE-2's dynamic tree (width > 0: at each depth the
-  // `width` best nodes by path probability, at least min_expand, are expanded in one step, each
-  // giving its `width` best tokens). Sessions step in lock-step, one forward per step for all.
-  // Returns per session: [pred [hidden] and logits [draft vocab] after its target features (the next
-  // round's prev), rows fed (int64 [1]), then for a chain: tokens, top probabilities, runner-up tokens
-  // (-1: none) and probabilities; for a tree, its nodes in the order made: parents (-1: root), tokens,
-  // path probabilities].
-  std::vector<std::vector<torch::Tensor>> draft(torch::Tensor features, torch::Tensor tokens, std::vector<int64_t> counts,
-                                                std::vector<torch::Tensor> forced, std::vector<torch::Tensor> caches,
-                                                std::vector<int64_t> starts, std::vector<torch::Tensor> prev_pred,
-                                                std::vector<torch::Tensor> prev_logits, int64_t gamma,
-                                                double min_confidence, int64_t width, double min_expand) {
-    TORCH_CHECK(has_input_, "draft() needs set_input()");
-    const size_t m = caches.size();
-    TORCH_CHECK(counts.size() == m && forced.size() == m && starts.size() == m && prev_pred.size() == m &&
-                    prev_logits.size() == m, "one count, forced list, start and prev per cache");
-    TORCH_CHECK(width >= 0 && width <= 16 && gamma >= 0, "width in [0, 16], gamma >= 0");
-    const int64_t d = hidden_, vocab = head_.n;
-    auto feats = features.to(torch::kFloat32).contiguous();
-    auto toks = tokens.contiguous();
-    struct Node { int64_t node, slot; std::vector<float> pred, logits; double score; };
-    struct Session {
-      std::vector<float> pred, logits;  // the head's latest prediction and its draft logits
-      int64_t length = 0, fed = 0, base = 0;
-      std::vector<int64_t> slot_parents;
-      std::vector<int64_t> a, c;  // chain: tokens, runner-up tokens; tree: parents, tokens
-      std::vector<float> b, e;    // chain: top probabilities, runner-up probabilities; tree: scores
-      std::vector<Node> frontier;
-      double confidence = 1.0;
-      bool active = true;
-    };
-    std::vector<Session> ss(m);
-    std::vector<std::vector<torch::Tensor>> out(m);
-    // A forward over some sessions' rows: rows (feature, token) with tree parents where given.
-    struct Feed { size_t i; std::vector<const float*> f; std::vector<int64_t> t, parents; bool tree; };
-    auto forward = [&](std::vector<Feed>& feeds) {
-      int64_t n = 0;
-      for (auto& f : feeds) n += static_cast<int64_t>(f.t.size());
-      std::vector<float> in(n * 2 * d);
-      int64_t r = 0;
-      for (auto& f : feeds)
-        for (size_t j = 0; j < f.t.size(); ++j, ++r) {
-          std::memcpy(in.data() + r * 2 * d, f.f[j], d * 4);
-          embed_row(f.t[j], in.data() + r * 2 * d + d);
-        }
-      Scratch s;
-      to_rows(in.data(), n, 2 * d, act_, s.in);
-      std::vector<float> x(n * d);
-#pragma omp parallel num_threads(at::get_num_threads())
-      gemm_team(fc_, s.in, n, x.data());
-      for (auto& f : feeds) {
-        Session& se = ss[f.i];
-        const int64_t k = static_cast<int64_t>(f.t.size());
-        auto parents = f.tree ? torch::from_blob(f.parents.data(), {k}, torch::kLong).clone() : torch::Tensor();
-        auto slots = torch::from_blob(se.slot_parents.data(), {static_cast<int64_t>(se.slot_parents.size())},
-                                      torch::kLong).clone();
-        add_segment(s, caches[f.i], k, se.length, f.tree ? 2 : 1, parents, f.tree ? se.base : se.length, slots);
-      }
-      auto res = run(x, s);
-      return std::make_pair(res[0], s.a);  // logits of the head rows (fp32), hidden rows (fp32)
-    };
-    // Phase 1: target features.
-    {
-      std::vector<Feed> feeds;
-      int64_t row = 0;
-      for (size_t i = 0; i < m; ++i) {
-        ss[i].length = starts[i];
-        Feed f{i, {}, {}, {}, false};
-        for (int64_t j = 0; j < counts[i]; ++j, ++row) {
-          f.f.push_back(feats.data_ptr<float>() + row * d);
-          f.t.push_back(toks.data_ptr<int64_t>()[row]);
-        }
-        if (counts[i] > 0) feeds.push_back(std::move(f));
-        else {
-          auto pp = prev_pred[i].to(torch::kFloat32).contiguous(), pl = prev_logits[i].to(torch::kFloat32).contiguous();
-          TORCH_CHECK(pp.numel() == d && pl.numel() == vocab, "prev_pred [hidden] and prev_logits [draft vocab]");
-          ss[i].pred.assign(pp.data_ptr<float>(), pp.data_ptr<float>() + d);
-          ss[i].logits.assign(pl.data_ptr<float>(), pl.data_ptr<float>() + vocab);
-        }
-      }
-      if (!feeds.empty()) step_chain(feeds, forward, ss, d, vocab);
-      for (size_t i = 0; i < m; ++i) {
-        out[i].push_back(torch::from_blob(ss[i].pred.data(), {d}, torch::kFloat32).clone());
-        out[i].push_back(torch::from_blob(ss[i].logits.data(), {vocab}, torch::kFloat32).clone());
-      }
-    }
-    // Phase 2: tokens already assumed, one at a time on the head's own predictions.
-    for (int64_t j = 0;; ++j) {
-      std::vector<Feed> feeds;
-      for (size_t i = 0; i < m; ++i)
-        if (j < forced[i].numel()) feeds.push_back(Feed{i, {ss[i].pred.data()}, {forced[i].data_ptr<int64_t>()[j]}, {}, false});
-      if (feeds.empty()) break;
-      step_chain(feeds, forward, ss, d, vocab);
-    }
-    // Phase 3: the draft.
-    for (size_t i = 0; i < m; ++i) {
-      ss[i].base = ss[i].length;
-      ss[i].frontier.push_back(Node{-1, -1, ss[i].pred, ss[i].logits, 1.0});
-    }
-    int64_t idx[16];
-    float prob[16];
-    for (int64_t depth = 0; depth < gamma; ++depth) {
-      std::vector<Feed> feeds;
-      std::vector<std::vector<std::pair<double, std::array<int64_t, 4>>>> grown(m);  // (score, {node, slot, frontier, token})
-      for (size_t i = 0; i < m; ++i) {
-        Session& se = ss[i];
-        if (!se.active) continue;
-        if (width == 0) {  // chain
-          const int64_t k = top_k(se.logits.data(), vocab, 2, idx, prob);
-          se.confidence *= prob[0];
-          if (se.confidence < min_confidence) { se.active = false; continue; }
-          se.a.push_back(ids_.data_ptr<int64_t>()[idx[0]]);
-          se.b.push_back(prob[0]);
-          se.c.push_back(k > 1 && prob[1] > 0 ? ids_.data_ptr<int64_t>()[idx[1]] : -1);
-          se.e.push_back(k > 1 ? prob[1] : 0.0f);
-          if (depth + 1 == gamma) { se.active = false; continue; }
-          feeds.push_back(Feed{i, {se.pred.data()}, {se.a.back()}, {}, false});
-          continue;
-        }
-        auto& g = grown[i];
-        for (size_t fi = 0; fi < se.frontier.size(); ++fi) {
-          const Node& nd = se.frontier[fi];
-          const int64_t k = top_k(nd.logits.data(), vocab, width, idx, prob);
-          for (int64_t c = 0; c < k; ++c) {
-            if (!(prob[c] > 0)) continue;
-            const int64_t token = ids_.data_ptr<int64_t>()[idx[c]];
-            const double score = nd.score * prob[c];
-            se.a.push_back(nd.node);
-            se.c.push_back(token);
-            se.b.push_back(static_cast<float>(score));
-            g.push_back({score, {static_cast<int64_t>(se.c.size()) - 1, nd.slot, static_cast<int64_t>(fi), token}});
-          }
-        }
-        std::stable_sort(g.begin(), g.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
-        if (static_cast<int64_t>(g.size()) > width) g.resize(width);
-        while (!g.empty() && g.back().first < min_expand) g.pop_back();
-        if (depth + 1 == gamma || g.empty()) { se.active = false; continue; }
-        Feed f{i, {}, {}, {}, true};
-        for (auto& [score, v] : g) {
-          f.f.push_back(se.frontier[v[2]].pred.data());
-          f.t.push_back(v[3]);
-          f.parents.push_back(v[1] < 0 ? -1 : -2 - v[1]);
-        }
-        feeds.push_back(std::move(f));
-      }
-      if (feeds.empty()) break;
-      if (width == 0) {
-        step_chain(feeds, forward, ss, d, vocab);
-        continue;
-      }
-      std::vector<int64_t> starts_now(m);
-      for (auto& f : feeds) starts_now[f.i] = ss[f.i].length;
-      auto [logits, hidden] = forward(feeds);
-      const float* lp = logits.data_ptr<float>();
-      int64_t row = 0;
-      for (auto& f : feeds) {
-        Session& se = ss[f.i];
-        std::vector<Node> next;
-        for (size_t j = 0; j < f.t.size(); ++j, ++row) {
-          const auto& [score, v] = grown[f.i][j];
-          se.slot_parents.push_back(v[1]);
-          next.push_back(Node{v[0], starts_now[f.i] + static_cast<int64_t>(j),
-                              std::vector<float>(hidden.begin() + row * d, hidden.begin() + (row + 1) * d),
-                              std::vector<float>(lp + row * vocab, lp + (row + 1) * vocab), score});
-        }
-        se.length += static_cast<int64_t>(f.t.size());
-        se.fed += static_cast<int64_t>(f.t.size());
-        se.frontier = std::move(next);
-      }
-    }
-    for (size_t i = 0; i < m; ++i) {
-      Session& se = ss[i];
-      auto i64 = [](std::vector<int64_t>& v) { return torch::tensor(v, torch::kLong); };
-      auto f32 = [](std::vector<float>& v) { return torch::tensor(v, torch::kFloat32); };
-      out[i].push_back(torch::tensor({se.fed}, torch::kLong));
-      if (width == 0) {
-        out[i].insert(out[i].end(), {i64(se.a), f32(se.b), i64(se.c), f32(se.e)});
-      } else {
-        out[i].insert(out[i].end(), {i64(se.a), i64(se.c), f32(se.b)});
-      }
-    }
-    return out;
-  }
+  int64_t hidden() const { return hidden_; }
+  const Packed& output_head() const { return head_; }
+  Act act() const { return act_; }
 
  private:
-  // One chain step for the fed sessions (one row each, or a session's target rows): each session's
-  // prediction and logits become its last row's, its cache advances.
-  template <typename Forward, typename Feeds, typename Sessions>
-  static void step_chain(Feeds& feeds, Forward& forward, Sessions& ss, int64_t d, int64_t vocab) {
-    auto [logits, hidden] = forward(feeds);
-    const float* lp = logits.template data_ptr<float>();
-    int64_t row = 0, head = 0;
-    for (auto& f : feeds) {
-      auto& se = ss[f.i];
-      const int64_t k = static_cast<int64_t>(f.t.size());
-      row += k;
-      se.pred.assign(hidden.begin() + (row - 1) * d, hidden.begin() + row * d);
-      se.logits.assign(lp + head * vocab, lp + (head + 1) * vocab);
-      ++head;
-      se.length += k;
-      se.fed += k;
-    }
-  }
-
-  // Row `token` of the input embedding, as fp32, to dst.
-  void embed_row(int64_t token, float* dst) const {
-    TORCH_CHECK(token >= 0 && token < in_embed_.size(0), "token id out of range");
-    const int64_t d = hidden_;
-    if (in_embed_.scalar_type() == torch::kBFloat16) {
-      const auto* src = static_cast<const uint16_t*>(in_embed_.data_ptr()) + token * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
-    } else {
-      std::memcpy(dst, in_embed_.data_ptr<float>() + token * d, d * 4);
-    }
-  }
-
   // One sequence's part of a call: its cache and where its rows sit.
   struct Segment {
     std::vector<char*> kv;  // per layer: [2, capacity, kv_heads, head_dim]
@@ -537,43 +320,6 @@ class Decoder {
     return {logits, hidden, choices};
   }
 
-  // Per row of y [rows][n], the index of its largest value as torch.argmax gives it (the first of
-  // equals; with a NaN, the first NaN), by the team right after the output GEMM: each thread scans
-  // the panels it is likely to have just written (a contiguous share, as the GEMM's), in its own
-  // cache; then one thread takes the shares' answers in column order. Read from Python after the
-  // forward, the rows written by the other core cost a cross-core transfer of the whole vocabulary
-  // (~50 us a row measured on 2 cores); here a row costs a few microseconds.
-  static void argmax_team(const float* y, int64_t rows, int64_t n, std::vector<float>& part_v,
-                          std::vector<int64_t>& part_i, int64_t* out) {
-    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t panels = (n + kLanes - 1) / kLanes;
-#pragma omp single
-    {
-      part_v.assign(rows * team, -INFINITY);
-      part_i.assign(rows * team, -1);
-    }
-    const int64_t c0 = std::min(n, panels * tid / team * kLanes), c1 = std::min(n, panels * (tid + 1) / team * kLanes);
-    for (int64_t r = 0; r < rows && c0 < c1; ++r) {
-      float best;
-      int64_t at;
-      const bool any_nan = argmax_span(y + r * n, c0, c1, best, at);
-      part_v[tid * rows + r] = any_nan ? NAN : best;
-      part_i[tid * rows + r] = at;
-    }
-#pragma omp barrier
-#pragma omp single
-    for (int64_t r = 0; r < rows; ++r) {
-      float best = -INFINITY;
-      int64_t at = -1;
-      for (int64_t t = 0; t < team; ++t) {
-        const float v = part_v[t * rows + r];
-        const int64_t i = part_i[t * rows + r];
-        if (i >= 0 && (at < 0 || (!std::isnan(best) && (v > best || std::isnan(v))))) best = v, at = i;
-      }
-      out[r] = at;
-    }
-  }
-
   // One layer, called by every thread of the team: GEMMs and attention shared out as they say,
   // the row-wise steps shared out by rows (each row's arithmetic is the same on any thread).
   void layer_team(const Layer& l, size_t li, float* x, Scratch& s) {
@@ -684,10 +430,9 @@ class Decoder {
   torch::Tensor embed_, cos_, sin_, norm_;
   Packed head_;
   std::vector<Layer> layers_;
-  Packed fc_;  // a draft head's input projection (set_input)
-  torch::Tensor in_embed_, ids_;
-  bool has_input_ = false;
 };
+
+#include "draft.h"
 
 }  // namespace
 
@@ -715,6 +460,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Decoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_rows", &Decoder::forward_rows, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward_batch", &Decoder::forward_batch, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("set_input", &Decoder::set_input)
-      .def("draft", &Decoder::draft, pybind11::call_guard<pybind11::gil_scoped_release>());
+;
+  pybind11::class_<DraftHead>(m, "DraftHead")
+      .def(pybind11::init<Decoder&, const Weight&, torch::Tensor, torch::Tensor>(), pybind11::keep_alive<1, 2>())
+      .def("draft", &DraftHead::draft, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draft_service.drafters.selfdraft import HEAD_FORMAT, target_tensors
 from specsplit.model import catalog
 from specsplit.model.featurehead import HeadConfig
+from specsplit.model.headfile import HEAD_FORMAT, target_tensors
 from specsplit.model.modeling import load_model
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import load_prompts

@@ -110,7 +110,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, str]] = ..., gamma: _Optional[int] = ..., drafter: _Optional[str] = ..., task_type: _Optional[str] = ..., predraft: _Optional[_Union[Predraft, str]] = ..., tree_budget: _Optional[int] = ..., skip_prefix_cache: _Optional[bool] = ..., logprobs: _Optional[_Union[_common_pb2.LogprobsRequest, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class RoundRecord(_message.Message):
-    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted", "gateway_ms", "depth", "expected", "batch_rows", "batch_calls", "decoded", "lookup_drafted", "lookup_accepted", "lookup_steps", "forced", "forced_accepted", "asked", "copy_in_sight")
+    __slots__ = ("drafted", "accepted", "draft_ms", "verify_ms", "network_ms", "round_ms", "draft_source", "feature_bytes", "proposal_bytes", "predrafted", "gateway_ms", "depth", "expected", "batch_rows", "batch_calls", "decoded", "lookup_drafted", "lookup_accepted", "lookup_steps", "forced", "forced_accepted", "asked", "copy_in_sight", "head_drafted", "head_accepted", "head_steps")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,9 @@ class RoundRecord(_message.Message):
     FORCED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ASKED_FIELD_NUMBER: _ClassVar[int]
     COPY_IN_SIGHT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    HEAD_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
     drafted: int
     accepted: int
     draft_ms: float
@@ -157,7 +160,10 @@ class RoundRecord(_message.Message):
     forced_accepted: int
     asked: bool
     copy_in_sight: bool
-    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ..., depth: _Optional[int] = ..., expected: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., decoded: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., lookup_steps: _Optional[int] = ..., forced: _Optional[int] = ..., forced_accepted: _Optional[int] = ..., asked: _Optional[bool] = ..., copy_in_sight: _Optional[bool] = ...) -> None: ...
+    head_drafted: int
+    head_accepted: int
+    head_steps: int
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ..., round_ms: _Optional[float] = ..., draft_source: _Optional[str] = ..., feature_bytes: _Optional[int] = ..., proposal_bytes: _Optional[int] = ..., predrafted: _Optional[bool] = ..., gateway_ms: _Optional[float] = ..., depth: _Optional[int] = ..., expected: _Optional[float] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., decoded: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., lookup_steps: _Optional[int] = ..., forced: _Optional[int] = ..., forced_accepted: _Optional[int] = ..., asked: _Optional[bool] = ..., copy_in_sight: _Optional[bool] = ..., head_drafted: _Optional[int] = ..., head_accepted: _Optional[int] = ..., head_steps: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "prefill_ms", "decode_ms", "total_ms", "rounds", "drafted_tokens", "accepted_tokens", "mean_acceptance_length", "speculation_used", "drafter", "gamma", "draft_ms", "verify_ms", "network_ms", "exact", "task_type", "round_records", "recovered_tokens", "bonus_tokens", "seed", "verify_method", "speculation_reason", "shared_memory", "predraft_attempts", "predraft_hits", "gateway_ms", "fast_path", "prefill_compute_ms", "tree_budget", "prefix_cached_tokens", "prefill_chunks", "resumes", "resume_ms", "forced_tokens", "constraint_complete", "forwards")
