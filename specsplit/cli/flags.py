@@ -125,6 +125,9 @@ def stack_flags(p: argparse.ArgumentParser) -> None:
                         "+ the self head if there, else the draft model if given; else ngram)")
     p.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head for the self/hybrid drafters ('auto': shipped head for the default target)")
+    p.add_argument("--verify-head", default=ENV("SPECSPLIT_VERIFY_HEAD", "auto"),
+                   help="the same head drafting in the verify service, where the features are (its decode-ahead, "
+                        "where the lookup finds nothing: no process crossed); 'none': only in the draft service")
     p.add_argument("--gamma", type=int, default=ControllerSettings.gamma_start)
     p.add_argument("--batch-wait-ms", type=float, default=VerifySettings.batch_wait_ms,
                    help="the verify service's wait for other sessions' calls to join a forward")
@@ -151,7 +154,8 @@ def stack_config(a: argparse.Namespace):
                        draft_dtype=a.draft_dtype, draft_quantize=a.draft_quantize, draft_vocab=a.draft_vocab,
                        device=a.device, exact=a.exact, quantize=a.quantize,
                        drafter=a.drafter, gamma=a.gamma, tree_budget=a.tree_budget,
-                       self_head=a.self_head, store_tokens=a.store_tokens, batch_wait_ms=a.batch_wait_ms,
+                       self_head=a.self_head, verify_head=a.verify_head, store_tokens=a.store_tokens,
+                       batch_wait_ms=a.batch_wait_ms,
                        threads=a.threads, run_dir=a.run_dir, trace_file=a.trace_file,
                        shared_memory=a.shared_memory, metrics_port=getattr(a, "metrics_port", 0),
                        http_listen=getattr(a, "http_listen", ""), policy=getattr(a, "policy", None),

@@ -53,6 +53,15 @@ def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: lis
             counts[0] += 1
             counts[1] += r.drafted
             counts[2] += r.accepted
+            # the verifier's own drafts, per step, by where they were drafted (no process crossed)
+            for source, steps, drafted, accepted in (("verify:lookup", r.lookup_steps, r.lookup_drafted,
+                                                       r.lookup_accepted),
+                                                      ("verify:head", r.head_steps, r.head_drafted, r.head_accepted)):
+                if steps:
+                    counts = by_source[source]
+                    counts[0] += steps
+                    counts[1] += drafted
+                    counts[2] += accepted
         div = first_divergence(list(off.token_ids), list(on.token_ids))
         if d.drafter == DEFAULT_REQUEST:
             label = d.label  # whatever AUTO chose, round by round

@@ -142,7 +142,7 @@ def print_table(rows: list[dict], header: str, memory: dict[str, int] | None = N
     mixes = [(r["drafter"], r["by_source"]) for r in rows if r["task_type"] == "ALL" and len(r["by_source"]) > 1]
     for drafter, mix in mixes:
         parts = [f"{src} {n} rounds acc.len {(acc + n) / n:.2f}" for src, (n, _, acc) in sorted(mix.items()) if n]
-        print(f"{drafter} rounds by source: " + "; ".join(parts), file=out)
+        print(f"{drafter} rounds (a verifier's: its steps) by where drafted: " + "; ".join(parts), file=out)
     chosen = [r for r in rows if r["drafter"].split("+")[0] == DEFAULT_REQUEST and r["task_type"] != "ALL"]
     if chosen:  # which drafter AUTO ran, per task type (none: it decided against speculating)
         per_type = [f"{r['task_type']} " + ", ".join(f"{d} {n}" for d, n in sorted(r["ran"].items())) for r in chosen]
