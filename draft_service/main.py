@@ -21,7 +21,7 @@ from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable
 from specsplit.serving.settings import DraftSettings, ModelSettings
 from specsplit.serving.worker import ModelWorker
-from specsplit.spec.store import OutputStore
+from specsplit.speculation.store import OutputStore
 
 log = logging.getLogger("specsplit")
 

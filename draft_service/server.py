@@ -21,8 +21,8 @@ from specsplit.serving.server import Rounds
 from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, SessionNotFound, SessionTable, TableFull
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA
 from specsplit.serving.worker import ModelWorker
-from specsplit.spec.drafting import Proposal
-from specsplit.spec.sampling import Method
+from specsplit.speculation.drafting import Proposal
+from specsplit.speculation.sampling import Method
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name

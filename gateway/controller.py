@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from gateway.gate import Prior
 from gateway.typestate import REBASE_CONTROL, Arms, TypeState, load_bucket, shift
 from specsplit.serving.settings import ControllerSettings
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.tokentree import verify_ms
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.tokentree import verify_ms
 
 log = logging.getLogger("specsplit")
 

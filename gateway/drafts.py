@@ -22,7 +22,7 @@ from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
-from specsplit.spec import tokentree
+from specsplit.speculation import tokentree
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns

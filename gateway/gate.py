@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.lookup import BigramIndex
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.lookup import BigramIndex
 
 DECAY = 0.95  # per asked round: acceptance is noisy round to round (a geometric run); bursts are the copy signal's
 PRIOR_ROUNDS = 4.0  # the type's prior counts as this many rounds of the request's own

@@ -26,7 +26,7 @@ from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
 from specsplit.serving import hops, shm, wire
-from specsplit.spec.cursor import Cursor
+from specsplit.speculation.cursor import Cursor
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns

@@ -32,7 +32,7 @@ from specsplit.model.modeling import chat_prompt_ids
 from specsplit.serving import shm, wire
 from specsplit.serving.server import unix_path
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA, GatewaySettings
-from specsplit.spec.sampling import SamplingParams
+from specsplit.speculation.sampling import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 VERIFY_SERVICE = vpb.DESCRIPTOR.services_by_name["Verifier"].full_name

@@ -1,5 +1,5 @@
 """A request's state in the gateway: the validated plan, where decoding stands (a
-specsplit.spec.cursor.Cursor), its links, and what each round
+specsplit.speculation.cursor.Cursor), its links, and what each round
 did (plain tuples, turned into messages, spans and metrics only after the answer)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from gateway.drafts import DraftSide
 from gateway.gate import Gate, Prior
 from gateway.payloads import Links
 from specsplit.api.common.v1 import common_pb2 as cpb
-from specsplit.spec.cursor import Cursor
-from specsplit.spec.sampling import SamplingParams
+from specsplit.speculation.cursor import Cursor
+from specsplit.speculation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from specsplit.serving.settings import ControllerSettings
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.tokentree import verify_ms
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.tokentree import verify_ms
 
 log = logging.getLogger("specsplit")
 

@@ -11,7 +11,7 @@ import sys
 def broken_rejection_accept(probs, draft, proposals, seed, start, parents=None):
     """Rejection sampling with the classic mistake: every draft tested against p, and resampling
     from p instead of the residual norm(max(0, p - q)) (over a chain or a tree's siblings)."""
-    from specsplit.spec.sampling import ACCEPT, RESAMPLE, SIBLING_ACCEPT, sample, uniform
+    from specsplit.speculation.sampling import ACCEPT, RESAMPLE, SIBLING_ACCEPT, sample, uniform
 
     parents = list(range(-1, len(draft) - 1)) if parents is None else parents
     path, row = [], 0
@@ -33,7 +33,7 @@ def broken_rejection_accept(probs, draft, proposals, seed, start, parents=None):
 def broken_coupled_accept(probs, draft, seed, start, parents=None):
     """Coupled verification with a plausible mistake: a draft token the target could have chosen
     (p > 0) is accepted, instead of only the one its (seed, position) noise chooses."""
-    from specsplit.spec.sampling import coupled_choice
+    from specsplit.speculation.sampling import coupled_choice
 
     parents = list(range(-1, len(draft) - 1)) if parents is None else parents
     path, row = [], 0

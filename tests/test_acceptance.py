@@ -1,6 +1,6 @@
 import torch
 
-from specsplit.spec.acceptance import argmax_rows, greedy_accept
+from specsplit.speculation.acceptance import argmax_rows, greedy_accept
 
 
 def logits_with_argmax(choices: list[int], vocab: int = 10) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""The round protocol's bookkeeping (specsplit.spec.cursor): whatever the verdicts, a drafter that
+"""The round protocol's bookkeeping (specsplit.speculation.cursor): whatever the verdicts, a drafter that
 does what a Propose says (roll back to base, append the new tokens) holds exactly the committed
 tokens plus at most the block it was told ahead; and no round drafts past the budget or the context."""
 
 import random
 
-from specsplit.spec.cursor import Cursor
+from specsplit.speculation.cursor import Cursor
 
 
 class Drafter:

@@ -12,7 +12,7 @@ from draft_service.drafters.selfdraft import SelfDrafter
 from specsplit.model.headfile import target_tensors
 from specsplit.model.identity import weights_fingerprint
 from specsplit.model.modeling import load_model
-from specsplit.spec.drafting import Proposal
+from specsplit.speculation.drafting import Proposal
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
 from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, split, train

@@ -208,7 +208,7 @@ def test_a_native_round_grows_the_tree_the_step_by_step_drafter_grows(kernel_pat
     tree = drafted.tree
     assert len(tree.tokens) > WIDTH  # it grew past the first depth
     assert all(s >= 0 for s in tree.scores) and all(-1 <= p < i for i, p in enumerate(tree.parents))
-    from specsplit.spec.tokentree import Tree
+    from specsplit.speculation.tokentree import Tree
 
     nodes = Tree()
     for parent, token, score in zip(*tree):

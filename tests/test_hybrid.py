@@ -6,7 +6,7 @@ import time
 from draft_service.drafters.base import DrafterDescription, DraftSession
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.ngram import NgramDrafter
-from specsplit.spec.drafting import Proposal
+from specsplit.speculation.drafting import Proposal
 
 
 class Head:

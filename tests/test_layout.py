@@ -1,6 +1,6 @@
 """The layout's rules (docs/architecture.md#layout), kept by a test so that a change that breaks one
 fails naming the file: no hand-written Python module of the product over 400 lines, no native
-source over 500, the speculation core (`specsplit/spec/`) importing only the standard library, torch
+source over 500, the speculation core (`specsplit/speculation/`) importing only the standard library, torch
 and itself, and no import cycle between the product's modules (lazy imports inside functions
 count: a cycle is a cycle however late it closes)."""
 
@@ -108,20 +108,20 @@ def test_no_native_source_over_500_lines():
 
 
 def test_the_speculation_core_imports_only_the_standard_library_torch_and_itself():
-    core = ROOT / "specsplit" / "spec"
+    core = ROOT / "specsplit" / "speculation"
     allowed = set(sys.stdlib_module_names) | {"torch"}
     wrong = {}
     for path in sorted(core.rglob("*.py")):
         for name in imported(path):
             top = name.split(".")[0]
-            if top not in allowed and not name.startswith("specsplit.spec") and top != "__future__":
+            if top not in allowed and not name.startswith("specsplit.speculation") and top != "__future__":
                 wrong.setdefault(path.name, set()).add(name)
-    assert not wrong, f"specsplit/spec/ must not import these (it is plain maths, no services): {wrong}"
+    assert not wrong, f"specsplit/speculation/ must not import these (it is plain maths, no services): {wrong}"
 
 
 def test_no_import_cycle_between_modules():
     found = modules()
-    assert "gateway.rounds" in found and "specsplit.spec.cursor" in found  # the walk sees the product
+    assert "gateway.rounds" in found and "specsplit.speculation.cursor" in found  # the walk sees the product
     loops = cycles(graph(found))
     assert not loops, f"import cycles (move what both need below them): {loops}"
 
@@ -138,7 +138,7 @@ def layer(module: str) -> tuple[int, str]:
     if parts[0] in ("verify_service", "draft_service", "gateway"):
         return 3, parts[0]
     sub = parts[1] if len(parts) > 1 else ""
-    order = {"spec": 0, "model": 1, "serving": 2, "tools": 4, "cli": 5}
+    order = {"speculation": 0, "model": 1, "serving": 2, "tools": 4, "cli": 5}
     return (order[sub], sub) if sub in order else (-1, sub)  # errors, extras, api: under everything
 
 

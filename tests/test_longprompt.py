@@ -16,7 +16,7 @@ from conftest import native_model
 from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import load_model
 from specsplit.model.prefixcache import BLOCK, PrefixCache
-from specsplit.spec.sampling import SamplingParams
+from specsplit.speculation.sampling import SamplingParams
 from verify_service.engine import Target
 
 

@@ -1,7 +1,7 @@
-"""Prompt lookup's bigram index (specsplit/spec/lookup.py): the verifier copies what followed the
+"""Prompt lookup's bigram index (specsplit/speculation/lookup.py): the verifier copies what followed the
 occurrence of the last two tokens that agrees longest with the context, and indexes a growing list."""
 
-from specsplit.spec.lookup import BigramIndex, OutputIndex
+from specsplit.speculation.lookup import BigramIndex, OutputIndex
 
 
 def test_no_copy_where_the_last_two_tokens_are_new():
@@ -31,7 +31,7 @@ def test_indexes_a_growing_sequence_as_it_grows():
 
 
 def test_lookups_draft_what_pays_at_their_rate_and_the_forwards_cost_by_width():
-    from specsplit.spec.lookup import Agreement
+    from specsplit.speculation.lookup import Agreement
 
     flat_then_dear = [3.0, 3.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]  # up to 3 rows cost one; then 1 ms a row
     odds = Agreement()

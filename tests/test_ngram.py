@@ -1,7 +1,7 @@
 from draft_service.drafters.base import DraftSession
 from draft_service.drafters.ngram import NgramDrafter, lookup
-from specsplit.spec.drafting import Proposal
-from specsplit.spec.store import OutputStore
+from specsplit.speculation.drafting import Proposal
+from specsplit.speculation.store import OutputStore
 
 
 def test_longest_suffix_wins():

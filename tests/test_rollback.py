@@ -1,4 +1,4 @@
-"""specsplit.spec.rollback's contract, held against every cache that meets it: the target's KV cache and
+"""specsplit.speculation.rollback's contract, held against every cache that meets it: the target's KV cache and
 the model drafter's (the same Sequence, native and transformers), and the self-draft head's
 one-layer caches (torch and native)."""
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specsplit.spec import acceptance
-from specsplit.spec.acceptance import coupled_accept, rejection_accept
-from specsplit.spec.sampling import Method, SamplingParams, coupled_choice, sample, warp
+from specsplit.speculation import acceptance
+from specsplit.speculation.acceptance import coupled_accept, rejection_accept
+from specsplit.speculation.sampling import Method, SamplingParams, coupled_choice, sample, warp
 
 
 def dense(*probs: float) -> torch.Tensor:
@@ -151,7 +151,7 @@ def test_drafter_choice_per_method():
     """choose(): greedy takes argmax q; coupled takes the Gumbel-max choice with the verifier's
     noise; rejection samples from q cut to its top-k and returns exactly that distribution."""
     from draft_service.drafters.base import DraftSession
-    from specsplit.spec.drafting import choose
+    from specsplit.speculation.drafting import choose
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
     session = DraftSession([7, 8, 9])

@@ -12,8 +12,8 @@ from gateway.load import InFlight, Load
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.model.modeling import KVSequence, load_model
-from specsplit.spec.drafting import Choice, chain_tree
-from specsplit.spec.tokentree import Tree, depths, prune, worth_verifying
+from specsplit.speculation.drafting import Choice, chain_tree
+from specsplit.speculation.tokentree import Tree, depths, prune, worth_verifying
 from verify_service.engine import Target
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]

@@ -3,8 +3,8 @@ one-row steps and the service's cost of one more row, from lone decode-ahead for
 
 from __future__ import annotations
 
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.lookup import Agreement
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.lookup import Agreement
 from verify_service.widths import Widths
 
 
@@ -36,7 +36,7 @@ def test_a_session_under_rejection_sampling_keeps_the_start_curve():
     """Its text for a seed depends on what was drafted: a depth that followed the machine's moment
     would make a repeated request's text differ. Greedy and coupled sampling do not depend on the
     drafts, and follow the live costs."""
-    from specsplit.spec.sampling import Method, SamplingParams
+    from specsplit.speculation.sampling import Method, SamplingParams
 
     widths, step = Widths(), Ewma(0.9)
     start = [3.0, 3.1, 3.2]

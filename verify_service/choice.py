@@ -1,5 +1,5 @@
 """How the verifier chooses its tokens: from a call's logits, the accepted path and the token after
-it, greedy, coupled or by rejection sampling (specsplit.spec.acceptance); under a constraint each
+it, greedy, coupled or by rejection sampling (specsplit.speculation.acceptance); under a constraint each
 row read keeps only the tokens its language allows (specsplit.serving.grammar.Walk, row by row:
 greedy checks the row's own argmax and computes the whole mask only where it is not allowed)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.spec.acceptance import argmax_rows, coupled_accept, greedy_accept, rejection_accept
-from specsplit.spec.sampling import Method, SamplingParams, warp
-from specsplit.spec.tokentree import follow
+from specsplit.speculation.acceptance import argmax_rows, coupled_accept, greedy_accept, rejection_accept
+from specsplit.speculation.sampling import Method, SamplingParams, warp
+from specsplit.speculation.tokentree import follow
 
 
 class Warped:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.api.verify.v1 import verify_pb2 as pb
-from specsplit.spec.lookup import OutputIndex
+from specsplit.speculation.lookup import OutputIndex
 from verify_service.engine import TargetSession
 
 

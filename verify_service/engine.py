@@ -13,11 +13,11 @@ import torch
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
 from specsplit.serving import hops
 from specsplit.serving.grammar import Language, Matcher
-from specsplit.spec import tokentree
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.lookup import Agreement, BigramIndex
-from specsplit.spec.rollback import TreeRollback
-from specsplit.spec.sampling import Logprobs, Method, SamplingParams, token_logprobs
+from specsplit.speculation import tokentree
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.lookup import Agreement, BigramIndex
+from specsplit.speculation.rollback import TreeRollback
+from specsplit.speculation.sampling import Logprobs, Method, SamplingParams, token_logprobs
 from verify_service.choice import decide
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specsplit.model.headserving import HeadTrack, NativeHead
-from specsplit.spec.lookup import Agreement
+from specsplit.speculation.lookup import Agreement
 
 MIN_EXPAND = 0.05  # unused by chains; a HeadRound carries it
 

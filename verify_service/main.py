@@ -19,7 +19,7 @@ from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable
 from specsplit.serving.settings import VerifySettings
 from specsplit.serving.worker import ModelWorker
-from specsplit.spec.lookup import OutputIndex
+from specsplit.speculation.lookup import OutputIndex
 from verify_service.engine import Target
 from verify_service.headdraft import VerifierHead
 from verify_service.server import SERVICE_NAME, VerifierServicer, register

@@ -13,8 +13,8 @@ import itertools
 import math
 from typing import TYPE_CHECKING
 
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.sampling import Method, SamplingParams
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.sampling import Method, SamplingParams
 
 if TYPE_CHECKING:
     from specsplit.model.modeling import LoadedModel

@@ -8,9 +8,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from specsplit.spec.drafting import Proposal
-from specsplit.spec.sampling import Method, SamplingParams
-from specsplit.spec.tokentree import verify_ms
+from specsplit.speculation.drafting import Proposal
+from specsplit.speculation.sampling import Method, SamplingParams
+from specsplit.speculation.tokentree import verify_ms
 
 GREEDY = SamplingParams()
 

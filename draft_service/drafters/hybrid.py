@@ -17,9 +17,9 @@ from collections import OrderedDict
 
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive, is_stepped, steps_of
 from draft_service.drafters.ngram import NgramDrafter
-from specsplit.spec.drafting import Proposal
-from specsplit.spec.ewma import Ewma
-from specsplit.spec.tokentree import chain, follow
+from specsplit.speculation.drafting import Proposal
+from specsplit.speculation.ewma import Ewma
+from specsplit.speculation.tokentree import chain, follow
 
 DECAY = 0.8  # per round: recent rounds weigh most (a session's text changes character)
 PRIOR_WEIGHT = 2.0  # the priors count as this many rounds

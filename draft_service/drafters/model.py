@@ -18,7 +18,7 @@ import torch
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
 from specsplit.model.fastllama import Feed
 from specsplit.model.modeling import KVSequence, LoadedModel, Sequence
-from specsplit.spec.drafting import Choice, Proposal, chain_tree, choose, sampled_from
+from specsplit.speculation.drafting import Choice, Proposal, chain_tree, choose, sampled_from
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `specsplit distill --kind model`
 

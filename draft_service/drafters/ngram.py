@@ -4,9 +4,9 @@ in the session's own tokens (prompt lookup) and then in a bounded store of earli
 from __future__ import annotations
 
 from draft_service.drafters.base import DrafterDescription, DraftSession
-from specsplit.spec.drafting import Proposal, tree_proposal
-from specsplit.spec.store import OCCURRENCES, WIDTH, OutputStore, occurrences, pack
-from specsplit.spec.tokentree import Tree
+from specsplit.speculation.drafting import Proposal, tree_proposal
+from specsplit.speculation.store import OCCURRENCES, WIDTH, OutputStore, occurrences, pack
+from specsplit.speculation.tokentree import Tree
 
 # How often the target follows a copied continuation, per token, by the length of the match it
 # came from (1, 2, 3+ tokens; a long match in the store of earlier outputs as 3+): a prior that

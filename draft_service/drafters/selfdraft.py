@@ -11,8 +11,8 @@ import torch
 from draft_service.drafters.base import DrafterDescription, DraftSession, Steps, drive
 from specsplit.model.headfile import head_runner, load_head, max_context
 from specsplit.model.headserving import HeadCall, HeadTrack, NativeHead
-from specsplit.spec.drafting import Choice, Proposal, candidates, chain_tree, choose, sampled_from
-from specsplit.spec.tokentree import Tree
+from specsplit.speculation.drafting import Choice, Proposal, candidates, chain_tree, choose, sampled_from
+from specsplit.speculation.tokentree import Tree
 
 WIDTH = 3  # token trees: nodes expanded per depth, and children per node
 MIN_EXPAND = 0.05  # token trees: a node whose path probability is below this is not expanded

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specsplit.model import native
-from specsplit.spec import rollback
+from specsplit.speculation import rollback
 
 SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 # "": the model's own dtype; "int8": int8 weights per output row, widened to bf16 (bf16 models);
@@ -270,7 +270,7 @@ class KVBuffer:
         return self.kv.shape[2]
 
     def truncate(self, length: int) -> None:
-        """specsplit.spec.rollback's contract."""
+        """specsplit.speculation.rollback's contract."""
         rollback.check(self.length, length)
         self.length = length
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specsplit.spec import rollback
+from specsplit.speculation import rollback
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class HeadCache:
         return 0 if self.k is None else self.k.shape[2]
 
     def truncate(self, length: int) -> None:
-        """specsplit.spec.rollback's contract."""
+        """specsplit.speculation.rollback's contract."""
         rollback.check(self.length, length)
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]

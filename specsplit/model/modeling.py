@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specsplit.model.identity import tokenizer_fingerprint, weights_fingerprint
-from specsplit.spec import rollback
-from specsplit.spec.rollback import Rollback
+from specsplit.speculation import rollback
+from specsplit.speculation.rollback import Rollback
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
           "float16": torch.float16, "fp16": torch.float16}
@@ -320,7 +320,7 @@ def _native(model: nn.Module, quantize: str = "", head_ids: torch.Tensor | None 
 
 class Sequence(Rollback, Protocol):
     """One sequence's KV cache: tokens fed are appended at positions [length, length + n);
-    truncate(length) rolls back by position (specsplit.spec.rollback)."""
+    truncate(length) rolls back by position (specsplit.speculation.rollback)."""
 
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor: ...
 

@@ -9,7 +9,7 @@ import math
 import torch
 
 from specsplit.api.common.v1 import common_pb2 as pb
-from specsplit.spec.sampling import Logprobs, Method, SamplingParams, TokenLogprob
+from specsplit.speculation.sampling import Logprobs, Method, SamplingParams, TokenLogprob
 
 _WIRE = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.int16),
          "float32": (torch.float32, torch.int32)}

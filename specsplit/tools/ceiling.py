@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from specsplit.api.verify.v1 import verify_pb2 as vpb
-from specsplit.spec.lookup import Agreement
+from specsplit.speculation.lookup import Agreement
 from specsplit.tools.workload import Prompt
 from verify_service.decoding import Decoding
 

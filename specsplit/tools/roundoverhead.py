@@ -59,7 +59,7 @@ class _StubDrafter:
         return DraftSession(prompt)
 
     def propose(self, session, gamma: int, budget: int = 0):
-        from specsplit.spec.drafting import Proposal
+        from specsplit.speculation.drafting import Proposal
 
         return Proposal([TOKEN] * gamma, "stub")
 

@@ -1,6 +1,6 @@
 """The draft side of a round: what a drafter proposes (a chain or a token tree, with the
 distributions its tokens were drawn from) and how a model drafter draws its tokens so that the
-verifier's acceptance (specsplit.spec.acceptance) stays lossless:
+verifier's acceptance (specsplit.speculation.acceptance) stays lossless:
 
 - greedy: argmax of the drafter's distribution q;
 - coupled: argmax(log q + g) with the verifier's own Gumbel noise g for the absolute position, so
@@ -16,8 +16,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specsplit.spec.sampling import DRAFT, SIBLING_DRAFT, Method, SamplingParams, gumbel, sample, warp
-from specsplit.spec.tokentree import Tree
+from specsplit.speculation.sampling import DRAFT, SIBLING_DRAFT, Method, SamplingParams, gumbel, sample, warp
+from specsplit.speculation.tokentree import Tree
 
 
 class Drafting(Protocol):
@@ -35,7 +35,7 @@ class Proposal(NamedTuple):
     # Rejection sampling: the sparse distribution (ids, probs) each token was sampled from.
     # None: the tokens are a deterministic function of the context (a point mass each).
     probs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    # A token tree (specsplit.spec.tokentree): each token's parent index (-1: the committed tokens) and
+    # A token tree (specsplit.speculation.tokentree): each token's parent index (-1: the committed tokens) and
     # the drafter's estimate that the target follows the path to it, best first. None: a chain.
     parents: list[int] | None = None
     scores: list[float] | None = None

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from specsplit.spec.sampling import ACCEPT, SIBLING_ACCEPT, coupled_choice, sample, uniform
-from specsplit.spec.tokentree import children_of, follow
+from specsplit.speculation.sampling import ACCEPT, SIBLING_ACCEPT, coupled_choice, sample, uniform
+from specsplit.speculation.tokentree import children_of, follow
 
 
 def greedy_accept(logits: torch.Tensor, draft: list[int], parents: list[int] | None = None,
                   chosen: list[int] | None = None) -> tuple[list[int], int]:
     """logits: [k+1, vocab] target logits of the call's rows (row 0: the last committed token,
-    row i + 1: draft[i]); draft: k proposed tokens, a chain or a tree (see specsplit.spec.tokentree.follow).
+    row i + 1: draft[i]); draft: k proposed tokens, a chain or a tree (see specsplit.speculation.tokentree.follow).
 
     Returns (accepted draft indices, next_token): the longest path of the draft that equals the
     target's own argmax choices, and the target's choice right after it — the recovered token at

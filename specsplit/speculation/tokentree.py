@@ -4,7 +4,7 @@ whose parents are -1, 0, 1, ...
 
 Drafters score candidate nodes (the estimated probability that the target follows the path to
 the node) and `Tree.select` keeps the best `budget` of them, best first from the root, so every
-kept node's parent is kept too. The verifier walks the tree (specsplit.spec.acceptance)."""
+kept node's parent is kept too. The verifier walks the tree (specsplit.speculation.acceptance)."""
 
 from __future__ import annotations
 
