@@ -330,3 +330,47 @@ def shm_dir(monkeypatch) -> Path:
     monkeypatch.setenv("SPECSPLIT_SHM_DIR", str(d))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+# --- the run leaves no process behind ---
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """Live (not zombie) processes below `root`, from /proc: (pid, command name)."""
+    parents: dict[int, tuple[int, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if rest[0] != "Z":
+            parents[int(entry.name)] = (int(rest[1]), name)
+    found, frontier = [], {root}
+    while frontier:
+        frontier = {pid for pid, (ppid, _) in parents.items() if ppid in frontier}
+        found += [(pid, parents[pid][1]) for pid in sorted(frontier)]
+    return found
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Every process a test started must be gone when the run ends (a leaked service holds ports,
+    shared memory and CPU): waits up to 10 s for stragglers, then kills them and fails the run
+    naming them."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + 10
+    left = _descendants(os.getpid())
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _descendants(os.getpid())
+    if not left:
+        return
+    for pid, _ in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    session.config.get_terminal_writer().line(f"processes left by the run (killed): {left}", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
