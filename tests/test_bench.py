@@ -110,7 +110,7 @@ def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, sh
     row = roundoverhead.measure(transport, shared_memory, requests=2, tokens=24, gamma=4)
     assert row["rounds"] == 2 * 5  # 23 tokens after the first, 4 drafts + 1 per round (the last round shorter)
     assert row["fast_path"] == ("2/2" if shared_memory else "0/2")
-    assert 0 < row["median"] < 1000 and row["network"] > 0
+    assert row["median"] > 0 and row["network"] > 0  # measured, not judged: benches print figures
 
 
 async def test_bench_measures_the_target_step_per_forward_and_the_default_request_beside_drafters(models, tmp_path):

@@ -56,16 +56,13 @@ async def test_a_call_is_given_up_only_when_the_whole_service_stalls(monkeypatch
             cancelled.set()
             raise
 
-    loop = asyncio.get_running_loop()
-    t = loop.time()
     try:
         await watch.guard("ngram", "next", hang())
         raise AssertionError("a stalled call was not given up")
     except TimeoutError as e:
         assert "ngram drafter's budget" in str(e)
-    assert loop.time() - t < 30  # given up after its budget (0.5 s), not after the 60 s hang
     await asyncio.sleep(0)
-    assert cancelled.is_set()
+    assert cancelled.is_set()  # given up and cancelled, not left to end its 60 s on its own
 
 
 async def test_a_lost_drafter_is_down_until_a_probe_answers(monkeypatch):
