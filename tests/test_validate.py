@@ -54,6 +54,9 @@ def test_validate_writes_the_report_and_a_policy_the_gateway_starts_from(models,
     # speculation off for AUTO requests (a fresh controller starts with it on).
     done = _validate(models, tmp_path, prompts, "--gate", "1000")
     assert done.returncode == 0, done.stderr[-3000:]
+    from specsplit.model import native
+
+    assert f"kernel path: {native.describe()}" in done.stdout  # the stack ran here, on this path
     out = tmp_path / "out"
     report = (out / "report.md").read_text()
     for heading in ("## Verdicts", "## Per task type", "## Acceptance length by output position",

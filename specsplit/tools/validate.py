@@ -246,6 +246,10 @@ def main(args, config: StackConfig) -> int:
             "tree_budget": first.tree_budget}} for v in verdicts})
         written.append(out / "policy.json")
     written += write_report(out, verdicts, formats, first, args, draft_memory, target)
+    if not args.gateway:  # the stack ran here: say which kernel path served it
+        from specsplit.model import native
+
+        print(f"kernel path: {native.describe()}")
     for v in verdicts:
         print(f"{v.task_type:<12} {v.verdict:<9} {v.reason}")
     print("wrote " + ", ".join(str(p) for p in written))
