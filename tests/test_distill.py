@@ -184,3 +184,42 @@ def test_a_head_continues_from_an_exported_one(data, models, self_head, tmp_path
     assert torch.equal(runs["continued"]["head"].vocab_ids, shipped["vocab_ids"])
     assert runs["continued"]["losses"][0] < runs["fresh"]["losses"][0]
     assert runs["continued"]["init_head"]["head"] == self_head.name and "init_head" not in runs["fresh"]
+
+
+def test_continuous_batching_decodes_each_prompt_as_alone(models):
+    """A sequence's slot is refilled mid-run and rows of different lengths share forwards: each
+    continuation is still the one the prompt gets decoded by itself."""
+    lm = load_model(models["target"], "float32", exact=False)
+    prompts = [[3 + i, 40 + 2 * i, 7] * (1 + i % 3) for i in range(7)]
+    together = dict(gen.decode_native(lm, prompts, 20, slots=3))
+    alone = {i: dict(gen.decode_native(lm, [p], 20, slots=1))[0] for i, p in enumerate(prompts)}
+    assert together == alone and sorted(together) == list(range(7))
+    assert all(0 < len(c) <= 20 for c in together.values())
+    seq = lm.native.sequence()  # greedy: each token is the argmax after the ones before it
+    cont = together[4]
+    logits = seq.forward(prompts[4] + cont[:-1])
+    assert logits[len(prompts[4]) - 1:].argmax(-1).tolist() == cont
+
+
+def test_the_prompt_list_only_grows_at_its_end_and_shards_must_match_it(models, tmp_path):
+    from specsplit.tools.distill.pipeline import DistillSettings, prompt_list
+
+    lm = load_model(models["target"], "float32", exact=False)
+    quiet = dict(log=lambda *_: None)
+    first = [{"task_type": "a", "prompt": f"p{i}"} for i in range(5)]
+    settings = DistillSettings(target_model=str(models["target"]), out=str(tmp_path))
+    assert prompt_list(tmp_path, first, lm, settings, **quiet) == first
+    # Other sources later: what was kept stays in place, the new ones follow, repeats are dropped.
+    later = [{"task_type": "b", "prompt": p} for p in ("q0", "p3", "q1")]
+    grown = prompt_list(tmp_path, later, lm, settings, **quiet)
+    assert [r["prompt"] for r in grown] == ["p0", "p1", "p2", "p3", "p4", "q0", "q1"]
+    # The target writes its own user turns up to the count asked, once: a rerun writes none.
+    written = prompt_list(tmp_path, [], lm, DistillSettings(**{**vars(settings), "target_prompts": 3}), **quiet)
+    mine = [r for r in written if r["task_type"] == "target-written"]
+    assert written[:7] == grown and 0 < len(mine) <= 3 and len({r["prompt"] for r in mine}) == len(mine)
+    assert prompt_list(tmp_path, [], lm, DistillSettings(**{**vars(settings), "target_prompts": len(mine)}),
+                       **quiet) == written
+    gen.run(lm, written, tmp_path, 60, 4, 6)
+    assert len(gen.shard_paths(tmp_path)) == (len(written) + 3) // 4
+    with pytest.raises(ValueError, match="does not continue prompt 0"):
+        gen.check_shards(lm.tokenizer, written[1:], tmp_path, 4)

@@ -34,6 +34,13 @@ def add(sub) -> None:
     dist.add_argument("--init-head", help="--kind self: start from this exported head (its weights and draft "
                                           "vocabulary) instead of the target's last layer, to continue it on "
                                           "more data")
+    dist.add_argument("--target-prompts", type=int, default=0,
+                      help="also this many user turns the target writes itself from its chat template (sampled, "
+                           "seeded, deduplicated): prompts in its own users' words for any target; kept in "
+                           "OUT/data/prompts.jsonl, so a rerun writes only the ones still missing")
+    dist.add_argument("--quantize", default="auto",
+                      help="the target's weights while generating and for the features, as the verifier's "
+                           "--quantize (auto: what it serves)")
     dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
     dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
     dist.add_argument("--train-steps", type=int, default=0,
@@ -72,6 +79,7 @@ def run_distill(a: argparse.Namespace) -> int:
                             draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
                             prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
+                            target_prompts=a.target_prompts, quantize=a.quantize,
                             init_head=str(resolve_head(a.init_head)) if a.init_head else None))
     return 0
 

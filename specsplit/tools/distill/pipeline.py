@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specsplit.model import catalog
+from specsplit.model import catalog, weightchoice
 from specsplit.model.featurehead import HeadConfig
 from specsplit.model.headfile import HEAD_FORMAT, target_tensors
 from specsplit.model.modeling import load_model
 from specsplit.tools.distill import gen
-from specsplit.tools.distill.prompts import load_prompts
+from specsplit.tools.distill.prompts import load_prompts, target_written
 from specsplit.tools.distill.standalone import export_standalone, train_standalone
 from specsplit.tools.distill.train import TrainSettings, load_examples, train
 
@@ -45,16 +45,20 @@ class DistillSettings:
     prompt_seeds: tuple[int, ...] = (0,)  # the built-in set: each seed adds its new prompts after the others
     data_fractions: tuple[float, ...] = (1.0,)  # several: also train on leading shares of the data, same budget each
     init_head: str | None = None  # self: start from this head (its weights and vocabulary), e.g. on more data
+    target_prompts: int = 0  # also this many user turns the target writes itself (prompts.target_written)
+    quantize: str = "auto"  # the target's weights, as the verifier's --quantize: the data is what it serves
 
 
 def distill(s: DistillSettings, log=print) -> Path:
-    prompts = load_prompts(s.prompts, s.prompt_seeds) if "generate" in s.stages else []  # a bad file fails first
+    given = load_prompts(s.prompts, s.prompt_seeds) if "generate" in s.stages else []  # a bad file fails first
     out = Path(s.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     target_dir = catalog.resolve(s.target_model)
     data_dir = out / "data"
-    lm = load_model(target_dir, s.dtype, s.device, exact=False)
+    quantize = weightchoice.resolve(s.quantize, s.target_model, s.dtype, s.device)
+    lm = load_model(target_dir, s.dtype, s.device, exact=False, quantize=quantize)
     if "generate" in s.stages:
+        prompts = prompt_list(data_dir, given, lm, s, log)
         log(f"generate: {len(prompts)} prompts, up to {s.max_new_tokens} new tokens each, budget {s.gen_minutes} min")
         started = time.monotonic()
         gen.run(lm, prompts, data_dir, s.gen_minutes * 60, s.batch, s.max_new_tokens)
@@ -106,6 +110,31 @@ def distill(s: DistillSettings, log=print) -> Path:
     return out / "model"
 
 
+def prompt_list(data_dir: Path, given: list[dict], lm, s: DistillSettings, log=print) -> list[dict]:
+    """The data's prompts in shard order, kept in data_dir/prompts.jsonl: the ones kept from earlier
+    runs first, then the new ones given (a file or the built-in seeds), then the user turns the target
+    writes itself until s.target_prompts of them are kept (appended as they come, so a stopped run
+    keeps what it wrote). The list only grows at its end, so every shard already written keeps its
+    prompts however the sources change."""
+    path = data_dir / "prompts.jsonl"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    kept = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    seen = {r["prompt"] for r in kept}
+    new = [r for r in given if r["prompt"] not in seen and not seen.add(r["prompt"])]
+    with path.open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in new)
+        written = sum(r["task_type"] == "target-written" for r in kept + new)
+        if s.target_prompts > written:
+            log(f"prompts: the target writes {s.target_prompts - written} user turns ({written} kept)")
+            for r in target_written(lm, s.target_prompts - written, seed=written, log=log):
+                if r["prompt"] not in seen:
+                    seen.add(r["prompt"])
+                    new.append(r)
+                    f.write(json.dumps(r) + "\n")
+                    f.flush()
+    return kept + new
+
+
 def curve_table(curve: list[dict]) -> str:
     """Held-out accuracy per drafting step against the amount of training data."""
     steps = len(curve[0]["held_out_step_accuracy"])
@@ -136,6 +165,7 @@ def _card(work: Path, lm, s: DistillSettings) -> dict:
                        "tokenizer_fingerprint": lm.fingerprint},
             "recipe": {"command": "specsplit distill", "kind": s.kind, "prompts": s.prompts or "built-in",
                        "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
+                       "target_prompts": s.target_prompts, "weights": lm.native.kernel if lm.native else "transformers",
                        "train": notes.get("train_settings", {}), **({"target_layers": notes["layers"]}
                                                                         if "layers" in notes else {}),
                        **({"init_head": notes["init_head"]} if "init_head" in notes else {}),

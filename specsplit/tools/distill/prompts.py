@@ -182,6 +182,53 @@ def builtin_prompts(seed: int = 0) -> list[dict]:
     return out
 
 
+# How the target's own user turns begin: requests of every kind its users send (code, structured
+# output, rewrites, questions, translation, advice), each continued by the target itself.
+OPENERS = ["Write", "Write a Python", "Write a function", "How do I", "How can I", "What is", "What are", "Explain",
+           "Can you", "Create", "List", "Summarize", "Translate", "Give me", "Why", "I", "Please", "Generate",
+           "Convert", "Describe", "Compare", "Help me", "Make a", "Rewrite", "Fix", "Tell me", "Suggest", "Is it",
+           "Design", "Calculate"]
+
+
+def target_written(lm, count: int, seed: int = 0, max_tokens: int = 64, log=print):
+    """Up to `count` distinct user turns the target writes itself, yielded as each is accepted: its
+    chat template up to a user's message, an opener, and the target's sampled continuation up to
+    its end of turn (temperature 0.9, top 50, seeded). Turns cut by the budget, shorter than four
+    words, or seen before are dropped. Any target with a chat template, no data set needed; they
+    come out the way its own users' requests might, across the kinds the openers start. A target
+    that rarely ends a turn gives fewer: at most 20 tries a prompt, and the log says how many it kept."""
+    from tqdm import tqdm
+
+    from specsplit.tools.distill.gen import Sampler, decode_native
+
+    tokenizer, rng = lm.tokenizer, random.Random(seed)
+    mark = "\x00turn\x00"
+    template = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    prefix = template[:template.index(mark)]
+    eos, sampler = set(lm.eos_token_ids), Sampler(0.9, 50, seed)
+    kept, seen, tries = 0, set(), 0
+    bar = tqdm(total=count, desc="prompts the target writes", unit="prompt")
+    while kept < count and tries < 20 * count:
+        openers = [rng.choice(OPENERS) for _ in range(min(4 * (count - kept), 64, 20 * count - tries))]
+        tries += len(openers)
+        ids = [tokenizer(prefix + o, add_special_tokens=False)["input_ids"] for o in openers]
+        for i, cont in decode_native(lm, ids, max_tokens, sampler):
+            if kept >= count:
+                break
+            if cont[-1] not in eos:
+                continue
+            text = (openers[i] + tokenizer.decode(cont[:-1])).strip()
+            key = " ".join(text.lower().split())
+            if len(text.split()) >= 4 and key not in seen:
+                seen.add(key)
+                kept += 1
+                bar.update(1)
+                yield {"task_type": "target-written", "prompt": text}
+    bar.close()
+    if kept < count:
+        log(f"prompts: the target wrote {kept} of {count} usable user turns in {tries} tries")
+
+
 def load_prompts(path: str | None, seeds: tuple[int, ...] = (0,)) -> list[dict]:
     """A JSONL file of {"prompt": ..., "task_type": ...} (task_type optional), or the built-in set:
     the prompts of each seed that the seeds before it did not have, appended in seed order (so the
