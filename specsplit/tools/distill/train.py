@@ -58,7 +58,7 @@ def load_examples(data_dir: Path, target=None, log=print) -> list[dict]:
 def add_features(target, examples: list[dict]) -> None:
     from specsplit.model.modeling import KVSequence
 
-    for ex in examples:
+    for ex in tqdm(examples, desc="features", unit="seq", mininterval=5):
         ex["features"] = KVSequence(target).hidden(ex["ids"][:-1].tolist()).detach().cpu()
 
 
