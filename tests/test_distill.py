@@ -16,6 +16,7 @@ from specsplit.speculation.drafting import Proposal
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
 from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, split, train
+from specsplit.tools.distill.train import features as train_features
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +31,31 @@ def test_generated_features_reproduce_the_targets_own_tokens(data):
     lm, work = data
     shards = [ex for path in gen.shard_paths(work / "data") for ex in torch.load(path, weights_only=True)]
     assert shards and all(set(ex) == {"ids", "prompt_len", "task_type"} for ex in shards)  # ids only
-    with pytest.raises(ValueError, match="no features"):
-        load_examples(work / "data")
-    examples = load_examples(work / "data", lm, log=lambda *_: None)  # features by one prefill each
-    assert len(examples) == 8
-    for ex in examples:
+    # The features the generating forwards computed are cached beside the shards ...
+    cached = load_examples(work / "data")
+    assert len(cached) == 8
+    for ex in cached:
         assert ex["features"].shape == (len(ex["ids"]) - 1, lm.hidden_size)
         # The feature at position i is what the target read to choose token i+1.
         cont = slice(ex["prompt_len"] - 1, None)
         chosen = lm.model.lm_head(ex["features"][cont].float()).argmax(-1)
         assert torch.equal(chosen, ex["ids"][ex["prompt_len"]:].long())
+    # ... and are the very ones one prefill per sequence gives (rows do not depend on their batch).
+    prefilled = train_features(lm, shards)
+    assert all(torch.equal(ex["features"], f) for ex, f in zip(cached, prefilled))
+
+
+def test_missing_features_are_computed_once_and_cached(data, tmp_path):
+    lm, work = data
+    (tmp_path / "data").mkdir()
+    for path in gen.shard_paths(work / "data"):
+        (tmp_path / "data" / path.name).write_bytes(path.read_bytes())  # the ids alone, as a clone has them
+    with pytest.raises(ValueError, match="no features cached"):
+        load_examples(tmp_path / "data")
+    first = load_examples(tmp_path / "data", lm, log=lambda *_: None)
+    assert all(gen.features_path(p).is_file() for p in gen.shard_paths(tmp_path / "data"))
+    again = load_examples(tmp_path / "data")  # no target needed the second time
+    assert all(torch.equal(a["features"], b["features"]) for a, b in zip(first, again))
 
 
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(data, models):
@@ -193,6 +209,9 @@ def test_continuous_batching_decodes_each_prompt_as_alone(models):
     prompts = [[3 + i, 40 + 2 * i, 7] * (1 + i % 3) for i in range(7)]
     together = dict(gen.decode_native(lm, prompts, 20, slots=3))
     alone = {i: dict(gen.decode_native(lm, [p], 20, slots=1))[0] for i, p in enumerate(prompts)}
+    with_features = {i: (c, f) for i, c, f in gen.decode_native(lm, prompts, 20, slots=3, features=True)}
+    assert {i: c for i, (c, _) in with_features.items()} == together
+    assert all(f.shape == (len(prompts[i]) + len(c) - 1, lm.hidden_size) for i, (c, f) in with_features.items())
     assert together == alone and sorted(together) == list(range(7))
     assert all(0 < len(c) <= 20 for c in together.values())
     seq = lm.native.sequence()  # greedy: each token is the argmax after the ones before it

@@ -4,9 +4,10 @@ resumable shards of token ids.
 The draft must imitate *this* target, so the data is what the target says, not reference text, and
 it is said by the weights the verifier serves (the native kernels, continuously batched: a finished
 sequence's slot takes the next prompt in the same forward). The shards keep token ids only (a few
-bytes a token; the features would be ~1 KiB a token), so a data set can be kept and grown over many
-runs; training computes the target's features of every position by one prefill per sequence
-(train.load_examples), with the forward the verifier serves.
+bytes a token), so a data set can be kept and grown over many runs. The target's features of every
+position (~1 KiB a token) are what its forwards computed on the way, kept beside the shards in a
+cache a fresh machine rebuilds (`features_path`; train.load_examples recomputes what is missing
+by one prefill per sequence: 560-720 tok/s on 2 AVX2 cores, so an hour for a million tokens).
 """
 
 from __future__ import annotations
@@ -47,32 +48,35 @@ class Sampler:
 
 @torch.inference_mode()
 def decode_native(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler | None = None,
-                  slots: int = SLOTS, done=None):
+                  slots: int = SLOTS, features: bool = False):
     """Continuations of every prompt on the native forward, `slots` sequences per forward; yields
-    (index, continuation) as each finishes (at EOS, included, or the budget). done(index,
-    continuation) may end a sequence early. Greedy unless a sampler says otherwise."""
+    (index, continuation) as each finishes (at EOS, included, or the budget), or with `features`
+    (index, continuation, the features of prompt + continuation but its last token, bfloat16: the
+    rows the forwards read). Greedy unless a sampler says otherwise."""
     from specsplit.model.fastllama import Feed
 
     fast, eos = lm.native, set(lm.eos_token_ids)
     sampler = sampler or Sampler()
     queue = list(range(len(prompts)))[::-1]
-    active: dict[int, tuple] = {}  # index -> (sequence, rows to feed, continuation so far)
+    active: dict[int, tuple] = {}  # index -> (sequence, rows to feed, continuation so far, features so far)
     while queue or active:
         while queue and len(active) < slots:
             i = queue.pop()
-            active[i] = (fast.sequence(), list(prompts[i]), [])
-        feeds = [Feed(seq, rows, last_only=True) for seq, rows, _ in active.values()]
+            active[i] = (fast.sequence(), list(prompts[i]), [], [])
+        feeds = [Feed(seq, rows, last_only=True) for seq, rows, _, _ in active.values()]
         for feed in feeds:
             feed.sequence.reserve(len(feed.token_ids))
-        for i, (logits, _, choice) in zip(list(active), fast.run_choosing(feeds)):
-            seq, _, cont = active[i]
+        for i, (logits, hidden, choice) in zip(list(active), fast.run_choosing(feeds)):
+            seq, _, cont, feats = active[i]
+            if features:
+                feats.append(hidden.to(torch.bfloat16))
             token = sampler(logits[0], choice[0])
             cont.append(token)
-            if token in eos or len(cont) >= max_new_tokens or (done is not None and done(i, cont)):
+            if token in eos or len(cont) >= max_new_tokens:
                 del active[i]
-                yield i, cont
+                yield (i, cont, torch.cat(feats)) if features else (i, cont)
             else:
-                active[i] = (seq, [token], cont)
+                active[i] = (seq, [token], cont, feats)
 
 
 @torch.inference_mode()
@@ -112,6 +116,19 @@ def shard_paths(data_dir: Path) -> list[Path]:
     return sorted(data_dir.glob("shard-*.pt"))
 
 
+def features_path(shard: Path) -> Path:
+    """Where a shard's features are cached: DIR/features/ beside DIR/data/ (not kept in the repository)."""
+    return shard.parent.parent / "features" / shard.name
+
+
+def save_features(shard: Path, features: list[torch.Tensor]) -> None:
+    path = features_path(shard)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(features, tmp)
+    tmp.rename(path)
+
+
 def check_shards(tokenizer, prompts: list[dict], data_dir: Path, batch: int) -> None:
     """Every shard written holds the continuations of the prompts its index names (a prompt list
     that changed under existing shards would pair prompts with other prompts' answers)."""
@@ -145,18 +162,23 @@ def run(lm: LoadedModel, prompts: list[dict], data_dir: Path, budget_s: float, b
         shards = todo[at:at + piece]
         rows = [(k, r) for k in shards for r in prompts[k * batch:(k + 1) * batch]]
         ids = [chat_ids(lm.tokenizer, r["prompt"]) for _, r in rows]
-        decode = decode_native(lm, ids, max_new_tokens) if lm.native is not None else \
+        decode = decode_native(lm, ids, max_new_tokens, features=True) if lm.native is not None else \
             decode_transformers(lm, ids, max_new_tokens)
         examples: dict[int, dict] = {}
-        for i, cont in decode:
+        features: dict[int, torch.Tensor] = {}
+        for i, cont, *feats in decode:
             examples[i] = {"ids": torch.tensor(ids[i] + cont, dtype=torch.int32), "prompt_len": len(ids[i]),
                            "task_type": rows[i][1]["task_type"]}
+            features.update({i: feats[0]} if feats else {})
             tokens += len(cont)
         for k in shards:
-            shard = [examples[i] for i, (owner, _) in enumerate(rows) if owner == k]
+            mine = [i for i, (owner, _) in enumerate(rows) if owner == k]
+            path = data_dir / f"shard-{k:05d}.pt"
+            if features:
+                save_features(path, [features[i] for i in mine])  # before the shard: never a shard without
             tmp = data_dir / f".shard-{k:05d}.pt.tmp"
-            torch.save(shard, tmp)
-            tmp.rename(data_dir / f"shard-{k:05d}.pt")  # a shard exists only once complete
+            torch.save([examples[i] for i in mine], tmp)
+            tmp.rename(path)  # a shard exists only once complete
             bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - started):.0f}", tokens=tokens)
     bar.close()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specsplit.model.featurehead import FeatureHead, HeadConfig, unrolled_forward
-from specsplit.tools.distill.gen import shard_paths
+from specsplit.tools.distill.gen import features_path, save_features, shard_paths
 
 
 @dataclass(frozen=True)
@@ -38,28 +38,40 @@ class TrainSettings:
 
 
 def load_examples(data_dir: Path, target=None, log=print) -> list[dict]:
-    """Every shard's examples; those without `features` get them from `target` (one prefill per
-    sequence: the features of every position but the last, in the target's dtype)."""
-    examples = []
-    for path in shard_paths(data_dir):
-        examples += torch.load(path, weights_only=True)
-    missing = [ex for ex in examples if "features" not in ex]
-    if missing and target is None:
-        raise ValueError(f"{len(missing)} examples in {data_dir} have no features and no target was given")
-    if missing:
-        started = time.monotonic()
-        add_features(target, missing)
-        tokens = sum(len(ex["ids"]) - 1 for ex in missing)
-        log(f"features: {tokens} positions of {len(missing)} sequences in {time.monotonic() - started:.0f} s")
+    """Every shard's examples with their features: from the features cache (gen.features_path),
+    else from `target` by one prefill per sequence (the features of every position but the last),
+    which are then cached, shard by shard, so a stopped run loses little and the next one pays none."""
+    examples, started, computed = [], time.monotonic(), 0
+    paths = shard_paths(data_dir)
+    bar = None
+    for path in paths:
+        shard = torch.load(path, weights_only=True)
+        cached = features_path(path)
+        feats = torch.load(cached, weights_only=True) if cached.is_file() else None
+        if feats is None or [len(f) for f in feats] != [len(ex["ids"]) - 1 for ex in shard]:
+            if target is None:
+                raise ValueError(f"{path} has no features cached and no target was given to compute them")
+            bar = bar or tqdm(total=len(paths), desc="features", unit="shard", mininterval=5)
+            feats = features(target, shard)
+            save_features(path, feats)
+            computed += sum(len(f) for f in feats)
+        for ex, f in zip(shard, feats):
+            ex["features"] = f
+        examples += shard
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+        log(f"features: {computed} positions computed in {time.monotonic() - started:.0f} s (cached)")
     return examples
 
 
 @torch.inference_mode()
-def add_features(target, examples: list[dict]) -> None:
+def features(target, examples: list[dict]) -> list[torch.Tensor]:
     from specsplit.model.modeling import KVSequence
 
-    for ex in tqdm(examples, desc="features", unit="seq", mininterval=5):
-        ex["features"] = KVSequence(target).hidden(ex["ids"][:-1].tolist()).detach().cpu()
+    return [KVSequence(target).hidden(ex["ids"][:-1].tolist()).detach().cpu().to(torch.bfloat16)
+            for ex in examples]
 
 
 def build_vocab(examples: list[dict], size: int, eos_ids: list[int], vocab_size: int) -> torch.Tensor:
