@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from specsplit.errors import UsageError
 from specsplit.model import catalog
 
 
@@ -101,5 +102,5 @@ def test_a_failed_conversion_leaves_nothing_and_a_dead_fetch_is_swept(chunked):
 def test_unknown_names_and_directories_say_what_is_accepted(tmp_path):
     with pytest.raises(FileNotFoundError, match="qwen2.5-coder-1.5b-instruct"):
         catalog.resolve(str(tmp_path / "nowhere"))
-    with pytest.raises(Exception, match="not in the catalog"):
+    with pytest.raises(UsageError, match="not in the catalog"):
         catalog.fetch("no-such-model")

@@ -32,9 +32,12 @@ def echo():
 def _round_trip(sock: socket.socket, payload: bytes) -> tuple[float, bytes]:
     start = time.perf_counter()
     sock.sendall(payload)
+    sock.settimeout(30)  # a lost byte fails here, named, instead of waiting on the per-test timeout
     got = b""
     while len(got) < len(payload):
-        got += sock.recv(65536)
+        chunk = sock.recv(65536)
+        assert chunk, f"the proxy closed the connection after {len(got)} of {len(payload)} bytes"
+        got += chunk
     return (time.perf_counter() - start) * 1e3, got
 
 

@@ -231,8 +231,9 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
         future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))
         assert _poll(lambda: len(_segments(shm_dir)) == 1)
         services.kill("gateway")
-        with pytest.raises(grpc.RpcError):
+        with pytest.raises(grpc.RpcError) as killed:
             future.result(60)
+        assert killed.value.code() == grpc.StatusCode.UNAVAILABLE  # the gateway's death, not a refusal
         ch.close()
         assert len(_segments(shm_dir)) == 1
         services.start("gateway")
