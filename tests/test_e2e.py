@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from transformers import AutoTokenizer
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -108,7 +109,9 @@ def test_up_generate_and_stop_as_a_process_group(default_model, tmp_path):  # TC
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         response = json.loads(out.stdout)
-        assert response["text"] and len(response["tokenIds"]) == response["stats"]["generatedTokens"] <= 12
+        assert 0 < len(response["tokenIds"]) == response["stats"]["generatedTokens"] <= 12
+        tokenizer = AutoTokenizer.from_pretrained(default_model, local_files_only=True)
+        assert response["text"] == tokenizer.decode(response["tokenIds"], skip_special_tokens=True)
         assert response["stats"]["taskType"] == "open"
         sampled = [json.loads(subprocess.run(
             [sys.executable, "-m", "specsplit.cli", "generate", "--gateway", address, "--json",
@@ -120,7 +123,12 @@ def test_up_generate_and_stop_as_a_process_group(default_model, tmp_path):  # TC
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # what a terminal's Ctrl-C or a supervisor does
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing outlives the test, and the failure says why
+            proc.wait(timeout=30)
+            raise AssertionError("`specsplit up` did not stop within 30 s of SIGTERM") from None
     assert proc.returncode == 0, proc.stderr.read()
     assert not list(tmp_path.glob("*.sock")), "sockets left behind"
     children = subprocess.run(["pgrep", "-f", "--", f"--address-file {tmp_path}"], capture_output=True, text=True)
