@@ -121,12 +121,17 @@ def features_path(shard: Path) -> Path:
     return shard.parent.parent / "features" / shard.name
 
 
-def save_features(shard: Path, features: list[torch.Tensor]) -> None:
-    path = features_path(shard)
+def save_whole(obj, path: Path) -> None:
+    """torch.save that leaves either the old file or the new one, never a part (a run stopped
+    mid-write resumes from what exists)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(features, tmp)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
     tmp.rename(path)
+
+
+def save_features(shard: Path, features: list[torch.Tensor]) -> None:
+    save_whole(features, features_path(shard))
 
 
 def check_shards(tokenizer, prompts: list[dict], data_dir: Path, batch: int) -> None:
@@ -136,7 +141,8 @@ def check_shards(tokenizer, prompts: list[dict], data_dir: Path, batch: int) -> 
         k = int(path.stem.split("-")[1])
         for j, ex in enumerate(torch.load(path, weights_only=True)):
             at = k * batch + j
-            if at >= len(prompts) or ex["ids"][:ex["prompt_len"]].tolist() != chat_ids(tokenizer, prompts[at]["prompt"]):
+            prompt_ids = ex["ids"][:ex["prompt_len"]].tolist()
+            if at >= len(prompts) or prompt_ids != chat_ids(tokenizer, prompts[at]["prompt"]):
                 raise ValueError(f"{path} does not continue prompt {at} of {data_dir / 'prompts.jsonl'} (or the "
                                  f"built-in seeds given): start a new --out, or give the prompts it was made from")
 
@@ -176,9 +182,7 @@ def run(lm: LoadedModel, prompts: list[dict], data_dir: Path, budget_s: float, b
             path = data_dir / f"shard-{k:05d}.pt"
             if features:
                 save_features(path, [features[i] for i in mine])  # before the shard: never a shard without
-            tmp = data_dir / f".shard-{k:05d}.pt.tmp"
-            torch.save([examples[i] for i in mine], tmp)
-            tmp.rename(path)  # a shard exists only once complete
+            save_whole([examples[i] for i in mine], path)  # a shard exists only once complete
             bar.update(1)
         bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - started):.0f}", tokens=tokens)
     bar.close()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specsplit.model.featurehead import FeatureHead, HeadConfig, unrolled_forward
-from specsplit.tools.distill.gen import features_path, save_features, shard_paths
+from specsplit.tools.distill.gen import features_path, save_features, save_whole, shard_paths
 
 
 @dataclass(frozen=True)
@@ -223,10 +223,8 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
         f"tokens per pass, draft vocab {settings.draft_vocab}")
 
     def save() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"weights": module.state_dict(), "optimizer": opt.state_dict(), "elapsed": elapsed,
-                    "step": step, "epoch": epoch}, tmp)
-        tmp.rename(ckpt_path)
+        save_whole({"weights": module.state_dict(), "optimizer": opt.state_dict(), "elapsed": elapsed,
+                    "step": step, "epoch": epoch}, ckpt_path)
 
     def done() -> bool:
         return elapsed >= settings.budget_s or 0 < settings.max_steps <= step
