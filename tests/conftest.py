@@ -44,6 +44,93 @@ async def until(check, what: str, timeout_s: float = SERVICE_START_S, task: asyn
     return result
 
 
+def wait_for(check, what: str, timeout_s: float = SERVICE_START_S, every_s: float = 0.05,
+             not_yet: tuple[type[BaseException], ...] = (), process=None, log: Path | None = None):
+    """The blocking twin of `until`: polls `check()` until it returns something true and returns it;
+    fails saying `what` never happened after `timeout_s`. Exceptions of the `not_yet` types count as
+    not yet (an RPC to a service still restarting); a `process` (Popen) that exits first fails at
+    once, with the tail of its `log`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+        except not_yet:
+            result = None
+        if result:
+            return result
+        if process is not None and process.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"{what}: the process exited ({process.returncode}) first\n{tail}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(every_s)
+
+
+def start_serve(name: str, run_dir: Path, args: list[str], env: dict | None = None):
+    """`specsplit serve <args>` as its own process on a UNIX socket in `run_dir`, logging to
+    run_dir/<name>.log: (the Popen, its address once it reports SERVING). The caller owns the
+    process (stop it in a `finally`); a process that fails to start is killed here."""
+    import subprocess
+    import sys
+
+    from specsplit.tools.launcher import wait_serving
+
+    address_file, log_path = run_dir / f"{name}.address", run_dir / f"{name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", *args, "--listen",
+                                 f"unix://{run_dir / name}.sock", "--address-file", str(address_file)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(address_file.exists, f"the {name} service writing its address", process=proc, log=log_path)
+        address = address_file.read_text().strip()
+        wait_serving(address, 60)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, address
+
+
+def spawn_up(run_dir: Path, flags: list[str], timeout_s: float = SERVICE_START_S, **popen_kw):
+    """`specsplit up --run-dir run_dir <flags>` as a process: (the Popen, the gateway's address) once
+    it prints "gateway: <address>" (within `timeout_s`, read on a thread so a silent launcher cannot
+    hang the test). stdout is piped; stderr goes where `popen_kw` says (else piped). A launcher that
+    fails to come up is killed here (its group with start_new_session); the caller stops the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    popen_kw.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(run_dir), *flags],
+                            stdout=subprocess.PIPE, text=True, **popen_kw)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if line and line[0].startswith("gateway: "):
+        return proc, line[0].split(" ", 1)[1].strip()
+    if popen_kw.get("start_new_session"):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait(30)
+    err = proc.stderr.read() if proc.stderr else ""
+    raise AssertionError(f"`specsplit up` did not report its gateway within {timeout_s:g} s: {line} {err[-2000:]}")
+
+
+def stop_process(proc, grace_s: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within `grace_s`."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace_s)
+
+
 async def service_address(path: Path, task: asyncio.Task, name: str, serving: bool = True,
                           timeout_s: float = SERVICE_START_S) -> str:
     """The address a service started by `task` writes to `path` once it reports SERVING (bounded:
@@ -249,6 +336,19 @@ async def wait_released(stack, timeout_s: float = 60.0) -> tuple[int, int]:
     while (counts := await active_sessions(stack)) != (0, 0) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return counts
+
+
+def prefill_all(target, state, chunk: int | None = None):
+    """Runs a started prefill (`Target.start_prefill`) to its end, one planned step at a time, and
+    returns the last step's result; a prefill still unfinished after one step per prompt token (it
+    stopped making progress) fails the test instead of looping."""
+    result = None
+    for _ in range(len(state.prompt) + 1):
+        if state.finished:
+            return result
+        result = target.run_one(target.plan_prefill(state, chunk))
+    assert state.finished, f"a prefill of {len(state.prompt)} tokens unfinished after as many steps ({state.done} fed)"
+    return result
 
 
 class Clock:

@@ -250,7 +250,7 @@ async def test_the_concurrency_sweep_measures_every_level_and_mode_and_checks_an
             if len(r) > 1 and r[0] in ("1", "3") and r[1] in ("off", "on", "auto")]
     assert [(r[0], r[1]) for r in rows] == [(c, m) for c in ("1", "3") for m in ("off", "on", "auto")], report
     batch = {(r[0], r[1]): float(r[8]) for r in rows}
-    assert batch[("1", "off")] == 1.0 and batch[("3", "off")] > 1.5, report  # 3 clients share forwards
+    assert batch[("1", "off")] == 1.0 and batch[("3", "off")] > 1.0, report  # 3 clients share forwards
     assert all(r[11].split("/")[0] == r[11].split("/")[1] for r in rows), report  # all identical
     assert "auto/best" in report
 

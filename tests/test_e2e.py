@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import spawn_up
 from transformers import AutoTokenizer
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
@@ -94,11 +95,7 @@ def test_shipped_self_draft_is_exact_and_accepted_on_the_default_model(default_m
 
 def _spawn_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "SPECSPLIT_CACHE": os.environ.get("SPECSPLIT_CACHE", str(Path.home() / ".cache/specsplit"))}
-    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(tmp_path), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
-    line = proc.stdout.readline()
-    assert line.startswith("gateway: "), (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc, line.split(" ", 1)[1].strip()
+    return spawn_up(tmp_path, list(flags), start_new_session=True, env=env)
 
 
 def test_up_generate_and_stop_as_a_process_group(default_model, tmp_path):  # TCP: the greedy test above

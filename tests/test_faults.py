@@ -9,15 +9,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_ports
+from conftest import free_ports, spawn_up, start_serve, stop_process, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.api.draft.v1 import draft_pb2 as dpb
@@ -48,25 +46,22 @@ class Up:
         return (self.run_dir / "up.err").read_text()
 
 
-@pytest.fixture(scope="module")
-def up(models, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("up")
-    err = open(run_dir / "up.err", "w")
+@pytest.fixture
+def up(models, tmp_path):
+    """A stack of its own for each test: the tests kill and stop its processes."""
+    err = open(tmp_path / "up.err", "w")
     metrics = free_ports(3)
-    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(run_dir),
-                             # a context of 8,192: streams long enough to be cut mid-way; a draft model (n-gram
-                             # drafts are the verifier's own: its faults are the verifier's)
-                             "--target-model", str(models["long"]), "--self-head", "none", "--drafter", "model",
-                             "--draft-model", str(models["draft"]), "--draft-dtype", "float32",
-                             "--dtype", "float32", "--tree-budget", "0", "--metrics-port", str(metrics)],
-                            stdout=subprocess.PIPE, stderr=err, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("gateway: "), (line, (run_dir / "up.err").read_text())
+    proc, gateway = spawn_up(tmp_path, [
+        # a context of 8,192: streams long enough to be cut mid-way; a draft model (n-gram drafts are
+        # the verifier's own: its faults are the verifier's)
+        "--target-model", str(models["long"]), "--self-head", "none", "--drafter", "model",
+        "--draft-model", str(models["draft"]), "--draft-dtype", "float32",
+        "--dtype", "float32", "--tree-budget", "0", "--metrics-port", str(metrics)], stderr=err)
     try:
-        yield Up(proc, run_dir, line.split(" ", 1)[1].strip(), metrics)
+        yield Up(proc, tmp_path, gateway, metrics)
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+        stop_process(proc, 30)
         err.close()
 
 
@@ -88,17 +83,8 @@ def _stream(stub, request, after_chunks: int = 0, act=lambda: None, timeout: flo
 
 
 def _until(check, what: str, timeout_s: float = 90.0, every_s: float = 0.2):
-    """Polls `check()` (an RPC error counts as not yet) until true; fails saying `what` never happened."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            result = check()
-        except grpc.RpcError:
-            result = None
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
-        time.sleep(every_s)
+    """`check()` true (an RPC error counts as not yet), else the test fails naming `what`."""
+    return wait_for(check, what, timeout_s, every_s, not_yet=(grpc.RpcError,))
 
 
 def _speculates(stub) -> bool:
@@ -222,24 +208,11 @@ def test_a_verify_replica_killed_or_drained_mid_round_loses_no_request(models, t
     requests go there at once, whether or not the gateway's health checks saw the replica go."""
     from specsplit.api.verify.v1 import verify_pb2 as vpb
     from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
-    from specsplit.tools.launcher import wait_serving
-
     target = str(models["long"])  # a context of 8,192: streams long enough to be cut mid-way
     procs: dict[str, subprocess.Popen] = {}
 
     def start(name: str, *args: str) -> str:
-        address_file = tmp_path / f"{name}.address"
-        log = open(tmp_path / f"{name}.log", "ab")
-        procs[name] = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", *args, "--listen",
-                                        f"unix://{tmp_path / name}.sock", "--address-file", str(address_file)],
-                                       stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 120
-        while not address_file.exists():
-            assert procs[name].poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
-            time.sleep(0.1)
-        address = address_file.read_text().strip()
-        wait_serving(address, 60)
+        procs[name], address = start_serve(name, tmp_path, list(args))
         return address
 
     try:
@@ -281,10 +254,4 @@ def test_a_verify_replica_killed_or_drained_mid_round_loses_no_request(models, t
             assert all(list(a.token_ids) == list(off.token_ids)[:16] for a in again)
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 20)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
+
+from conftest import spawn_up, wait_for
 
 
 def _services(run_dir) -> list[str]:
@@ -15,19 +15,13 @@ def _services(run_dir) -> list[str]:
 
 
 def test_services_exit_when_the_launcher_is_killed(models, tmp_path):
-    up = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "up", "--run-dir", str(tmp_path),
-                           "--target-model", str(models["target"]), "--self-head", "none", "--drafter", "ngram",
-                           "--dtype", "float32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    up, _ = spawn_up(tmp_path, ["--target-model", str(models["target"]), "--self-head", "none", "--drafter",
+                                "ngram", "--dtype", "float32"])
     try:
-        line = up.stdout.readline()
-        assert line.startswith("gateway: "), (line, up.stderr.read() if up.poll() is not None else "")
         assert len(_services(tmp_path)) == 3
         os.kill(up.pid, signal.SIGKILL)
         up.wait(10)
-        deadline = time.monotonic() + 30
-        while _services(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _services(tmp_path) == []
+        wait_for(lambda: not _services(tmp_path), "the services exiting after their launcher was killed", 30)
     finally:
         if up.poll() is None:
             up.kill()

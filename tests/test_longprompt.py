@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import grpc
 import pytest
 import torch
-from conftest import native_model
+from conftest import native_model, prefill_all
 
 from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import load_model
@@ -102,8 +103,7 @@ def test_a_prefill_takes_its_whole_prompts_room_before_its_first_chunk(models):
         state = target.start_prefill(prompt, use_cache=False)
         capacity = state.session.kv.capacity
         assert capacity >= len(prompt)
-        while not state.finished:
-            target.run_one(target.plan_prefill(state, 64))
+        prefill_all(target, state, 64)
         assert state.session.kv.capacity == capacity  # never grown (copied) on the way
 
 
@@ -183,13 +183,14 @@ async def test_an_item_counts_as_joined_once_and_never_if_cancelled_while_queued
     turns = {"kept": 3}
     runner = _turning(turns)
 
+    gate = threading.Event()  # the worker is busy until the test says so, however slow the machine
     try:
-        busy = worker.run(time.sleep, 0.3)
+        busy = worker.run(gate.wait, 60)
         dropped = worker.run_gathered(runner, "dropped", joined=lambda: joined.append("dropped"))
         kept = worker.run_gathered(runner, "kept", joined=lambda: joined.append("kept"))
-        await asyncio.sleep(0.05)
-        dropped.cancel()  # its caller gave up while the worker was busy
-        await busy
+        dropped.cancel()  # its caller gave up while the worker was busy (both were queued at the call)
+        gate.set()
+        assert await busy
         assert await kept == "KEPT"
         assert joined == ["kept"] and turns["kept"] == 0
     finally:

@@ -23,7 +23,8 @@ async def test_a_perfect_drafter_hits_and_skips_propose_calls(models, tmp_path):
                 assert list(ahead.token_ids) == list(sync.token_ids) == list(off.token_ids), prompt
                 assert sync.stats.predraft_attempts == 0
                 s = ahead.stats
-                assert s.predraft_attempts >= 5 and s.predraft_hits >= 0.8 * s.predraft_attempts, (prompt, s)
+                # every block accepted whole, so every guess is right but a last one the budget cut off
+                assert s.predraft_attempts >= 5 and s.predraft_hits >= s.predraft_attempts - 1, (prompt, s)
                 predrafted = [r for r in s.round_records if r.predrafted]
                 assert len(predrafted) == s.predraft_hits  # each hit served the next round without a Propose
                 assert all(r.accepted == r.drafted for r in predrafted[:-1])

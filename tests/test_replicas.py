@@ -9,7 +9,7 @@ from collections import Counter
 
 import grpc
 import pytest
-from conftest import service_address
+from conftest import service_address, until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.replicas import RESOLVE_EVERY_S, Replicas, resolve
@@ -110,6 +110,13 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
 
     counting(VerifierServicer, "Prefill", started["verify"])
     counting(DrafterServicer, "StartSession", started["draft"])
+    pools: dict[str, Replicas] = {}  # the gateway's replica sets, by service
+    made = Replicas.__init__
+
+    def recorded(self, service, *args, **kw):
+        made(self, service, *args, **kw)
+        pools[service] = self
+    monkeypatch.setattr(Replicas, "__init__", recorded)
 
     def server(name: str) -> ServerSettings:
         return ServerSettings(listen=f"unix://{tmp_path / f'{name}.sock'}", address_file=str(tmp_path / f"{name}.a"),
@@ -135,7 +142,15 @@ async def _stack(models, tmp_path, monkeypatch, verify: tuple[str, ...], draft: 
         settings = GatewaySettings(server("gateway"), ",".join(verify_at), ",".join(draft_at),
                                    tokenizer=str(models["target"]), connect_timeout_s=10, tree_budget=0)
         tasks["gateway"] = asyncio.create_task(run_gateway(settings, stops["gateway"], handle_signals=False))
-        yield await address("gateway", tasks["gateway"]), stops, tasks, started
+        addresses = dict(zip((*verify, *draft), (*verify_at, *draft_at)))
+
+        async def seen_down(name: str) -> None:
+            """Until the gateway's health checks have marked replica `name` unavailable."""
+            pool = pools["verify" if name in verify else "draft"]
+            await until(lambda: not pool.replicas[addresses[name]].available,
+                        f"the gateway's health checks marking {name} unavailable", 30)
+
+        yield await address("gateway", tasks["gateway"]), stops, tasks, started, seen_down
     finally:
         for stop in stops.values():
             stop.set()
@@ -157,7 +172,7 @@ async def two_drafters(models, tmp_path, monkeypatch):
 
 
 async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_replicas):
-    gateway, stops, tasks, started = two_replicas
+    gateway, stops, tasks, started, seen_down = two_replicas
     prefills = started["verify"]
     request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=24, speculation=pb.SPECULATION_ON,
                                  drafter="ngram", stop=pb.StopConditions(ignore_eos=True))
@@ -173,7 +188,7 @@ async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_rep
         # One replica goes away: the gateway keeps serving on the other.
         stops["v2"].set()
         await tasks["v2"]
-        await asyncio.sleep(1.5)  # a few health checks
+        await seen_down("v2")
         health = health_pb2_grpc.HealthStub(channel)
         assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == \
             health_pb2.HealthCheckResponse.SERVING
@@ -185,7 +200,7 @@ async def test_sessions_spread_stay_put_and_survive_a_replica_going_away(two_rep
 
 
 async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_not_answers(two_drafters):
-    gateway, stops, tasks, started = two_drafters
+    gateway, stops, tasks, started, seen_down = two_drafters
     request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
                                  speculation=pb.SPECULATION_ON, drafter="model",
                                  stop=pb.StopConditions(ignore_eos=True))
@@ -205,7 +220,7 @@ async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_no
         # One draft replica goes away: speculation goes on with the other, and no answer changes.
         stops["d2"].set()
         await tasks["d2"]
-        await asyncio.sleep(1.5)  # a few health checks
+        await seen_down("d2")
         before = dict(draft)
         again = await asyncio.gather(*(stub.Generate(request, timeout=120) for _ in range(4)))
         assert all(list(a.token_ids) == list(off.token_ids) and a.stats.speculation_used and
@@ -215,7 +230,7 @@ async def test_draft_sessions_spread_stay_put_and_a_lost_drafter_costs_drafts_no
         # The last one goes too: ON is refused with the reason, AUTO runs without drafts, same answer.
         stops["d1"].set()
         await tasks["d1"]
-        await asyncio.sleep(1.5)
+        await seen_down("d1")
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Generate(request, timeout=60)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draft service" in refused.value.details()
@@ -231,7 +246,7 @@ async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_anothe
     from specsplit.api.draft.v1 import draft_pb2 as dpb
     from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
 
-    async for gateway, _, _, started in _stack(models, tmp_path, monkeypatch, ("v1",), ("d1", "d2"),
+    async for gateway, _, _, started, _ in _stack(models, tmp_path, monkeypatch, ("v1",), ("d1", "d2"),
                                                {"d1": {"max_sessions": 2}}):
         # Forced on: every round asks the drafter (an AUTO request's gate may stop asking a random model's).
         request = pb.GenerateRequest(text="def add(a, b):\n    return a + b\n\ndef add(a, b):", max_new_tokens=24,
@@ -262,7 +277,7 @@ async def test_a_draft_replica_that_refuses_a_start_leaves_the_session_to_anothe
 async def test_a_verify_replica_serving_other_weights_gets_no_sessions(models, tmp_path, monkeypatch):
     """v2 serves the draft model's weights (same tokenizer, other fingerprint): the gateway keeps it out
     of rotation, every session goes to v1, and the answers are v1's."""
-    async for gateway, _, _, started in _stack(models, tmp_path, monkeypatch, ("v1", "v2"), ("d1",),
+    async for gateway, _, _, started, _ in _stack(models, tmp_path, monkeypatch, ("v1", "v2"), ("d1",),
                                                verify_models={"v2": "draft"}):
         request = pb.GenerateRequest(text="def add(a, b):", max_new_tokens=12, speculation=pb.SPECULATION_OFF,
                                      stop=pb.StopConditions(ignore_eos=True))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import running_stack
+from conftest import prefill_all, running_stack
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
@@ -19,10 +19,7 @@ PROMPT = [5, 17, 3, 22, 9, 41, 8]
 
 def _open(target: Target, tokens: list[int], sampling: SamplingParams, resume: bool, chunk: int | None = None):
     prefilling = target.start_prefill(tokens, sampling=sampling, resume=resume)
-    while True:
-        result = target.run_one(target.plan_prefill(prefilling, chunk))
-        if prefilling.finished:
-            return prefilling.session, result
+    return prefilling.session, prefill_all(target, prefilling, chunk)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)],

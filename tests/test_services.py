@@ -460,19 +460,18 @@ async def test_coupled_sampling_gives_the_same_text_with_speculation_on_or_off(m
 
 async def test_model_drafter_drafts_with_the_verifiers_noise_in_coupled_mode(models, tmp_path):
     """The target drafting for itself at temperature 1: with the shared (seed, position) noise its
-    drafts are the target's own sampled choices, so nearly every draft is accepted (drafting
-    greedily instead would match a sampled token far less often)."""
+    drafts are the target's own sampled choices, so every draft is accepted (drafting greedily
+    instead would match a sampled token far less often)."""
     async with running_stack(tmp_path, "unix", models["target"], models["target"], "float32") as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
             sampling = pb.SamplingParams(temperature=1.0, seed=21)
-            lengths = []
             for prompt in PROMPTS:
                 off = await gw.Generate(request(prompt, pb.SPECULATION_OFF, sampling=sampling))
                 on = await gw.Generate(request(prompt, drafter="model", gamma=4, sampling=sampling))
                 assert list(on.token_ids) == list(off.token_ids)
-                lengths.append(on.stats.mean_acceptance_length)
-        assert sum(lengths) / len(lengths) > 3.5, lengths
+                rounds = [(r.drafted, r.accepted) for r in on.stats.round_records if r.drafted]
+                assert rounds and all(a == d for d, a in rounds), (prompt, rounds)
 
 
 async def test_draft_service_returns_what_each_draft_was_sampled_from(models, tmp_path):

@@ -9,17 +9,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
 import pytest
+from conftest import start_serve, stop_process, wait_for
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.serving import shm
-from specsplit.tools.launcher import wait_serving
 
 
 def _segments(d: Path) -> list[str]:
@@ -103,28 +102,20 @@ class Services:
                       "--self-head", str(self_head), "--default-drafter", "ngram"],
         }
         self.env = {"verify": shm_dir, "draft": draft_shm_dir or shm_dir, "gateway": shm_dir}
-        self.start("verify")
-        self.start("draft")
-        self.args["gateway"] = ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
-                                "--tokenizer", target]
-        self.start("gateway")
+        try:
+            self.start("verify")
+            self.start("draft")
+            self.args["gateway"] = ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
+                                    "--tokenizer", target]
+            self.start("gateway")
+        except BaseException:
+            self.stop()  # the ones that started
+            raise
 
     def start(self, name: str) -> None:
-        address_file = self.run_dir / f"{name}.address"
-        address_file.unlink(missing_ok=True)
+        (self.run_dir / f"{name}.address").unlink(missing_ok=True)
         env = {**os.environ, "SPECSPLIT_SHM_DIR": str(self.env[name])}
-        log = open(self.run_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "specsplit.cli", "serve", name, "--listen", f"unix://{self.run_dir / name}.sock",
-             "--address-file", str(address_file), *self.args[name]], stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
-        deadline = time.monotonic() + 120
-        while not address_file.exists():
-            assert self.procs[name].poll() is None, (self.run_dir / f"{name}.log").read_text()[-2000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        self.addresses[name] = address_file.read_text().strip()
-        wait_serving(self.addresses[name], 60)
+        self.procs[name], self.addresses[name] = start_serve(name, self.run_dir, [name, *self.args[name]], env)
 
     def kill(self, name: str) -> None:
         self.procs[name].kill()
@@ -140,10 +131,7 @@ class Services:
             if proc.poll() is None:
                 proc.terminate()
         for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 20)
 
 
 def _request(prompt: str, drafter: str, **kw) -> pb.GenerateRequest:
@@ -162,11 +150,15 @@ def _succeeds(gw) -> bool:
         return False
 
 
-def _poll(predicate, timeout_s: float = 60.0) -> bool:  # a hang guard, not a timing
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return predicate()
+def _poll(predicate, what: str):  # a hang guard, not a timing
+    wait_for(predicate, what, 60)
+
+
+def _released(services: Services, shm_dir: Path) -> None:
+    """Every segment removed from the shm dir and unmapped by the verify and draft services."""
+    _poll(lambda: _segments(shm_dir) == [], "no segment left in the shm dir")
+    _poll(lambda: services.mapped("verify") == [] and services.mapped("draft") == [],
+          "no segment still mapped by the verify or draft service")
 
 
 @pytest.mark.parametrize("colocated", [True, False])
@@ -196,8 +188,7 @@ def test_shared_memory_is_used_only_when_both_ends_prove_the_same_host(models, s
             # Rejection sampling is reproducible for a seed whichever path the payloads took.
             again = gw.Generate(_request("The quick brown fox", "model", sampling=REJECTION))
             assert again.stats.shared_memory is colocated
-        assert _poll(lambda: _segments(shm_dir) == [])  # each removed when its session ended
-        assert _poll(lambda: services.mapped("verify") == [] and services.mapped("draft") == [])
+        _released(services, shm_dir)  # each removed when its session ended
     finally:
         services.stop()
     assert os.listdir(shm_dir) == []  # the gateway's lock file goes at exit too
@@ -213,23 +204,23 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
         next(stream)
         assert len(_segments(shm_dir)) == 1
         stream.cancel()
-        assert _poll(lambda: _segments(shm_dir) == [])
-        assert _poll(lambda: services.mapped("verify") == [] and services.mapped("draft") == [])
+        _released(services, shm_dir)
 
         # The verify service killed mid-request and started again (same socket path): the request
         # resumes there, mapping the same segment, which goes in a background release after its answer.
         future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))
-        assert _poll(lambda: len(_segments(shm_dir)) == 1)
+        _poll(lambda: len(_segments(shm_dir)) == 1, "the request's one segment")
         services.kill("verify")
         services.start("verify")
         assert future.result(120).stats.resumes == 1
-        assert _poll(lambda: _segments(shm_dir) == [])
-        assert _poll(lambda: _succeeds(gw))
-        assert _poll(lambda: _segments(shm_dir) == [])  # the probe's own segment goes in its background release
+        _poll(lambda: _segments(shm_dir) == [], "no segment left in the shm dir")
+        _poll(lambda: _succeeds(gw), "a request over shared memory succeeding again")
+        # the probe's own segment goes in its background release
+        _poll(lambda: _segments(shm_dir) == [], "no segment left in the shm dir")
 
         # The gateway killed mid-request: its segment and lock are left behind until something starts.
         future = gw.Generate.future(_request("Once upon a time", "self", max_new_tokens=400))
-        assert _poll(lambda: len(_segments(shm_dir)) == 1)
+        _poll(lambda: len(_segments(shm_dir)) == 1, "the request's one segment")
         services.kill("gateway")
         with pytest.raises(grpc.RpcError) as killed:
             future.result(60)
@@ -241,7 +232,7 @@ def test_no_segment_outlives_a_cancel_or_a_sigkill(models, self_head, tmp_path, 
         with grpc.insecure_channel(services.addresses["gateway"]) as ch2:
             ok = pb_grpc.GatewayStub(ch2).Generate(_request("def add(a, b):", "self"))
             assert ok.stats.shared_memory
-        assert _poll(lambda: _segments(shm_dir) == [])
+        _poll(lambda: _segments(shm_dir) == [], "no segment left in the shm dir")
     finally:
         services.stop()
     assert os.listdir(shm_dir) == []

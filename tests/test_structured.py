@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from conftest import free_ports, running_stack, wait_released
+from conftest import free_ports, prefill_all, running_stack, wait_released
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
@@ -238,14 +238,12 @@ def test_a_resumed_session_goes_on_in_its_language_exactly(models):
     whole = decode(_prefilled(target, prompt, language), 8)
     first = decode(_prefilled(target, prompt, language), 3)
     resumed = target.start_prefill([*prompt, *first], language=language, resume=True, output_tokens=len(first))
-    while not resumed.finished:
-        target.run_one(target.plan_prefill(resumed))
+    prefill_all(target, resumed)
     assert decode(resumed.session, 5) == whole
     assert re.fullmatch(r"(yes|no|maybe).*", lm.tokenizer.decode(whole))
 
 
 def _prefilled(target, prompt, language):
     prefilling = target.start_prefill(prompt, language=language)
-    while not prefilling.finished:
-        target.run_one(target.plan_prefill(prefilling))
+    prefill_all(target, prefilling)
     return prefilling.session
