@@ -149,18 +149,23 @@ async def service_address(path: Path, task: asyncio.Task, name: str, serving: bo
 def slow_forwards(monkeypatch):
     """slow_forwards(seconds): every forward of a verify service in this process takes `seconds`
     longer, so that a test about a deadline or a cancel mid-work holds on a machine of any speed
-    (the work is slow by construction, not because this machine happens to be)."""
+    (the work is slow by construction, not because this machine happens to be). Returns a list
+    that grows by one per forward begun, for a test to wait on."""
     from verify_service.engine import Target
 
     run = Target.run
 
-    def slow(seconds: float) -> None:
+    def slow(seconds: float) -> list:
+        begun: list = []
+
         def slowed(self, steps):
             if steps:
+                begun.append(len(steps))
                 time.sleep(seconds)  # on the verify worker's thread, as a forward would be
             return run(self, steps)
 
         monkeypatch.setattr(Target, "run", slowed)
+        return begun
 
     return slow
 

@@ -33,3 +33,40 @@ async def test_calibrate_writes_a_policy_for_every_task_type(models, tmp_path, c
         entry = policy["task_types"][task]["model"]
         assert 1 <= entry["gamma"] <= 8 and entry["acceptance_length"] >= 1.0
         assert isinstance(entry["speculate"], bool) and entry["measured_speedup"] > 0
+
+
+def _outcome(rounds, tokens: int, decode_ms: float, used: bool):
+    from gateway.controller import Outcome, RoundFacts
+
+    return Outcome([RoundFacts(d, a, draft_ms=0.5 * d, verify_ms=10.0, network_ms=0.2) for d, a in rounds],
+                   tokens, decode_ms, used)
+
+
+def test_recommend_reads_the_measured_walls_and_the_controllers_statistics_exactly():
+    """Every figure of a recommendation, from hand-made requests: the speedup is tokens/s on over
+    off from the walls, the acceptance length the rounds' mean accepted + 1, the cost the draft ms
+    per drafted token over the spec-off step, the seed's estimate 1 / (gamma / acc + cost); and
+    speculation is recommended exactly when the measured speedup passes 1.02."""
+    from gateway.controller import Controller
+    from specsplit.serving.settings import ControllerSettings
+    from specsplit.tools.calibrate import FORCED, recommend
+
+    controller = Controller(ControllerSettings(gamma_start=3))
+    for task, accepted in (("code", 3), ("chat", 0)):
+        for _ in range(4):
+            controller.observe(task, "model", FORCED, _outcome([(0, 0)] * 9, 10, 90.0, False))  # 10 ms a token
+            controller.observe(task, "model", FORCED, _outcome([(3, accepted)] * 3, 3 * (accepted + 1) + 1,
+                                                               30.0, True))
+    walls = {"code": {"off_s": 2.0, "on_s": 1.0, "off_tokens": 100, "on_tokens": 100},
+             "chat": {"off_s": 1.0, "on_s": 1.0, "off_tokens": 100, "on_tokens": 99}}
+    table = recommend(controller, walls, "model", 3)
+    code, chat = table["code"], table["chat"]
+    assert code["measured_speedup"] == 2.0 and chat["measured_speedup"] == 0.99
+    assert code["speculate"] and not chat["speculate"]
+    assert code["acceptance_length"] == 4.0 and chat["acceptance_length"] == 1.0
+    step = controller.state("code", "model").off_time_per_token()
+    assert step == 10.0 + 0.2  # a one-row forward and its network time
+    assert code["draft_cost_ratio"] == round(0.5 / step, 4)  # 0.5 ms per drafted token
+    assert code["seed_estimate"] == round(1 / (3 / 4.0 + 0.5 / step), 3)
+    assert code["gamma"] == controller.state("code", "model").best_gamma() and code["calibrated_gamma"] == 3
+    assert code["alpha"] == 1.0 and chat["alpha"] == 0.0

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 import torch
-from conftest import running_stack
+from conftest import running_stack, until
 
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
@@ -88,21 +88,22 @@ async def test_sessions_decoding_ahead_share_forwards_and_answers_match_on_the_f
             assert max(r.batch_calls for a in together for r in a.stats.round_records) > 1  # shared forwards
 
 
-async def test_a_session_released_while_it_decodes_ahead_is_answered_not_found(models, tmp_path):
+async def test_a_session_released_while_it_decodes_ahead_is_answered_not_found(models, tmp_path, slow_forwards):
+    begun = slow_forwards(0.02)  # 400 forwards take 8 s at least: the Release always lands mid-decode
     async with running_stack(tmp_path, "tcp", models["long"], None, shared_memory=False) as stack:
         async with grpc.aio.insecure_channel(stack.verify) as ch:
             v = vpb_grpc.VerifierStub(ch)
             first = await v.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=PROMPT * 20))
+            before = len(begun)
             decoding = asyncio.ensure_future(v.Verify(vpb.VerifyRequest(session_id="s", length=first.length,
                                                                         decode_ahead=400)))
-            await asyncio.sleep(0.05)  # a few forwards in (a Release runs between a decode's forwards)
+            # a few forwards of the decode in (a Release runs between a decode's forwards)
+            await until(lambda: len(begun) >= before + 3, "the decode's first forwards", 60)
             await v.Release(vpb.ReleaseRequest(session_id="s"))
-            try:
-                answer = await decoding
-            except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.NOT_FOUND, e
-            else:  # it finished first on a fast machine: then it decoded all it was asked
-                assert len(answer.decoded_token_ids) == 400
+            with pytest.raises(grpc.aio.AioRpcError) as released:
+                await decoding
+            assert released.value.code() == grpc.StatusCode.NOT_FOUND, released.value
+            assert len(begun) < before + 400  # it stopped at the Release, not after the 400 forwards
             info = await v.Info(vpb.InfoRequest())
             assert info.active_sessions == 0
             again = await v.Prefill(vpb.PrefillRequest(session_id="s", prompt_token_ids=PROMPT))
