@@ -275,3 +275,34 @@ async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_noth
             second = await gw.Generate(request)
             assert second.stats.prefix_cached_tokens > 0.9 * second.stats.prompt_tokens
             assert list(second.token_ids) == list(first.token_ids)
+
+
+async def test_bench_long_context_runs_and_reports_cache_hits_and_identical_answers(models, tmp_path):
+    """`bench --long-context` end to end on the tiny model with short documents: every warm answer
+    equals its cold and spec-on runs (exit 0), every warm question finds the document in the prefix
+    cache, and each chat turn after the first finds the conversation before it."""
+    import io
+    import re
+
+    from conftest import running_stack
+
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.tools import longcontext
+
+    sizes = (200, 300, 400)
+    async with running_stack(tmp_path, "unix", models["long"], None) as stack:
+        with grpc.insecure_channel(stack.gateway) as channel:
+            out = io.StringIO()
+            status = await asyncio.to_thread(longcontext.run, pb_grpc.GatewayStub(channel), str(models["long"]),
+                                             "float32", 6, "test kernels", out, sizes)
+    report = out.getvalue()
+    assert status == 0, report
+    rows = re.findall(r"^(\w+)\.py\[:(\d+)\]\s+(\d+)\s.*?(\d+)\s+(\d+)/(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", report, re.M)
+    assert [int(r[1]) for r in rows] == list(sizes), report
+    for _, size, tokens, cached, same, n in rows:
+        assert int(tokens) > int(size)  # the document and the chat around it
+        assert int(cached) > 0 and same == n == str(len(longcontext.QUESTIONS) - 1), report
+    turns = re.findall(r"^\s+(\d)\s+(\d+)\s+(\d+)\s+[\d.]+$", report, re.M)
+    assert [int(t[0]) for t in turns] == [1, 2, 3, 4], report
+    assert all(int(cached) > 0 for _, _, cached in turns[1:]), report
+    assert "stall:" in report and "transformers float32 forward" in report

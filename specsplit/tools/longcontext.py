@@ -106,16 +106,17 @@ class HFForward:
         return statistics.median(times)
 
 
-def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out=sys.stdout) -> int:
+def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out=sys.stdout,
+        sizes: tuple[int, ...] = SIZES) -> int:
     from transformers import AutoTokenizer
 
     from specsplit.model.modeling import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = documents(tokenizer)
+    docs = documents(tokenizer, sizes)
     print("loading transformers' own model ...", file=sys.stderr, flush=True)
     hf = HFForward(model_dir, dtype)
-    hf.seconds(chat_prompt_ids(tokenizer, _messages(docs[0][1][:2000], QUESTIONS[0])), 1)  # warm-up
+    hf.seconds(chat_prompt_ids(tokenizer, _messages(docs[0][1][:sizes[0]], QUESTIONS[0])), 1)  # warm-up
     timed(stub, _request(_messages("warm-up", QUESTIONS[0]), 4, True))
     rows, differ = [], 0
     for name, doc in docs:
@@ -143,7 +144,7 @@ def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out
         rows.append((name, cold[0].stats.prompt_tokens, statistics.median(cold_s), p95(cold_s), forward,
                      statistics.median(warm_s), statistics.median(w.stats.prefix_cached_tokens for w in warm),
                      same, len(warm), off_rate, on_rate, acc, statistics.median(c.stats.prefill_chunks for c in cold)))
-    print("stall: a stream decoding beside a cold 6k-token prefill ...", file=sys.stderr, flush=True)
+    print(f"stall: a stream decoding beside a cold prefill of {sizes[-1]} tokens ...", file=sys.stderr, flush=True)
     stall = _stall(stub, docs[-1][1], max_new_tokens)
     print("chat: turns that resend the conversation ...", file=sys.stderr, flush=True)
     chat = _chat(stub, docs[0][1], max_new_tokens)
