@@ -264,9 +264,10 @@ class Running:
 async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Path | None, dtype: str = "bfloat16",
                         default_drafter: str = "ngram", draft_kw: dict | None = None, tls: dict | None = None,
                         gateway_tls: dict | None = None,
-                        verify_kw: dict | None = None, shared_memory: bool = True, **gateway_kw):
+                        verify_kw: dict | None = None, shared_memory: bool = True, draft_via=None, **gateway_kw):
     """The three real services in this process, on temp UNIX sockets or loopback TCP ports; with
-    shared_memory False (as on separate hosts) the rounds go over gRPC streams, not the fast path."""
+    shared_memory False (as on separate hosts) the rounds go over gRPC streams, not the fast path.
+    draft_via(address): the address the gateway dials for the draft service (a proxy in between)."""
     from draft_service.main import run as run_draft
     from gateway.main import run as run_gateway
     from verify_service.main import run as run_verify
@@ -294,7 +295,8 @@ async def running_stack(tmp_path: Path, transport: str, target: Path, draft: Pat
         verify_addr = await address("verify", tasks[0])
         draft_addr = await address("draft", tasks[1])
         # chains unless a test asks for trees: most tests pin the verify width they check
-        settings = GatewaySettings(server("gateway"), verify_addr, draft_addr, tokenizer=str(target),
+        dialed = draft_via(draft_addr) if draft_via else draft_addr
+        settings = GatewaySettings(server("gateway"), verify_addr, dialed, tokenizer=str(target),
                                    connect_timeout_s=10, **{"tree_budget": 0, **gateway_kw})
         tasks.append(asyncio.create_task(run_gateway(settings, stop, handle_signals=False)))
         gateway_addr = await address("gateway", tasks[2])

@@ -37,3 +37,49 @@ def test_break_even_from_a_line_fitted_to_the_sweep_per_mode():
     assert bumpy[1].speedup("on") < 1 and 8.0 < measured_break_even(bumpy, "on") < 10.0
     assert fitted(points, "on") == pytest.approx((40.0, 1.0))
     assert noisy[0].predicted_break_even(pooled_off(noisy)) == 20.0
+
+
+
+async def test_measure_through_a_delaying_proxy_pays_the_rtt_on_every_asked_round(models, tmp_path, capsys):
+    """The sweep's measuring step on real services (tiny models), the drafter behind the delaying
+    proxy as `bench --topology` puts it: every mode answers the same tokens, every round that asked
+    the drafter pays at least the RTT set (and none does at RTT 0), and the report reads the points."""
+    import asyncio
+    import statistics
+
+    import grpc
+    from conftest import running_stack
+
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.tools.netem import DelayProxy
+    from specsplit.tools.topology import measure, report
+    from specsplit.tools.workload import Prompt
+
+    proxies = []
+
+    def via(address: str) -> str:
+        proxies.append(DelayProxy(address))
+        return proxies[-1].start()
+
+    prompts = [Prompt("code", "def add(a, b):")]
+    try:
+        async with running_stack(tmp_path, "tcp", models["target"], models["draft"], "float32",
+                                 default_drafter="model", shared_memory=False, draft_via=via) as stack:
+            with grpc.insecure_channel(stack.gateway) as channel:
+                stub = pb_grpc.GatewayStub(channel)
+                points = []
+                for rtt in (0.0, 30.0):
+                    proxies[0].set_rtt(rtt)
+                    point = await asyncio.to_thread(measure, stub, prompts, 12, 1, Point("split", rtt))
+                    points.append(point)
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    for p in points:
+        assert all(t.requests == 1 and t.tokens == 12 for t in p.modes.values())
+        assert p.modes["on"].rounds < 12 and p.modes["on"].accepted > 0  # drafts were asked and accepted
+    near, far = (statistics.median(p.modes["on"].overhead_ms) for p in points)
+    assert near < 30.0 <= far, (near, far)
+    report(points, None)
+    printed = capsys.readouterr().out
+    assert printed.count("split") >= 2 and "break-even RTT (on): measured" in printed
