@@ -248,3 +248,34 @@ def test_round_hops_are_marked_in_every_process_of_a_real_stack(models, capsys):
     assert all(us > 0 for _, us, _ in rows)
     out = capsys.readouterr().out
     assert "of which neither forward nor drafting" in out and "n-gram alone, drafted in the verifier" in out
+
+
+async def test_controlled_learns_then_reports_each_task_type_and_every_auto_decision(models, tmp_path, capsys):
+    """`bench --controlled` on real services: a row per task type and ALL with the three modes'
+    rates, and AUTO's decisions counted once per measured AUTO request of that type."""
+    import ast
+    import asyncio
+    import re
+
+    import grpc
+    from conftest import running_stack
+
+    from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+    from specsplit.tools.bench import controlled
+    from specsplit.tools.workload import Prompt
+
+    prompts = [Prompt("code", "def add(a, b):"), Prompt("code", "def sub(a, b):"), Prompt("story", "Once upon a time")]
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        def run():
+            with grpc.insecure_channel(stack.gateway) as channel:
+                return controlled(pb_grpc.GatewayStub(channel), prompts, 8, 2, 1)
+
+        assert await asyncio.to_thread(run) == 0
+    rows = {m[0]: m for m in re.findall(r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)x\s*(.*)$",
+                                        capsys.readouterr().out, re.M)}
+    assert set(rows) == {"code", "story", "ALL"}
+    for task, n in (("code", 4), ("story", 2)):  # prompts of the type x repeats
+        decisions = ast.literal_eval(rows[task][6])  # the printed dict of reason/gamma -> count
+        assert sum(decisions.values()) == n and all(re.fullmatch(r"[\w-]+/g\d+", k) for k in decisions)
+        assert all(float(x) > 0 for x in rows[task][1:4])
+    assert rows["ALL"][6] == ""
