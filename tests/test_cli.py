@@ -46,3 +46,39 @@ def test_a_bad_flag_or_file_gets_one_line_and_exit_code_2(files, args, message):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+async def test_generate_prints_the_text_then_a_summary_plain_streamed_or_as_json(models, tmp_path, capsys):
+    """`specsplit generate` as a person reads it: the text on stdout, one summary line on stderr
+    (finish reason, token count, rounds, acceptance, the drafter); streamed, the same text; the
+    JSON form carries the same text and tokens; a refused request exits 1 naming the status."""
+    import asyncio
+    import json
+    import re
+
+    from conftest import running_stack
+
+    from specsplit.cli import main
+
+    async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
+        def call(*flags: str) -> tuple[int, str, str]:
+            code = main(["generate", "--gateway", stack.gateway, "--raw", "--max-new-tokens", "10", *flags,
+                         "def add(a, b):"])
+            out = capsys.readouterr()
+            return code, out.out, out.err
+
+        as_json = json.loads((await asyncio.to_thread(call, "--json", "--spec"))[1])
+        plain = await asyncio.to_thread(call, "--spec")
+        streamed = await asyncio.to_thread(call, "--spec", "--stream")
+        off = await asyncio.to_thread(call, "--no-spec")
+        refused = await asyncio.to_thread(call, "--gamma", "99")
+    n = as_json["stats"]["generatedTokens"]
+    assert 0 < n <= 10
+    for code, out, err in (plain, streamed, off):
+        assert code == 0 and out == as_json["text"] + "\n", (out, as_json["text"])
+        summary = re.fullmatch(r"\[FINISH_REASON_(\w+)\] (\d+) tokens in \d+ ms \([\d.]+ tok/s\), (\d+) rounds, "
+                               r"acceptance length ([\d.]+), (.*)\n", err)
+        assert summary and int(summary[2]) == n, err
+    assert plain[2].rstrip().endswith(f"drafter={as_json['stats']['drafter']} gamma={as_json['stats']['gamma']}")
+    assert off[2].rstrip().endswith("speculation off")
+    assert refused[0] == 1 and refused[2].startswith("INVALID_ARGUMENT: ")
