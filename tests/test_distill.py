@@ -15,7 +15,15 @@ from specsplit.model.modeling import load_model
 from specsplit.speculation.drafting import Proposal
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
-from specsplit.tools.distill.train import TrainSettings, build_vocab, load_examples, split, train
+from specsplit.tools.distill.train import (
+    TrainSettings,
+    build_vocab,
+    evaluate,
+    load_examples,
+    load_head,
+    split,
+    train,
+)
 from specsplit.tools.distill.train import features as train_features
 
 
@@ -242,3 +250,38 @@ def test_the_prompt_list_only_grows_at_its_end_and_shards_must_match_it(models, 
     assert len(gen.shard_paths(tmp_path)) == (len(written) + 3) // 4
     with pytest.raises(ValueError, match="does not continue prompt 0"):
         gen.check_shards(lm.tokenizer, written[1:], tmp_path, 4)
+
+
+def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_head, models, tmp_path):
+    """`distill --stages eval`: each head's accuracy on the held-out prompts, overall and per task
+    type (the types' sequences add up to the split), each head's own (a zeroed copy is told apart
+    from the head it was copied from), and the comparison kept in the work directory's notes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specsplit.tools.distill.pipeline import DistillSettings, distill
+
+    broken = tmp_path / "broken"
+    shutil.copytree(self_head, broken)
+    weights = load_file(str(broken / "head.safetensors"))
+    save_file({k: v * 0 if v.is_floating_point() else v for k, v in weights.items()}, str(broken / "head.safetensors"))
+    work = self_head.parent
+    printed = []
+    distill(DistillSettings(target_model=str(models["target"]), out=str(work), dtype="float32", stages=("eval",),
+                            eval_heads=(str(self_head), str(broken))), log=printed.append)
+    rows = json.loads((work / "recipe.json").read_text())["head_comparison"]
+    assert [r["head"] for r in rows] == [str(self_head), str(broken)]
+    lm = load_model(models["target"], "float32", exact=False)
+    held = split(load_examples(work / "data", lm, log=lambda *_: None), TrainSettings(budget_s=1))[1]
+    for r in rows:
+        assert r["sequences"] == len(held) > 0
+        assert sum(k["sequences"] for k in r["by_task_type"].values()) == len(held)
+        assert set(r["by_task_type"]) == {ex["task_type"] for ex in held}
+    # Each row is its head's own accuracy on exactly those prompts (the zeroed copy is its own head).
+    embed, lm_head = target_tensors(models["target"], tied=False)
+    for r, head in zip(rows, (self_head, broken)):
+        student = load_head(lm, embed, lm_head, head, TrainSettings(budget_s=1))
+        student.ready()
+        assert r["step_accuracy"] == [round(a, 4) for a in evaluate(student, held, student.settings)]
+    assert "held-out accuracy per drafting step" in printed[-1] and str(broken)[-20:] in printed[-1]

@@ -56,7 +56,10 @@ def add(sub) -> None:
     dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     threads_flag(dist)
     dist.add_argument("--stages", default="generate,train,export", type=list_of(str, "stage names"),
-                      help="comma-separated subset to run")
+                      help="comma-separated subset of generate, train, export, eval to run")
+    dist.add_argument("--eval-heads", default="", type=list_of(str, "head directories"),
+                      help="the eval stage: comma-separated heads (directories, or `default` for the shipped one) "
+                           "to compare on the held-out split, per task type (default: OUT/head)")
     dist.add_argument("--kind", choices=["self", "model"], default="self",
                       help="self: a feature head (--drafter self/hybrid); model: a standalone draft model of "
                            "--layers target layers (--draft-model DIR/model)")
@@ -70,9 +73,9 @@ def run_distill(a: argparse.Namespace) -> int:
 
     runtime.configure_process(a.threads, "distill")
     stages = a.stages
-    unknown = set(stages) - {"generate", "train", "export"}
+    unknown = set(stages) - {"generate", "train", "export", "eval"}
     if unknown:
-        raise UsageError(f"unknown stages {sorted(unknown)}; choose from generate, train, export")
+        raise UsageError(f"unknown stages {sorted(unknown)}; choose from generate, train, export, eval")
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
                             train_minutes=a.train_minutes, train_steps=a.train_steps,
                             max_new_tokens=a.max_new_tokens, batch=a.batch,
@@ -80,7 +83,8 @@ def run_distill(a: argparse.Namespace) -> int:
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
                             prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
                             target_prompts=a.target_prompts, quantize=a.quantize,
-                            init_head=str(resolve_head(a.init_head)) if a.init_head else None))
+                            init_head=str(resolve_head(a.init_head)) if a.init_head else None,
+                            eval_heads=tuple(str(resolve_head(h)) for h in a.eval_heads)))
     return 0
 
 

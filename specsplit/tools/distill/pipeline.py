@@ -1,4 +1,5 @@
-"""`specsplit distill`: generate (resumable shards) -> train (checkpointed, resumable) -> export.
+"""`specsplit distill`: generate (resumable shards) -> train (checkpointed, resumable) -> export, and
+eval (heads side by side on the held-out split, per task type).
 
 Each stage has its own budget; rerunning the same command resumes where it stopped, and a larger
 --train-minutes continues training from the checkpoint."""
@@ -20,7 +21,7 @@ from specsplit.model.modeling import load_model
 from specsplit.tools.distill import gen
 from specsplit.tools.distill.prompts import load_prompts, target_written
 from specsplit.tools.distill.standalone import export_standalone, train_standalone
-from specsplit.tools.distill.train import TrainSettings, load_examples, train
+from specsplit.tools.distill.train import TrainSettings, compare, load_examples, train
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class DistillSettings:
     prompt_seeds: tuple[int, ...] = (0,)  # the built-in set: each seed adds its new prompts after the others
     data_fractions: tuple[float, ...] = (1.0,)  # several: also train on leading shares of the data, same budget each
     init_head: str | None = None  # self: start from this head (its weights and vocabulary), e.g. on more data
+    eval_heads: tuple[str, ...] = ()  # the eval stage: these head directories (else OUT/head) on the held-out split
     target_prompts: int = 0  # also this many user turns the target writes itself (prompts.target_written)
     quantize: str = "auto"  # the target's weights, as the verifier's --quantize: the data is what it serves
 
@@ -74,7 +76,9 @@ def distill(s: DistillSettings, log=print) -> Path:
     work = dirs[fractions[-1]]
     settings = TrainSettings(budget_s=s.train_minutes * 60, max_steps=s.train_steps, draft_vocab=s.draft_vocab,
                              levels=s.levels, lr=s.lr, batch_tokens=s.batch_tokens)
-    result = None
+    result, examples = None, None
+    if "eval" in s.stages and s.kind != "self":
+        raise ValueError("the eval stage compares feature heads (--kind self)")
     if "train" in s.stages:
         examples = load_examples(data_dir, lm, log)
         if s.kind == "self":
@@ -97,8 +101,19 @@ def distill(s: DistillSettings, log=print) -> Path:
         if len(curve) > 1:  # about the data, not one head: kept beside the data
             _note(out, "data_curve", curve)
             log(curve_table(curve))
-    if "export" not in s.stages:
-        return work
+    if "export" in s.stages:
+        work = _export(s, lm, target_dir, out, work, result, log)
+    if "eval" in s.stages:
+        examples = examples or load_examples(data_dir, lm, log)
+        embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
+        heads = [Path(h) for h in s.eval_heads] or [out / "head"]
+        rows = compare(lm, embed, lm_head, examples, heads, settings)
+        log(eval_table(rows))
+        _note(out, "head_comparison", rows)
+    return work
+
+
+def _export(s: DistillSettings, lm, target_dir: Path, out: Path, work: Path, result, log) -> Path:
     if s.kind == "self":
         export(work, lm, target_dir, s, out / "head")
         log(f"head written to {out / 'head'}")
@@ -133,6 +148,24 @@ def prompt_list(data_dir: Path, given: list[dict], lm, s: DistillSettings, log=p
                     f.write(json.dumps(r) + "\n")
                     f.flush()
     return kept + new
+
+
+def eval_table(rows: list[dict]) -> str:
+    """Heads side by side: accuracy per drafting step on the held-out split, overall and per task type."""
+    kinds = sorted({k for r in rows for k in r["by_task_type"]})
+    lines = [f"held-out accuracy per drafting step (1/2/3), {rows[0]['sequences'] if rows else 0} sequences:",
+             f"{'head':<44}{'all':>17}" + "".join(f"{k:>17}" for k in kinds)]
+
+    def cell(acc: list[float]) -> str:
+        return "/".join(f"{a:.2f}" for a in acc[:3])
+
+    for r in rows:
+        by = r["by_task_type"]
+        lines.append(f"{r['head'][-44:]:<44}{cell(r['step_accuracy']):>17}"
+                     + "".join(f"{cell(by[k]['step_accuracy']) if k in by else '-':>17}" for k in kinds))
+    lines.append("sequences per type: " + ", ".join(f"{k} {rows[0]['by_task_type'][k]['sequences']}"
+                                                    for k in kinds if rows and k in rows[0]["by_task_type"]))
+    return "\n".join(lines)
 
 
 def curve_table(curve: list[dict]) -> str:

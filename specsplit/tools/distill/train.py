@@ -156,6 +156,16 @@ def evaluate(student, examples: list[dict], settings: TrainSettings) -> list[flo
     return [h / max(n, 1) for h in hits]
 
 
+def evaluate_by_task(student, examples: list[dict], settings: TrainSettings) -> dict[str, dict]:
+    """evaluate() per task type: {type: {"sequences", "step_accuracy"}} (the card's per-category view:
+    a head can be good on code and poor on chat, and the mean hides which)."""
+    kinds: dict[str, list[dict]] = {}
+    for ex in examples:
+        kinds.setdefault(ex.get("task_type") or "unlabelled", []).append(ex)
+    return {kind: {"sequences": len(exs), "step_accuracy": [round(a, 4) for a in evaluate(student, exs, settings)]}
+            for kind, exs in sorted(kinds.items())}
+
+
 def split(examples: list[dict], settings: TrainSettings) -> tuple[list[dict], list[dict]]:
     """(training, held-out). A sequence is held out by a hash of its prompt, so the held-out set stays
     the same as the data grows and a prompt generated twice never sits on both sides; the training
@@ -263,11 +273,40 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
     save()
     step_acc = evaluate(student, held, settings)
     metrics = {"held_out_step_accuracy": [round(a, 4) for a in step_acc],
+               "held_out_by_task_type": evaluate_by_task(student, held, settings),
                "estimated_acceptance_length_gamma4": round(expected_acceptance(step_acc), 3),
                "steps": step, "epochs": epoch, "train_minutes": round(elapsed / 60, 1),
                "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
     log(json.dumps(metrics))
     return {"module": module, "metrics": metrics, "losses": losses}
+
+
+def load_head(target, embed: torch.Tensor, lm_head: torch.Tensor, head_dir: Path,
+              settings: TrainSettings) -> HeadStudent:
+    """An exported head (head.json + head.safetensors) as a student, ready to evaluate or train on."""
+    from safetensors.torch import load_file
+
+    card = json.loads((Path(head_dir) / "head.json").read_text())
+    student = HeadStudent(target, embed, lm_head, None, replace(settings, draft_vocab=card["config"]["draft_vocab"]))
+    student.module.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                    for k, v in load_file(str(Path(head_dir) / "head.safetensors")).items()})
+    return student
+
+
+def compare(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dict], heads: list[Path],
+            settings: TrainSettings) -> list[dict]:
+    """Each head's accuracy per drafting step on the held-out split of `examples`, overall and per task
+    type: heads trained on this data (or on less of it, with the same split) never saw these prompts."""
+    held = split(examples, settings)[1]
+    rows = []
+    for head in heads:
+        student = load_head(target, embed, lm_head, head, settings)
+        student.ready()
+        acc = evaluate(student, held, student.settings)
+        rows.append({"head": str(head), "sequences": len(held), "step_accuracy": [round(a, 4) for a in acc],
+                     "estimated_acceptance_length_gamma4": round(expected_acceptance(acc), 3),
+                     "by_task_type": evaluate_by_task(student, held, student.settings)})
+    return rows
 
 
 INIT_CAVEAT = ("this split cannot tell which sequences the starting head trained on, so this head's held-out "
@@ -284,13 +323,8 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dic
         raise RuntimeError("no generated data: run the generate stage first")
     fresh = not (out_dir / "checkpoint.pt").exists()
     if fresh and init is not None:
-        from safetensors.torch import load_file
-
         card = json.loads((Path(init) / "head.json").read_text())
-        own = replace(settings, draft_vocab=card["config"]["draft_vocab"])
-        student = HeadStudent(target, embed, lm_head, None, own)
-        student.module.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                        for k, v in load_file(str(Path(init) / "head.safetensors")).items()})
+        student = load_head(target, embed, lm_head, Path(init), settings)
         log(f"starting from head {init} ({card.get('metrics', {}).get('steps', '?')} steps)")
         result = fit(student, examples, out_dir, student.settings, log)
         return {"head": result["module"], **result,
