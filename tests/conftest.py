@@ -31,10 +31,17 @@ SERVICE_START_S = 120.0  # a service loading a tiny model starts in seconds; thi
 
 async def until(check, what: str, timeout_s: float = SERVICE_START_S, task: asyncio.Task | None = None,
                 every_s: float = 0.02):
-    """Polls `check()` on the event loop until it is true; fails saying `what` never happened after
-    `timeout_s`. A `task` (the service being waited for) that ended raises its own error instead."""
+    """Polls `check()` on the event loop until it is true (a coroutine's result is awaited: an RPC);
+    fails saying `what` never happened after `timeout_s`. A `task` (the service being waited for)
+    that ended raises its own error instead."""
+    import inspect
+
+    async def checked():
+        result = check()
+        return await result if inspect.isawaitable(result) else result
+
     deadline = time.monotonic() + timeout_s
-    while not (result := check()):
+    while not (result := await checked()):
         if task is not None and task.done():
             task.result()  # its start-up error
             raise AssertionError(f"{what}: the service stopped without an error first")
@@ -339,10 +346,13 @@ async def active_sessions(stack) -> tuple[int, int]:
 async def wait_released(stack, timeout_s: float = 60.0) -> tuple[int, int]:
     """The open sessions once both services report none, or as they stand after `timeout_s` (a
     hang guard, not a timing: the caller asserts (0, 0))."""
-    deadline = time.monotonic() + timeout_s
-    while (counts := await active_sessions(stack)) != (0, 0) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    return counts
+    with contextlib.suppress(AssertionError):
+        await until(lambda: _none_open(stack), "both services releasing every session", timeout_s, every_s=0.05)
+    return await active_sessions(stack)
+
+
+async def _none_open(stack) -> bool:
+    return await active_sessions(stack) == (0, 0)
 
 
 def prefill_all(target, state, chunk: int | None = None):

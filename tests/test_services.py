@@ -308,12 +308,10 @@ async def test_without_the_draft_service_copies_still_speculate_and_model_drafts
                 assert copied.stats.speculation_used and copied.stats.drafter == "ngram", copied.stats
                 assert list(copied.token_ids) == list(baseline.token_ids)
         async with grpc.aio.insecure_channel(stack.verify) as v:
-            # Sessions are released in the background once the answer is out.
-            for _ in range(1200):  # bounded: 60 s
-                if not (await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())).active_sessions:
-                    break
-                await asyncio.sleep(0.05)
-            assert (await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())).active_sessions == 0
+            async def released() -> bool:  # in the background once the answer is out
+                return not (await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest())).active_sessions
+
+            await until(released, "the verifier releasing every session", 60)
 
 
 async def test_auto_requests_naming_no_drafter_try_n_gram_beside_the_default_and_forced_ones_do_not(models, tmp_path):
