@@ -12,7 +12,7 @@ import grpc
 import openai
 import pytest
 import torch
-from conftest import free_ports, running_stack
+from conftest import free_ports, running_stack, wait_released
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -22,16 +22,25 @@ GREEDY = {"temperature": 0, "max_tokens": 20}
 
 
 @pytest.fixture(scope="module")
-async def door(models, tmp_path_factory):
+async def shared_door(models, tmp_path_factory):
+    """One stack for the module's tests: they only send requests (none stops or kills a service)."""
     port = free_ports()
     async with running_stack(tmp_path_factory.mktemp("openai"), "unix", models["target"], models["draft"],
                              "float32", http_listen=f"127.0.0.1:{port}", auth_token=TOKEN) as stack:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
         model = (await client.models.list()).data[0].id
         channel = grpc.aio.insecure_channel(stack.gateway)
-        yield client, model, pb_grpc.GatewayStub(channel), port
+        yield stack, (client, model, pb_grpc.GatewayStub(channel), port)
         await channel.close()
         await client.close()
+
+
+@pytest.fixture
+async def door(shared_door):
+    """The shared stack, from a state each test can rely on: no session left open by the one before."""
+    stack, handles = shared_door
+    assert await wait_released(stack) == (0, 0)
+    return handles
 
 
 async def grpc_generate(stub, **kw) -> pb.GenerateResponse:

@@ -51,12 +51,20 @@ async def generate(stub, speculation: int, constraint: cpb.Constraint, prompt: s
 
 
 @pytest.fixture(scope="module")
-async def tiny(models, tmp_path_factory):
+async def shared_tiny(models, tmp_path_factory):
+    """One stack for the module's tests: they only send requests (none stops or kills a service)."""
     async with running_stack(tmp_path_factory.mktemp("structured"), "unix", models["target"], models["draft"],
                              "float32") as stack:
         channel = grpc.aio.insecure_channel(stack.gateway)
         yield stack, pb_grpc.GatewayStub(channel)
         await channel.close()
+
+
+@pytest.fixture
+async def tiny(shared_tiny):
+    """The shared stack, from a state each test can rely on: no session left open by the one before."""
+    assert await wait_released(shared_tiny[0]) == (0, 0)
+    return shared_tiny
 
 
 @pytest.mark.parametrize("constraint, check", [
