@@ -64,7 +64,12 @@ async def test_a_head_for_other_target_weights_is_refused_per_request(models, se
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-async def test_retrieval_store_drafts_a_repeated_answer_from_an_earlier_request(models, tmp_path):
+async def test_retrieval_store_drafts_a_repeated_answer_from_an_earlier_request(models, tmp_path, monkeypatch):
+    from verify_service.widths import Widths
+
+    # Wider forwards priced flat: the lookup depth then follows the matches alone, not this
+    # machine's momentary cost of a row (which can price every lookup out on a loaded machine).
+    monkeypatch.setattr(Widths, "curve", lambda self, step_ms, start, sampling=None: [1.0] * len(start))
     async with running_stack(tmp_path, "unix", models["target"], None) as stack:
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             gw = pb_grpc.GatewayStub(ch)
@@ -72,6 +77,8 @@ async def test_retrieval_store_drafts_a_repeated_answer_from_an_earlier_request(
             # The least repetitive answer: prompt lookup alone does worst on it.
             prompt = min(PROMPTS, key=lambda p: firsts[p].stats.mean_acceptance_length)
             first = firsts[prompt]
+            # Outputs join the store when their session is released, in the background after the answer.
+            assert await wait_released(stack) == (0, 0)
             second = await gw.Generate(request(prompt, drafter="ngram", gamma=4))
         assert list(first.token_ids) == list(second.token_ids)
         # The second request copies the first one's output from the store.

@@ -152,6 +152,10 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
         await supervisor
     rss_end = {name: stack.rss_mib(name) for name in stack.procs}
     sessions = await _left(stack)
+    for _ in range(50):  # the gateway unlinks a session's segment in its release, after both services'
+        if not segments() - before:
+            break
+        await asyncio.sleep(0.1)
     lat = sorted(tally.latencies)
     return {"clients": clients, "seconds": elapsed, "requests": len(lat), "errors": dict(tally.errors),
             "mismatches": tally.mismatches, "faults": tally.faults, "reasons": dict(tally.reasons),
