@@ -107,21 +107,24 @@ async def _supervise(stack: Stack, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.2)
 
 
-async def _left(stack: Stack) -> tuple[int, int]:
-    """Sessions still open on the verify replicas and the draft service once the releases have run."""
+async def _left(stack: Stack, before: set[str]) -> tuple[tuple[int, int], int]:
+    """((sessions still open on the verify replicas, on the draft service), shared-memory segments
+    made since `before` still present) once the releases have run: the gateway unlinks a session's
+    segment in its release, after both services' (bounded: 5 s)."""
     verifiers = [grpc.aio.insecure_channel(stack.addresses[name]) for name in stack.verify_names]
     async with grpc.aio.insecure_channel(stack.addresses["draft"]) as d:
-        counts = (-1, -1)
+        counts, extra = (-1, -1), -1
         for _ in range(50):
             held = [(await vpb_grpc.VerifierStub(v).Info(vpb.InfoRequest(), timeout=10)).active_sessions
                     for v in verifiers]
             counts = (sum(held), (await dpb_grpc.DrafterStub(d).Info(dpb.InfoRequest(), timeout=10)).active_sessions)
-            if counts == (0, 0):
+            extra = len(segments() - before)
+            if counts == (0, 0) and not extra:
                 break
             await asyncio.sleep(0.1)
     for v in verifiers:
         await v.close()
-    return counts
+    return counts, extra
 
 
 async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float, max_new_tokens: int,
@@ -151,11 +154,7 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
         stop.set()
         await supervisor
     rss_end = {name: stack.rss_mib(name) for name in stack.procs}
-    sessions = await _left(stack)
-    for _ in range(50):  # the gateway unlinks a session's segment in its release, after both services'
-        if not segments() - before:
-            break
-        await asyncio.sleep(0.1)
+    sessions, segments_left = await _left(stack, before)
     lat = sorted(tally.latencies)
     return {"clients": clients, "seconds": elapsed, "requests": len(lat), "errors": dict(tally.errors),
             "mismatches": tally.mismatches, "faults": tally.faults, "reasons": dict(tally.reasons),
@@ -165,7 +164,7 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
             "tokens_per_s": tally.tokens / elapsed if elapsed else 0.0,
             "rss_mib": {n: (rss_start[n], rss_end[n]) for n in rss_start},
             "sessions_left": {"verify": sessions[0], "draft": sessions[1]},
-            "segments_left": len(segments() - before)}
+            "segments_left": segments_left}
 
 
 def report(r: dict, chaos: str) -> str:

@@ -79,10 +79,10 @@ def distill(s: DistillSettings, log=print) -> Path:
     result, examples = None, None
     if "eval" in s.stages and s.kind != "self":
         raise ValueError("the eval stage compares feature heads (--kind self)")
+    if s.kind == "self" and {"train", "eval"} & set(s.stages):  # the very tensors the drafter reads
+        embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
     if "train" in s.stages:
         examples = load_examples(data_dir, lm, log)
-        if s.kind == "self":
-            embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
         curve = []
         for fraction, fdir in dirs.items():
             fdir.mkdir(exist_ok=True)
@@ -105,7 +105,6 @@ def distill(s: DistillSettings, log=print) -> Path:
         work = _export(s, lm, target_dir, out, work, result, log)
     if "eval" in s.stages:
         examples = examples or load_examples(data_dir, lm, log)
-        embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
         heads = [Path(h) for h in s.eval_heads] or [out / "head"]
         rows = compare(lm, embed, lm_head, examples, heads, settings)
         log(eval_table(rows))
