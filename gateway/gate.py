@@ -5,7 +5,7 @@ speculation where its text can be drafted and loses nothing where it cannot.
 Rounds come in two situations, judged apart: a copy in sight (the request's context, prompt and
 committed tokens, indexed by bigram: its last two tokens occurred before) or not. Where one is,
 not asking is not idle: the verifier drafts the copy itself as it decodes ahead (prompt lookup,
-docs/architecture.md#copies), so asking must beat copying, which it rarely does with a cheap head
+docs/architecture.md#drafted-in-the-verifier), so asking must beat copying, which it rarely does with a cheap head
 on a small target and often does with a draft model on a large one; a request starts there not
 asking (the cheaper source) unless its type's earlier rounds say asking paid. Where none is, only
 the drafter can draft, and not asking is the verifier decoding alone. In each, the gate weighs

@@ -63,7 +63,7 @@ class RoundLoop:
     async def generate(self, plan: Plan, time_remaining=lambda: None) -> AsyncIterator[pb.GenerateChunk]:
         """Yields one chunk per round; the last carries the finish reason and stats."""
         session_id = uuid.uuid4().hex
-        drafting = plan.speculate and not plan.copies and self._draft_replica is not None  # n-gram: no draft session
+        drafting = plan.speculate and not plan.in_verifier and self._draft_replica is not None  # else no draft session
         drafter = DraftSide(self._draft_replica, drafting, self._up, self._other_draft,
                             list(self._target.forward_ms_by_rows), lambda session: self._pin.load.others(session))
         request = Request(plan, session_id, Cursor(plan.max_new_tokens, self._target.max_context), drafter,
@@ -140,15 +140,17 @@ class RoundLoop:
     def _check(self, request: Request, draft: Draft) -> vpb.VerifyRequest:
         """The round's Verify. Without drafts the verifier decodes on its own until the next ask
         (AUTO's gate), the budget or DECODE_AHEAD tokens, without a trip back here per token,
-        drafting copies from the request's own context as it goes (prompt lookup: no trip to the
-        draft service for a copy) where the request copies (plan.copies), or is AUTO and drafts."""
+        drafting as it goes (copies from the request's own context, and its feature head where it
+        runs the request's: no trip to the draft service) where the request's drafts are made there
+        (plan.in_verifier), or is AUTO and drafts."""
         cursor, gate, drafting, plan = request.cursor, request.gate, request.drafter.drafting, request.plan
         decode = 0 if draft.tokens else cursor.room(min(DECODE_AHEAD, gate.off_run() - 1) if drafting
                                                     else DECODE_AHEAD)
-        lookup = plan.lookup_gamma if decode and (plan.copies or drafting and not gate.always) else 0
+        own = decode and (plan.in_verifier or drafting and not gate.always)
         return vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=draft.tokens,
                                  draft_probs=draft.probs, draft_probs_shm=draft.probs_ref, draft_parents=draft.parents,
-                                 decode_ahead=decode, lookup_gamma=lookup,
+                                 decode_ahead=decode, lookup_gamma=plan.lookup_gamma if own else 0,
+                                 head_gamma=plan.head_gamma if own else 0,
                                  forced_room=cursor.room(DECODE_AHEAD) if plan.constraint and request.speculates
                                  else 0)
 

@@ -99,7 +99,8 @@ class Backends:
         self.drafters: dict[str, dpb.DrafterInfo] = {}
         self.default_drafter = ""
         # The drafters that copy from the context (kind ngram): requests for one are drafted in the
-        # verifier (docs/architecture.md#copies), and AUTO weighs the first against the default.
+        # verifier (docs/architecture.md#drafted-in-the-verifier), and AUTO weighs the first against
+        # the default.
         self.copiers: list[str] = []
 
     async def connect(self) -> None:
@@ -131,6 +132,19 @@ class Backends:
 
     def incompatibility(self, name: str) -> str:
         return incompatibility(self.target, self.drafters, name)
+
+    def own_drafts(self, name: str, greedy: bool) -> tuple[bool, bool, bool]:
+        """Where drafter `name` drafts, as (in the verifier, its lookup, its head): an n-gram drafter's
+        copies are the verifier's prompt lookup; a self or hybrid drafter whose head the verifier
+        runs (InfoResponse.head_model_id) is drafted there too, for greedy requests (its head drafts
+        chains of the target's own choices), so that a round crosses no process; any other drafter
+        drafts in the draft service, with the verifier's lookup and head in an AUTO request's runs
+        without asking (docs/architecture.md#drafted-in-the-verifier)."""
+        kind, head = self.drafters[name].kind, self.target.head_model_id if greedy else ""
+        heads = bool(head) and kind in ("self", "hybrid") and self.drafters[name].model_id == head
+        if kind == "ngram" or heads:
+            return True, kind != "self", heads
+        return False, True, bool(head)
 
     async def watch_health(self, report) -> None:
         """Health that tells the truth: the gateway is SERVING only while some verify replica says
@@ -248,7 +262,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             remaining = time_remaining()
             wait_s = self._backends.settings.resume_wait_s
             verify = await self._backends.verify.wait_pick(wait_s if remaining is None else min(wait_s, remaining))
-            draft = self._backends.draft.pick() if plan.speculate and not plan.copies else None
+            draft = self._backends.draft.pick() if plan.speculate and not plan.in_verifier else None
             self._cap.enter(client)
             self._inflight.enter()
             try:
@@ -308,8 +322,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
                                           self._inflight.others())
-        copies = drafter in b.copiers  # drafted in the verifier: no draft service needed
-        if decision.speculate and not copies and not b.draft.serving:
+        in_verifier, lookup, head = b.own_drafts(drafter, sampling.temperature == 0)  # then no draft service
+        if decision.speculate and not in_verifier and not b.draft.serving:
             if mode != AUTO:
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
                               f"({b.draft.why_none()}); AUTO runs without it meanwhile")
@@ -322,21 +336,23 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
         # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
         tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else settings.tree_budget)
-        lookup_gamma = max(gamma, tree)  # the deepest copy a step of the verifier's own may draft
-        if tree <= 1 or not speculate or not b.target.tree_verify or copies:
-            tree = 0  # trees need a verifier that takes them; the verifier's own copies are chains
+        own_gamma = max(gamma, tree)  # the deepest draft a step of the verifier's own may make
+        if tree <= 1 or not speculate or not b.target.tree_verify or in_verifier:
+            tree = 0  # trees need a verifier that takes them; the verifier's own drafts are chains
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
-                    needs_features=speculate and b.drafters[drafter].needs_features, sampling=sampling,
+                    needs_features=speculate and not in_verifier and b.drafters[drafter].needs_features,
+                    sampling=sampling,
                     decision=decision, tree_budget=tree,
                     score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
-                    predraft=speculate and not copies and not tree and not request.HasField("constraint")
+                    predraft=speculate and not in_verifier and not tree and not request.HasField("constraint")
                     and self._predraft(request, drafter),
                     skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
                     prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
                     constraint=request.constraint if request.HasField("constraint") else None,
-                    copies=speculate and copies, lookup_gamma=lookup_gamma)
+                    in_verifier=speculate and in_verifier, lookup_gamma=own_gamma if lookup else 0,
+                    head_gamma=own_gamma if head else 0)
 
     def _default_drafter(self, task_type: str, mode: str) -> str:
         """A request that names no drafter gets the draft service's default; an AUTO one, that or the

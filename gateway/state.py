@@ -39,10 +39,12 @@ class Plan:
     logprobs: cpb.LogprobsRequest = field(default_factory=cpb.LogprobsRequest)  # GenerateRequest.logprobs
     prior: Prior | None = None  # the gate's start (gateway.gate); None: ask the drafter every round
     constraint: cpb.Constraint | None = None  # structured output (the verifier masks every choice)
-    # The drafter copies from the context (n-gram): the verifier drafts the copies itself, each step
-    # of its decode-ahead, and no draft service takes part (docs/architecture.md#copies).
-    copies: bool = False
+    # The verifier drafts for the request itself, each step of its decode-ahead, and no draft service
+    # takes part: copies from the context (n-gram, hybrid) and its feature head (self, hybrid, where
+    # the verifier runs the drafter's head: docs/architecture.md#drafted-in-the-verifier).
+    in_verifier: bool = False
     lookup_gamma: int = 0  # most tokens the verifier's own lookup drafts a step (VerifyRequest.lookup_gamma)
+    head_gamma: int = 0  # most tokens the verifier's own head drafts a step (VerifyRequest.head_gamma)
 
 
 class Round(NamedTuple):
@@ -117,5 +119,5 @@ class Request:
 
     @property
     def speculates(self) -> bool:
-        """Drafts reach its rounds: the draft service's, or (plan.copies) the verifier's own."""
-        return self.drafter.drafting or self.plan.copies
+        """Drafts reach its rounds: the draft service's, or (plan.in_verifier) the verifier's own."""
+        return self.drafter.drafting or self.plan.in_verifier

@@ -10,9 +10,11 @@ import asyncio
 import grpc
 import pytest
 import torch
-from conftest import running_stack, until
+from conftest import request, running_stack, until, wait_released
 
 from specsplit.api.common.v1 import common_pb2 as cpb
+from specsplit.api.gateway.v1 import gateway_pb2 as pb
+from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 
@@ -137,7 +139,9 @@ async def test_the_verifier_drafts_from_the_context_itself_and_stays_exact(model
 async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_changes_no_token(tmp_path):
     """A verify service that runs the target's feature head (VerifySettings.self_head) drafts with it
     in its decode-ahead where the prompt lookup has nothing: its steps and tokens are counted apart
-    from the lookup's, and the text is the one-token-per-call text (greedy: drafts change no token)."""
+    from the lookup's, and the text is the one-token-per-call text (greedy: drafts change no token).
+    Through the gateway, a greedy self or hybrid request is drafted there (no draft session, no
+    features crossing), n-gram gets the lookup alone, and a sampled self request the draft service."""
     from transformers import AutoTokenizer
 
     from specsplit.model import catalog, native
@@ -149,7 +153,11 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
     target = catalog.resolve(catalog.DEFAULT)
     prompt = chat_prompt_ids(AutoTokenizer.from_pretrained(target),
                              [{"role": "user", "content": "Write a Python function that checks if a number is prime."}])
-    async with running_stack(tmp_path, "unix", target, None, verify_kw={"self_head": "default"}) as stack:
+    draft_kw = {"self_head": "default", "target_model": str(target)}
+    # No store of earlier outputs: each request drafts from its own context (a store would copy the
+    # first request's answer into the next ones whole, and the head would have nothing to draft).
+    async with running_stack(tmp_path, "unix", target, None, verify_kw={"self_head": "default", "store_tokens": 0},
+                             draft_kw=draft_kw) as stack:
         async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'verify.sock'}") as ch:
             v = vpb_grpc.VerifierStub(ch)
             first = await v.Prefill(vpb.PrefillRequest(session_id="one", prompt_token_ids=prompt))
@@ -160,12 +168,37 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
                 length = step.length
             first = await v.Prefill(vpb.PrefillRequest(session_id="ahead", prompt_token_ids=prompt))
             ahead = await v.Verify(vpb.VerifyRequest(session_id="ahead", length=first.length, decode_ahead=46,
-                                                     lookup_gamma=8))
+                                                     lookup_gamma=8, head_gamma=8))
             got = [first.next_token_id, ahead.next_token_id, *ahead.decoded_token_ids]
             assert got == steps[:len(got)] and len(got) == 48
             assert ahead.head_steps > 0 and 0 < ahead.head_accepted <= ahead.head_drafted
             assert not ahead.HasField("features")  # the head read them here; none were asked for
-            off = await v.Prefill(vpb.PrefillRequest(session_id="off", prompt_token_ids=prompt))
-            plain = await v.Verify(vpb.VerifyRequest(session_id="off", length=off.length, decode_ahead=46))
-            assert plain.head_steps == plain.head_drafted == 0  # no lookup_gamma: the verifier drafts nothing
-            assert stack.verify
+            # Each source only where asked: the head alone (self), the lookup alone (n-gram), neither.
+            for name, ask, lookup, head in (("head", dict(head_gamma=8), False, True),
+                                            ("lookup", dict(lookup_gamma=8), True, False),
+                                            ("off", {}, False, False)):
+                start = await v.Prefill(vpb.PrefillRequest(session_id=name, prompt_token_ids=prompt))
+                only = await v.Verify(vpb.VerifyRequest(session_id=name, length=start.length, decode_ahead=46, **ask))
+                assert [start.next_token_id, only.next_token_id, *only.decoded_token_ids] == steps[:48], name
+                assert (only.head_steps > 0, only.lookup_steps > 0) == (head, lookup), (name, only)
+            for sid in ("one", "ahead", "head", "lookup", "off"):
+                await v.Release(vpb.ReleaseRequest(session_id=sid))
+            info = await v.Info(vpb.InfoRequest())
+            assert info.head_model_id == "smollm2-135m-instruct-self"
+        async with grpc.aio.insecure_channel(stack.gateway) as ch:
+            gw = pb_grpc.GatewayStub(ch)
+            text = "Write a Python function that checks if a number is prime."
+            off = await gw.Generate(request(text, pb.SPECULATION_OFF, max_new_tokens=48))
+            for drafter, lookup in (("self", False), ("hybrid", True), ("ngram", True)):
+                on = await gw.Generate(request(text, drafter=drafter, max_new_tokens=48))
+                rounds = on.stats.round_records
+                assert list(on.token_ids) == list(off.token_ids), drafter
+                assert not any(r.drafted or r.feature_bytes or r.draft_source for r in rounds), drafter
+                assert (sum(r.head_steps for r in rounds) > 0) == (drafter != "ngram"), drafter
+                assert (sum(r.lookup_drafted for r in rounds) > 0) <= lookup, drafter
+            sampled = await gw.Generate(request(text, drafter="self", max_new_tokens=24,
+                                                sampling=pb.SamplingParams(temperature=0.8, seed=3)))
+            rounds = sampled.stats.round_records
+            assert all(r.draft_source == "self" and r.feature_bytes > 0 for r in rounds if r.drafted)
+            assert any(r.drafted for r in rounds) and not any(r.head_steps for r in rounds)
+        assert await wait_released(stack) == (0, 0)

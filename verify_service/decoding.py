@@ -55,7 +55,7 @@ class Decoding:
         lookup_gamma (twice that after a lookup accepted whole: a span being copied) and so that
         accepted + 1 fits the budget. (Under rejection sampling each token's q is 1 on it:
         Target.plan_verify's `copied`.) Where it finds nothing, the session's feature head drafts
-        if it has one here (`head`: verify_service.headdraft.VerifierHead)."""
+        up to head_gamma tokens if it has one here (`head`: verify_service.headdraft.VerifierHead)."""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
         room = session.agreement.depth(room, step_ms) if room > 0 else 0
@@ -65,8 +65,9 @@ class Decoding:
             if longer > agree:
                 draft = stored
         self.looked, self.head_looked = len(draft), 0
-        if not draft and request.lookup_gamma and head is not None and session.head is not None:
-            draft = head.draft(session.head, session.tokens, request.decode_ahead - self.committed, step_ms)
+        if not draft and request.head_gamma and head is not None and session.head is not None:
+            room = min(request.head_gamma, request.decode_ahead - self.committed)
+            draft = head.draft(session.head, session.tokens, room, step_ms)
             self.head_looked = len(draft)
         return draft
 

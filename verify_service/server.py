@@ -79,7 +79,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             max_sessions=self._sessions.max_sessions, param_bytes=lm.param_bytes,
             model_fingerprint=lm.model_fingerprint, hidden_size=lm.hidden_size,
             tree_verify=self._target.verifies_trees, forward_ms_by_rows=self.forward_ms_by_rows,
-            active_prefills=self.prefilling)
+            active_prefills=self.prefilling, head_model_id=self._head.model_id if self._head else "")
 
     async def Prefill(self, request, context):
         if not request.session_id:

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "exact", "eos_token_ids", "active_sessions", "max_sessions", "param_bytes", "model_fingerprint", "hidden_size", "tree_verify", "forward_ms_by_rows", "active_prefills")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_context", "dtype", "device", "exact", "eos_token_ids", "active_sessions", "max_sessions", "param_bytes", "model_fingerprint", "hidden_size", "tree_verify", "forward_ms_by_rows", "active_prefills", "head_model_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class InfoResponse(_message.Message):
     TREE_VERIFY_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_BY_ROWS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -45,7 +46,8 @@ class InfoResponse(_message.Message):
     tree_verify: bool
     forward_ms_by_rows: _containers.RepeatedScalarFieldContainer[float]
     active_prefills: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., forward_ms_by_rows: _Optional[_Iterable[float]] = ..., active_prefills: _Optional[int] = ...) -> None: ...
+    head_model_id: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., exact: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., param_bytes: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., hidden_size: _Optional[int] = ..., tree_verify: _Optional[bool] = ..., forward_ms_by_rows: _Optional[_Iterable[float]] = ..., active_prefills: _Optional[int] = ..., head_model_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "return_features", "sampling", "shm_segment", "skip_prefix_cache", "logprobs", "stop_token_ids", "resume", "constraint", "output_tokens")
@@ -102,7 +104,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., shm_nonce: _Optional[bytes] = ..., fast_path: _Optional[str] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents", "decode_ahead", "lookup_gamma", "forced_room")
+    __slots__ = ("session_id", "length", "draft_token_ids", "draft_probs", "draft_probs_shm", "draft_parents", "decode_ahead", "lookup_gamma", "forced_room", "head_gamma")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class VerifyRequest(_message.Message):
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_GAMMA_FIELD_NUMBER: _ClassVar[int]
     FORCED_ROOM_FIELD_NUMBER: _ClassVar[int]
+    HEAD_GAMMA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     length: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -121,7 +124,8 @@ class VerifyRequest(_message.Message):
     decode_ahead: int
     lookup_gamma: int
     forced_room: int
-    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ..., lookup_gamma: _Optional[int] = ..., forced_room: _Optional[int] = ...) -> None: ...
+    head_gamma: int
+    def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ..., lookup_gamma: _Optional[int] = ..., forced_room: _Optional[int] = ..., head_gamma: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs", "decoded_token_ids", "lookup_drafted", "lookup_accepted", "lookup_steps", "forced", "constraint_complete", "verified_draft_ids", "forced_accepted", "head_drafted", "head_accepted", "head_steps")
