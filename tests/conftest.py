@@ -247,14 +247,15 @@ def write_prompts(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def self_head(models, tmp_path_factory) -> Path:
-    """A feature head for the tiny target, made by the real `specsplit distill` pipeline."""
+    """A feature head for the tiny target, made by the real `specsplit distill` pipeline, its MLP
+    narrower than the target's (as a big target's head is made)."""
     from specsplit.tools.distill.pipeline import DistillSettings, distill
 
     work = tmp_path_factory.mktemp("distill")
     return distill(DistillSettings(target_model=str(models["target"]), out=str(work), dtype="float32",
                                    prompts=str(write_prompts(work / "prompts.jsonl")), gen_minutes=1.0,
                                    train_minutes=0.1, max_new_tokens=24, batch=4, draft_vocab=128,
-                                   data_fractions=(0.5, 1.0)),
+                                   data_fractions=(0.5, 1.0), head_intermediate=96),
                    log=lambda *_: None)
 
 

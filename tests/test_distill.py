@@ -124,6 +124,7 @@ def test_exported_head_records_its_target_and_loads(self_head, models):
     card = json.loads((self_head / "head.json").read_text())
     assert card["target"]["model_fingerprint"] == weights_fingerprint(models["target"])
     assert card["metrics"]["steps"] > 0 and card["recipe"]["command"] == "specsplit distill"
+    assert card["config"]["intermediate"] == 96  # --head-intermediate, narrower than the target's 128
     # Made with --data-fractions 0.5,1: both heads trained on their share, same held-out set.
     curve = card["metrics"]["data_curve"]
     assert [p["data_fraction"] for p in curve] == [0.5, 1.0]

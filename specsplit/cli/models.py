@@ -49,6 +49,9 @@ def add(sub) -> None:
     dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
     dist.add_argument("--batch", type=int, default=8, help="prompts generated together")
     dist.add_argument("--draft-vocab", type=int, default=8192, help="size of the frequency-ranked draft vocabulary")
+    dist.add_argument("--head-intermediate", type=int, default=0,
+                      help="the head's MLP width (0: the target's; a big target's head is cheaper to run and "
+                           "ship narrower)")
     dist.add_argument("--levels", type=int, default=3, help="drafting steps unrolled in training")
     dist.add_argument("--lr", type=float, default=6e-4)
     dist.add_argument("--batch-tokens", type=int, default=1024, help="tokens per training step")
@@ -79,7 +82,8 @@ def run_distill(a: argparse.Namespace) -> int:
     distill(DistillSettings(target_model=a.target_model, out=a.out, prompts=a.prompts, gen_minutes=a.gen_minutes,
                             train_minutes=a.train_minutes, train_steps=a.train_steps,
                             max_new_tokens=a.max_new_tokens, batch=a.batch,
-                            draft_vocab=a.draft_vocab, levels=a.levels, lr=a.lr, dtype=a.dtype, device=a.device,
+                            draft_vocab=a.draft_vocab, head_intermediate=a.head_intermediate, levels=a.levels,
+                            lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
                             prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
                             target_prompts=a.target_prompts, quantize=a.quantize,

@@ -33,11 +33,14 @@ class HeadConfig:
     draft_vocab: int
 
     @classmethod
-    def from_target(cls, config, draft_vocab: int) -> HeadConfig:
+    def from_target(cls, config, draft_vocab: int, intermediate: int = 0) -> HeadConfig:
+        """The head's shape for a target: its hidden size, attention and RoPE; the MLP the target's
+        width unless `intermediate` (> 0) asks for a narrower one (a big target's head: cheaper to
+        run and to ship, and no more than its data can train)."""
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         heads = config.num_attention_heads
-        return cls(hidden=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
+        return cls(hidden=config.hidden_size, intermediate=intermediate or config.intermediate_size, heads=heads,
                    kv_heads=getattr(config, "num_key_value_heads", heads) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    rope_theta=float(theta), eps=float(config.rms_norm_eps), draft_vocab=draft_vocab)
@@ -91,8 +94,8 @@ class FeatureHead(nn.Module):
     def init_from_target_layer(self, layer: nn.Module) -> None:
         """Start as an identity: fc passes f_i through and the layer's residual branches output
         zero (o_proj, down_proj zeroed), so the untrained head predicts f_{i+1} = f_i. The other
-        weights are copied from a target layer. (Measured: copying a layer as-is starts far off
-        scale and learns nothing.)"""
+        weights are copied from a target layer (a narrower MLP: its first rows). (Measured: copying
+        a layer as-is starts far off scale and learns nothing.)"""
         d = self.cfg.hidden
         with torch.no_grad():
             self.fc.weight.zero_()
@@ -100,7 +103,7 @@ class FeatureHead(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             for mine, theirs in ((self.q_proj, attn.q_proj), (self.k_proj, attn.k_proj), (self.v_proj, attn.v_proj),
                                  (self.gate_proj, mlp.gate_proj), (self.up_proj, mlp.up_proj)):
-                mine.weight.copy_(theirs.weight.float())
+                mine.weight.copy_(theirs.weight[:mine.weight.shape[0]].float())
             self.input_norm.weight.copy_(layer.input_layernorm.weight.float())
             self.post_norm.weight.copy_(layer.post_attention_layernorm.weight.float())
             self.o_proj.weight.zero_()

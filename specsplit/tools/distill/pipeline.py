@@ -35,6 +35,7 @@ class DistillSettings:
     max_new_tokens: int = 192
     batch: int = 8
     draft_vocab: int = 8192
+    head_intermediate: int = 0  # self: the head's MLP width (0: the target's)
     levels: int = 3
     lr: float = 6e-4
     dtype: str = "bfloat16"  # of the target while generating (the features keep it)
@@ -75,6 +76,7 @@ def distill(s: DistillSettings, log=print) -> Path:
     dirs = {f: out / (f"{s.kind}-train" if f == 1 else f"{s.kind}-train-data{f:g}") for f in fractions}
     work = dirs[fractions[-1]]
     settings = TrainSettings(budget_s=s.train_minutes * 60, max_steps=s.train_steps, draft_vocab=s.draft_vocab,
+                             intermediate=s.head_intermediate,
                              levels=s.levels, lr=s.lr, batch_tokens=s.batch_tokens)
     result, examples = None, None
     if "eval" in s.stages and s.kind != "self":
@@ -215,7 +217,8 @@ def export(out: Path, lm, target_dir: Path, s: DistillSettings, head_dir: Path) 
                for k, v in state["weights"].items()}
     save_file(weights, str(head_dir / "head.safetensors"))
     card = {"format": HEAD_FORMAT,
-            "config": HeadConfig.from_target(lm.model.config, int(state["weights"]["vocab_ids"].numel())).to_dict(),
+            "config": HeadConfig.from_target(lm.model.config, int(state["weights"]["vocab_ids"].numel()),
+                                             int(state["weights"]["gate_proj.weight"].shape[0])).to_dict(),
             "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", True)),
             **_card(out, lm, s)}
     (head_dir / "head.json").write_text(json.dumps(card, indent=1) + "\n")

@@ -27,6 +27,7 @@ class TrainSettings:
     budget_s: float
     max_steps: int = 0  # 0: only the time budget bounds training
     draft_vocab: int = 8192
+    intermediate: int = 0  # the head's MLP width (0: the target's; HeadConfig.from_target)
     levels: int = 3
     lr: float = 6e-4
     batch_tokens: int = 1024
@@ -193,7 +194,8 @@ class HeadStudent:
     def __init__(self, target, embed: torch.Tensor, lm_head: torch.Tensor, vocab: torch.Tensor | None,
                  settings: TrainSettings):
         self.settings = settings
-        self.module = FeatureHead(HeadConfig.from_target(target.model.config, settings.draft_vocab))
+        self.module = FeatureHead(HeadConfig.from_target(target.model.config, settings.draft_vocab,
+                                                         settings.intermediate))
         if vocab is not None:  # fresh (else the checkpoint restores weights and vocab)
             self.module.init_from_target_layer(target.model.model.layers[-1])
         self._wiring = (embed.float(), lm_head.float(), vocab)
@@ -287,7 +289,8 @@ def load_head(target, embed: torch.Tensor, lm_head: torch.Tensor, head_dir: Path
     from safetensors.torch import load_file
 
     card = json.loads((Path(head_dir) / "head.json").read_text())
-    student = HeadStudent(target, embed, lm_head, None, replace(settings, draft_vocab=card["config"]["draft_vocab"]))
+    student = HeadStudent(target, embed, lm_head, None, replace(settings, draft_vocab=card["config"]["draft_vocab"],
+                                                                intermediate=card["config"]["intermediate"]))
     student.module.load_state_dict({k: v.float() if v.is_floating_point() else v
                                     for k, v in load_file(str(Path(head_dir) / "head.safetensors")).items()})
     return student
