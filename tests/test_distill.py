@@ -286,3 +286,19 @@ def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_
         student.ready()
         assert r["step_accuracy"] == [round(a, 4) for a in evaluate(student, held, student.settings)]
     assert "held-out accuracy per drafting step" in printed[-1] and str(broken)[-20:] in printed[-1]
+
+
+def test_the_data_samplers_draws_are_a_served_requests_for_its_seed():
+    """gen.Sampler draws as a served request with that seed does (speculation.sampling's warp and
+    stream), only among the top k, and greedy at temperature 0."""
+    from specsplit.speculation.sampling import SamplingParams, sample, warp
+    from specsplit.tools.distill.gen import Sampler
+
+    rows = torch.randn(40, 300, generator=torch.Generator().manual_seed(1))
+    sampler, other = Sampler(0.9, 5, seed=11), Sampler(0.9, 5, seed=12)
+    draws = [sampler(row, -1) for row in rows]
+    params = SamplingParams(temperature=0.9, top_k=5, seed=11)
+    assert draws == [sample(warp(row[None], params)[0], 11, i) for i, row in enumerate(rows, 1)]
+    assert all(d in row.topk(5).indices.tolist() for d, row in zip(draws, rows))
+    assert len(set(draws)) > 5 and draws != [other(row, -1) for row in rows]
+    assert Sampler(0.0)(rows[0], 7) == 7

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from specsplit.model.modeling import LoadedModel, chat_prompt_ids
+from specsplit.speculation.sampling import SamplingParams, sample, warp
 
 SLOTS = 16  # sequences decoded together: the most tokens/s on 2 cores (16: 337, 32: 314, 64: 280 tok/s)
 
@@ -31,19 +32,19 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 class Sampler:
-    """The next token from a logits row: greedy (temperature 0), else sampled at `temperature` among
-    the `top_k` most likely, from a seeded generator (the same seed, the same draws)."""
+    """The next token from a logits row: greedy (temperature 0), else drawn at `temperature` among the
+    `top_k` most likely as a served request with that seed draws (speculation.sampling's warp, then
+    the seed's stream at the draw's position): the same seed, the same draws."""
 
     def __init__(self, temperature: float = 0.0, top_k: int = 50, seed: int = 0):
-        self.temperature, self.top_k = temperature, top_k
-        self.generator = torch.Generator().manual_seed(seed)
+        self.params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed)
+        self.draws = 0
 
     def __call__(self, logits: torch.Tensor, greedy: int) -> int:
-        if self.temperature <= 0:
+        if self.params.temperature <= 0:
             return greedy
-        top = torch.topk(logits.float(), self.top_k)
-        probs = torch.softmax(top.values / self.temperature, -1)
-        return int(top.indices[torch.multinomial(probs, 1, generator=self.generator)])
+        self.draws += 1
+        return sample(warp(logits[None], self.params)[0], self.params.seed, self.draws)
 
 
 @torch.inference_mode()
