@@ -284,7 +284,12 @@ def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_
     for r, head in zip(rows, (self_head, broken)):
         student = load_head(lm, embed, lm_head, head, TrainSettings(budget_s=1))
         student.ready()
-        assert r["step_accuracy"] == [round(a, 4) for a in evaluate(student, held, student.settings)]
+        overall, by_type = evaluate(student, held, student.settings)
+        assert r["step_accuracy"] == [round(a, 4) for a in overall] and r["by_task_type"] == by_type
+        # The overall figure is every position's, whichever type it belongs to.
+        kinds = {ex["task_type"] for ex in held}
+        alone = [evaluate(student, [ex for ex in held if ex["task_type"] == k], student.settings)[0] for k in kinds]
+        assert min(a[0] for a in alone) - 1e-9 <= overall[0] <= max(a[0] for a in alone) + 1e-9
     assert "held-out accuracy per drafting step" in printed[-1] and str(broken)[-20:] in printed[-1]
 
 

@@ -145,8 +145,8 @@ def _losses(head: FeatureHead, feats, tokens, mask, levels: int, reg_weight: flo
     return total, accs
 
 
-def evaluate(student, examples: list[dict], settings: TrainSettings) -> list[float]:
-    """Per drafting step, how often the student's top guess is the target's (teacher-forced prefix)."""
+def _hits(student, examples: list[dict], settings: TrainSettings) -> tuple[list[float], int]:
+    """Per drafting step, the positions whose top guess is the target's, and the positions scored."""
     hits: list[float] = []
     n = 0
     with torch.no_grad():
@@ -154,17 +154,25 @@ def evaluate(student, examples: list[dict], settings: TrainSettings) -> list[flo
             _, accs, weight = student.losses(batch)
             hits = [h + a * weight for h, a in zip(hits or [0.0] * len(accs), accs)]
             n += weight
-    return [h / max(n, 1) for h in hits]
+    return hits, n
 
 
-def evaluate_by_task(student, examples: list[dict], settings: TrainSettings) -> dict[str, dict]:
-    """evaluate() per task type: {type: {"sequences", "step_accuracy"}} (the card's per-category view:
-    a head can be good on code and poor on chat, and the mean hides which)."""
+def evaluate(student, examples: list[dict], settings: TrainSettings) -> tuple[list[float], dict[str, dict]]:
+    """Per drafting step, how often the student's top guess is the target's (teacher-forced prefix):
+    over all `examples`, and per task type ({type: {"sequences", "step_accuracy"}}: the card's
+    per-category view, since a head can be good on code and poor on chat and the mean hides which).
+    One pass: the overall figure is the types' positions summed."""
     kinds: dict[str, list[dict]] = {}
     for ex in examples:
         kinds.setdefault(ex.get("task_type") or "unlabelled", []).append(ex)
-    return {kind: {"sequences": len(exs), "step_accuracy": [round(a, 4) for a in evaluate(student, exs, settings)]}
-            for kind, exs in sorted(kinds.items())}
+    total: list[float] = []
+    n, by_type = 0, {}
+    for kind, exs in sorted(kinds.items()):
+        hits, weight = _hits(student, exs, settings)
+        by_type[kind] = {"sequences": len(exs), "step_accuracy": [round(h / max(weight, 1), 4) for h in hits]}
+        total = [a + b for a, b in zip(total or [0.0] * len(hits), hits)]
+        n += weight
+    return [h / max(n, 1) for h in total], by_type
 
 
 def split(examples: list[dict], settings: TrainSettings) -> tuple[list[dict], list[dict]]:
@@ -273,9 +281,8 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
             rng = random.Random(settings.seed + epoch)
     bar.close()
     save()
-    step_acc = evaluate(student, held, settings)
-    metrics = {"held_out_step_accuracy": [round(a, 4) for a in step_acc],
-               "held_out_by_task_type": evaluate_by_task(student, held, settings),
+    step_acc, by_type = evaluate(student, held, settings)
+    metrics = {"held_out_step_accuracy": [round(a, 4) for a in step_acc], "held_out_by_task_type": by_type,
                "estimated_acceptance_length_gamma4": round(expected_acceptance(step_acc), 3),
                "steps": step, "epochs": epoch, "train_minutes": round(elapsed / 60, 1),
                "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
@@ -305,10 +312,10 @@ def compare(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[d
     for head in heads:
         student = load_head(target, embed, lm_head, head, settings)
         student.ready()
-        acc = evaluate(student, held, student.settings)
+        acc, by_type = evaluate(student, held, student.settings)
         rows.append({"head": str(head), "sequences": len(held), "step_accuracy": [round(a, 4) for a in acc],
                      "estimated_acceptance_length_gamma4": round(expected_acceptance(acc), 3),
-                     "by_task_type": evaluate_by_task(student, held, student.settings)})
+                     "by_task_type": by_type})
     return rows
 
 
