@@ -104,3 +104,19 @@ def test_unknown_names_and_directories_say_what_is_accepted(tmp_path):
         catalog.resolve(str(tmp_path / "nowhere"))
     with pytest.raises(UsageError, match="not in the catalog"):
         catalog.fetch("no-such-model")
+
+
+def test_auto_takes_the_head_shipped_for_a_catalog_target_and_none_where_there_is_none(tmp_path, monkeypatch):
+    """--self-head auto: the default target's shipped head, a catalog target's own once one is shipped
+    beside it (<name>-self with a card), nothing for a target without one; 'none' and a directory as given."""
+    from specsplit.model import headfile
+
+    assert headfile.head_setting("auto", "default") == str(headfile.PACKAGED / "smollm2-135m-instruct-self")
+    monkeypatch.setattr(headfile, "PACKAGED", tmp_path)
+    assert headfile.head_setting("auto", "qwen2.5-coder-1.5b-instruct") is None
+    shipped = tmp_path / "qwen2.5-coder-1.5b-instruct-self"
+    shipped.mkdir()
+    assert headfile.head_setting("auto", "qwen2.5-coder-1.5b-instruct") is None  # no card: not a head
+    (shipped / "head.json").write_text("{}")
+    assert headfile.head_setting("auto", "qwen2.5-coder-1.5b-instruct") == str(shipped)
+    assert headfile.head_setting("none", "default") is None and headfile.head_setting("/x/h", "default") == "/x/h"

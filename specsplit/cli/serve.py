@@ -78,9 +78,9 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
     store_tokens_flag(v, VerifySettings.store_tokens, "earlier outputs the verifier's own copies (prompt lookup "
                       "as it decodes ahead) also draw on, across requests (0: none)")
     v.add_argument("--self-head", default=ENV("SPECSPLIT_VERIFY_SELF_HEAD", "none"),
-                   help="the target's feature head drafting in this service, where its decode-ahead's lookup finds "
-                        "nothing (greedy sessions; no process crossing a head round); 'auto': the shipped head when "
-                        "--target-model is the default; 'none': no head here")
+                   help="the target's feature head drafting in this service (greedy self and hybrid requests, "
+                        "and where an AUTO request's decode-ahead finds no copy: no process crossing a head round); "
+                        "'auto': the head shipped for --target-model if it has one; 'none': no head here")
     setting(v, "--self-min-confidence", s, "self_min_confidence", "the head here stops drafting below this chain "
                                                                   "probability")
     setting(v, "--batch-rows", s, "batch_rows",
@@ -102,7 +102,7 @@ def _draft_flags(d: argparse.ArgumentParser) -> None:
     store_tokens_flag(d)
     d.add_argument("--self-head", default=ENV("SPECSPLIT_SELF_HEAD", "auto"),
                    help="feature head from `specsplit distill` for the self and hybrid drafters; 'auto': the "
-                        "shipped head when --target-model is the default; 'none': no head")
+                        "head shipped for --target-model if it has one; 'none': no head")
     d.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", DraftSettings.target_model),
                    help="the target the head drafts for (its embeddings are read from here)")
     d.add_argument("--hybrid-min-match", type=int, default=DraftSettings.hybrid_min_match,

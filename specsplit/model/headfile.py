@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from specsplit.model.catalog import DEFAULT
 from specsplit.model.featurehead import FeatureHead, HeadConfig
 from specsplit.model.headserving import NativeHead, TorchHead
 from specsplit.model.identity import weights_fingerprint
@@ -17,20 +18,28 @@ HEAD_FORMAT = "specsplit-feature-head/1"
 PACKAGED = Path(__file__).resolve().parent / "drafts"
 
 
+def shipped_head(target_model: str) -> Path:
+    """Where the head shipped for a catalog target lives (specsplit/model/drafts/<name>-self; the
+    embedded default's name is its model's), whether or not one is there."""
+    return PACKAGED / f"{'smollm2-135m-instruct' if target_model == DEFAULT else target_model}-self"
+
+
 def resolve_head(path: str) -> Path:
     """A head directory, or `default` for the one shipped for the embedded default target."""
     if path == "default":
-        return PACKAGED / "smollm2-135m-instruct-self"
+        return shipped_head(DEFAULT)
     return Path(path).expanduser()
 
 
 def head_setting(flag: str, target_model: str) -> str | None:
-    """The --self-head flag as the settings take it: 'none' none; 'auto' the shipped head if the
-    target is the embedded default and the head is there; else the flag (a directory)."""
+    """The --self-head flag as the settings take it: 'none' none; 'auto' the head shipped for the
+    target if it is a catalog name with one (the embedded default's, the real pair's target's);
+    else the flag (a directory)."""
     if flag == "none":
         return None
     if flag == "auto":
-        return "default" if target_model == "default" and (resolve_head("default") / "head.json").is_file() else None
+        shipped = shipped_head(target_model)
+        return str(shipped) if (shipped / "head.json").is_file() else None
     return flag
 
 
