@@ -182,11 +182,17 @@ async def test_the_link_survives_malformed_frames_with_clear_failures(tmp_path):
     listener.close()
 
 
+def _ends(path: Path) -> int:
+    """Sockets open on this host at the UNIX address `path`: its listener and the ends it accepted."""
+    rows = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[-1] == str(path))
+
+
 async def test_a_service_answers_bad_frames_clearly_and_keeps_serving(models, tmp_path, shm_dir):
     """The service side of the fast path, on the real verify and draft services: an undecodable
     request is answered INVALID_ARGUMENT, naming the message, on a link that goes on; a frame
     longer than any message closes that connection only; the services keep serving."""
-    from conftest import running_stack
+    from conftest import running_stack, until
 
     from specsplit.api.gateway.v1 import gateway_pb2 as pb
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -194,6 +200,7 @@ async def test_a_service_answers_bad_frames_clearly_and_keeps_serving(models, tm
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
         sockets = sorted(shm_dir.glob("specsplit-fast-*.sock"))
         assert len(sockets) == 2  # the verify service's and the draft service's
+        idle = {path: _ends(path) for path in sockets}  # its listener (no request has come yet)
 
         def exchange(path: Path, data: bytes) -> bytes:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -223,12 +230,15 @@ async def test_a_service_answers_bad_frames_clearly_and_keeps_serving(models, tm
                 assert answered == call  # each answer names its call
             oversize = fastpath.HEAD.pack(fastpath.MAX_FRAME + 1, fastpath.OK, 0)
             assert await asyncio.to_thread(exchange, path, oversize) == b""  # closed, nothing answered
-            # A client that dies mid-frame: its connection goes, nothing is answered, the service stays.
+            # A client that dies mid-frame: the service closes its end (as for every connection above:
+            # none is left open), nothing is answered, the service stays.
             half = fastpath.frame(fastpath.OK, vpb.VerifyRequest(session_id="x").SerializeToString(), 3)
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.settimeout(30)
                 conn.connect(str(path))
                 conn.sendall(half[:len(half) - 3])
+                await until(lambda: _ends(path) == idle[path] + 1, "the service's end of the half-frame connection")
+            await until(lambda: _ends(path) == idle[path], f"every connection to {path.name} closed by the service")
         async with grpc.aio.insecure_channel(stack.gateway) as ch:
             done = await pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(
                 text="def add(a, b):", max_new_tokens=8, speculation=pb.SPECULATION_ON,
