@@ -279,3 +279,47 @@ async def test_controlled_learns_then_reports_each_task_type_and_every_auto_deci
         assert sum(decisions.values()) == n and all(re.fullmatch(r"[\w-]+/g\d+", k) for k in decisions)
         assert all(float(x) > 0 for x in rows[task][1:4])
     assert rows["ALL"][6] == ""
+
+
+def test_busy_spell_counts_what_auto_decided_beside_the_neighbours_and_after_and_leaves_none(monkeypatch, capsys):
+    """`bench --neighbour N`'s spell: AUTO requests of one type while N busy processes run, then a few
+    with the machine quiet; each phase's count of requests that speculated and their reasons. The
+    neighbours are real processes, running only during the spell and gone after it."""
+    from types import SimpleNamespace
+
+    from specsplit.tools import bench
+    from specsplit.tools.workload import Prompt
+
+    made = []
+    real = bench.Neighbours
+
+    class Watched(real):
+        def __init__(self, n):
+            super().__init__(n)
+            made.append(self)
+
+    def state(proc) -> str:  # R running, T stopped (SIGSTOP), ... from /proc; "" once reaped
+        return "" if proc.poll() is not None else open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+    class Stub:  # the gateway's answers: "load" while the neighbours run, "learnt" after
+        def __init__(self):
+            self.phases = []
+
+        def Generate(self, request, timeout):
+            busy = all(state(p) not in ("T", "") for p in made[0].procs)
+            self.phases.append(busy)
+            return SimpleNamespace(stats=SimpleNamespace(speculation_used=not busy,
+                                                         speculation_reason="load" if busy else "learnt"))
+
+    monkeypatch.setattr(bench, "Neighbours", Watched)
+    monkeypatch.setattr(bench, "SPELL_S", 0.3)
+    monkeypatch.setattr(bench, "AFTER", 3)
+    stub = Stub()
+    prompts = [Prompt("open", "hi"), Prompt("code", "def f():"), Prompt("code", "class A:")]
+    bench.busy_spell(stub, prompts, 8, 2)
+    busy = sum(stub.phases[:-3])
+    assert busy == len(stub.phases) - 3 > 0 and not any(stub.phases[-3:])
+    assert all(p.poll() is not None for p in made[0].procs) and len(made[0].procs) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"code AUTO beside 2 busy for 0 s: 0/{busy} speculated (load {busy})",
+                   "code AUTO after it: 3/3 speculated (learnt 3)"]
