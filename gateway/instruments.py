@@ -231,8 +231,8 @@ def _per_forward(stats: pb.GenerationStats) -> tuple[float, float]:
 
 
 def _record(r) -> pb.RoundRecord:
-    time_ = roundtime.split(r.round_ns, r.draft_ns, r.draft_call_ns, r.verify_ns, r.verify_call_ns)
-    return pb.RoundRecord(drafted=r.drafted, accepted=r.accepted, draft_ms=r.draft_ns / 1e6,
+    time_ = roundtime.split(r.round_ns, r.draft_ns, r.draft_call_ns, r.verify_ns, r.verify_call_ns, r.head_ns)
+    return pb.RoundRecord(drafted=r.drafted, accepted=r.accepted, draft_ms=(r.draft_ns + r.head_ns) / 1e6,
                           verify_ms=r.verify_ns / 1e6, network_ms=time_.network_ms, gateway_ms=time_.gateway_ms,
                           round_ms=r.round_ns / 1e6, draft_source=r.source, feature_bytes=r.feature_bytes,
                           proposal_bytes=r.proposal_bytes, predrafted=r.predrafted, depth=r.depth,

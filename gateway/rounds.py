@@ -167,7 +167,7 @@ class RoundLoop:
             len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.lookup_steps,
             verdict.forced,
             verdict.forced_accepted, draft.asked, copy, verdict.head_drafted, verdict.head_accepted,
-            verdict.head_steps))
+            verdict.head_steps, verdict.head_ns))
         request.measured.constraint_complete = verdict.constraint_complete
         return end
 

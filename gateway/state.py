@@ -76,6 +76,7 @@ class Round(NamedTuple):
     head_drafted: int = 0  # of the decoded tokens, the verifier's own feature-head drafts (where the features are)
     head_accepted: int = 0
     head_steps: int = 0
+    head_ns: int = 0  # the verifier's drafting time for them (inside the Verify call, not its forwards)
 
 
 @dataclass

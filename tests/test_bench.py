@@ -323,3 +323,18 @@ def test_busy_spell_counts_what_auto_decided_beside_the_neighbours_and_after_and
     out = capsys.readouterr().out.splitlines()
     assert out == [f"code AUTO beside 2 busy for 0 s: 0/{busy} speculated (load {busy})",
                    "code AUTO after it: 3/3 speculated (learnt 3)"]
+
+
+def test_a_rounds_time_counts_the_verifiers_own_drafting_as_compute_not_network():
+    """roundtime.split: a Verify call of 10 ms whose forwards took 6 and whose head drafted for 3
+    (VerifyResponse.head_ns) spent 1 ms in transit; its 3 ms are drafting on the critical path."""
+    from specsplit.serving import roundtime
+
+    ms = 1_000_000
+    own = roundtime.split(round_ns=12 * ms, draft_ns=0, draft_call_ns=0, verify_ns=6 * ms, verify_call_ns=10 * ms,
+                          verify_draft_ns=3 * ms)
+    assert own == roundtime.RoundTime(9.0, 1.0, 2.0)
+    # A Propose the gateway waited for: its compute counts, its transit is network.
+    asked = roundtime.split(round_ns=20 * ms, draft_ns=2 * ms, draft_call_ns=5 * ms, verify_ns=6 * ms,
+                            verify_call_ns=10 * ms)
+    assert asked == roundtime.RoundTime(8.0, 7.0, 5.0)

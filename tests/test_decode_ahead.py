@@ -181,6 +181,7 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
                 only = await v.Verify(vpb.VerifyRequest(session_id=name, length=start.length, decode_ahead=46, **ask))
                 assert [start.next_token_id, only.next_token_id, *only.decoded_token_ids] == steps[:48], name
                 assert (only.head_steps > 0, only.lookup_steps > 0) == (head, lookup), (name, only)
+                assert (only.head_ns > 0) == head  # the head's drafting time, apart from the forwards
             for sid in ("one", "ahead", "head", "lookup", "off"):
                 await v.Release(vpb.ReleaseRequest(session_id=sid))
             info = await v.Info(vpb.InfoRequest())
@@ -195,6 +196,8 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
                 assert list(on.token_ids) == list(off.token_ids), drafter
                 assert not any(r.drafted or r.feature_bytes or r.draft_source for r in rounds), drafter
                 assert (sum(r.head_steps for r in rounds) > 0) == (drafter != "ngram"), drafter
+                # The head's time is drafting (draft_ms), on the critical path: not network, not the forwards.
+                assert all((r.draft_ms > 0) == (r.head_steps > 0) for r in rounds), drafter
                 assert (sum(r.lookup_drafted for r in rounds) > 0) <= lookup, drafter
             sampled = await gw.Generate(request(text, drafter="self", max_new_tokens=24,
                                                 sampling=pb.SamplingParams(temperature=0.8, seed=3)))

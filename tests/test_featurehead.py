@@ -40,7 +40,7 @@ def test_identity_init_predicts_the_current_feature():
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=1, vocab_size=50)
     head = FeatureHead(HeadConfig.from_target(config, 16))
-    head.init_from_target_layer(LlamaDecoderLayer(config, 0))
+    head.init_from_target_layer(LlamaDecoderLayer(config, 0).state_dict())
     head.attach(torch.randn(50, 32), torch.randn(50, 32), torch.arange(16))
     feats = torch.randn(5, 32)
     out = head_step(head, HeadCache(), feats, [1, 2, 3, 4, 5])

@@ -6,6 +6,7 @@ the context's end; then one answer for them all (docs/protocol.md#session-life-c
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ class Decoding:
     head_drafted: int = 0
     head_accepted: int = 0
     head_steps: int = 0
+    head_ns: int = 0  # the head's drafting time, over its steps
 
     @property
     def accepted(self) -> int:  # lookup drafts accepted
@@ -67,7 +69,9 @@ class Decoding:
         self.looked, self.head_looked = len(draft), 0
         if not draft and request.head_gamma and head is not None and session.head is not None:
             room = min(request.head_gamma, request.decode_ahead - self.committed)
+            started = time.perf_counter_ns()
             draft = head.draft(session.head, session.tokens, room, step_ms)
+            self.head_ns += time.perf_counter_ns() - started
             self.head_looked = len(draft)
         return draft
 

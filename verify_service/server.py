@@ -309,7 +309,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 lookup_drafted=decoding.drafted,
                 lookup_accepted=decoding.accepted - forced_accepted - decoding.head_accepted,
                 lookup_steps=decoding.lookup_steps, head_drafted=decoding.head_drafted,
-                head_accepted=decoding.head_accepted, head_steps=decoding.head_steps,
+                head_accepted=decoding.head_accepted, head_steps=decoding.head_steps, head_ns=decoding.head_ns,
                 forced=forced, forced_accepted=forced_accepted, constraint_complete=result.complete)
         return pb.VerifyResponse(num_accepted=result.num_accepted, next_token_id=result.next_token,
                                  length=result.length, forward_ns=result.forward_ns,

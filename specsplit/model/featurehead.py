@@ -91,21 +91,21 @@ class FeatureHead(nn.Module):
         self.vocab_weight: torch.Tensor | None = None  # [draft_vocab, hidden], target lm_head rows
 
     # -- wiring -------------------------------------------------------------------------------
-    def init_from_target_layer(self, layer: nn.Module) -> None:
+    def init_from_target_layer(self, layer: dict[str, torch.Tensor]) -> None:
         """Start as an identity: fc passes f_i through and the layer's residual branches output
         zero (o_proj, down_proj zeroed), so the untrained head predicts f_{i+1} = f_i. The other
-        weights are copied from a target layer (a narrower MLP: its first rows). (Measured: copying
-        a layer as-is starts far off scale and learns nothing.)"""
+        weights are copied from a target layer (`layer`: its weights by name, headfile.target_layer;
+        a narrower MLP: its first rows; no biases). (Measured: copying a layer as-is starts far off
+        scale and learns nothing.)"""
         d = self.cfg.hidden
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :d].copy_(torch.eye(d))
-            attn, mlp = layer.self_attn, layer.mlp
-            for mine, theirs in ((self.q_proj, attn.q_proj), (self.k_proj, attn.k_proj), (self.v_proj, attn.v_proj),
-                                 (self.gate_proj, mlp.gate_proj), (self.up_proj, mlp.up_proj)):
-                mine.weight.copy_(theirs.weight[:mine.weight.shape[0]].float())
-            self.input_norm.weight.copy_(layer.input_layernorm.weight.float())
-            self.post_norm.weight.copy_(layer.post_attention_layernorm.weight.float())
+            for mine, theirs in ((self.q_proj, "self_attn.q_proj"), (self.k_proj, "self_attn.k_proj"),
+                                 (self.v_proj, "self_attn.v_proj"), (self.gate_proj, "mlp.gate_proj"),
+                                 (self.up_proj, "mlp.up_proj"), (self.input_norm, "input_layernorm"),
+                                 (self.post_norm, "post_attention_layernorm")):
+                mine.weight.copy_(layer[f"{theirs}.weight"][:mine.weight.shape[0]].float())
             self.o_proj.weight.zero_()
             self.down_proj.weight.zero_()
 

@@ -74,6 +74,21 @@ def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Te
     return embed, head
 
 
+def target_layer(target_dir: Path, index: int) -> dict[str, torch.Tensor]:
+    """Decoder layer `index`'s weights by their names inside the layer (`self_attn.q_proj.weight`, ...),
+    read alone from the target's safetensors files (a target served from its GGUF blocks holds no
+    unpacked copy of them)."""
+    from safetensors import safe_open
+
+    prefix, found = f"model.layers.{index}.", {}
+    for f in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            found.update({name[len(prefix):]: st.get_tensor(name) for name in st.keys() if name.startswith(prefix)})
+    if not found:
+        raise ValueError(f"{target_dir}: no '{prefix}*' tensors in its safetensors files")
+    return found
+
+
 def load_head(head_dir: Path, target_dir: Path, device: str = "cpu") -> tuple[FeatureHead, dict]:
     """The head (float32, the target's embedding and output rows attached) and its card; refused,
     saying so, when it was trained for other target weights."""

@@ -28,11 +28,14 @@ class RoundTime(NamedTuple):
         return self.network_ms + self.gateway_ms
 
 
-def split(round_ns: int, draft_ns: int, draft_call_ns: int, verify_ns: int, verify_call_ns: int) -> RoundTime:
+def split(round_ns: int, draft_ns: int, draft_call_ns: int, verify_ns: int, verify_call_ns: int,
+          verify_draft_ns: int = 0) -> RoundTime:
     """draft_call_ns 0: the gateway did not wait for a Propose this round (draft_ns is then not on
-    the critical path)."""
+    the critical path). verify_draft_ns: the verifier's own drafting inside the Verify call (its
+    feature head: VerifyResponse.head_ns), compute on the critical path, not network."""
     draft = draft_ns if draft_call_ns else 0
-    network = max(0, draft_call_ns - draft) + max(0, verify_call_ns - verify_ns)
+    network = max(0, draft_call_ns - draft) + max(0, verify_call_ns - verify_ns - verify_draft_ns)
+    draft += verify_draft_ns
     gateway = max(0, round_ns - draft_call_ns - verify_call_ns)
     return RoundTime((draft + verify_ns) / 1e6, network / 1e6, gateway / 1e6)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specsplit.model.featurehead import FeatureHead, HeadConfig, unrolled_forward
+from specsplit.model.headfile import target_layer
 from specsplit.tools.distill.gen import features_path, save_features, save_whole, shard_paths
 
 
@@ -204,8 +205,9 @@ class HeadStudent:
         self.settings = settings
         self.module = FeatureHead(HeadConfig.from_target(target.model.config, settings.draft_vocab,
                                                          settings.intermediate))
-        if vocab is not None:  # fresh (else the checkpoint restores weights and vocab)
-            self.module.init_from_target_layer(target.model.model.layers[-1])
+        if vocab is not None:  # fresh (else the checkpoint restores weights and vocab): from the last layer
+            config = target.model.config  # (its directory: the model's own name_or_path)
+            self.module.init_from_target_layer(target_layer(Path(config.name_or_path), config.num_hidden_layers - 1))
         self._wiring = (embed.float(), lm_head.float(), vocab)
 
     def ready(self) -> None:

@@ -128,7 +128,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., draft_probs_shm: _Optional[_Union[_common_pb2.ShmRef, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., decode_ahead: _Optional[int] = ..., lookup_gamma: _Optional[int] = ..., forced_room: _Optional[int] = ..., head_gamma: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs", "decoded_token_ids", "lookup_drafted", "lookup_accepted", "lookup_steps", "forced", "constraint_complete", "verified_draft_ids", "forced_accepted", "head_drafted", "head_accepted", "head_steps")
+    __slots__ = ("num_accepted", "next_token_id", "length", "forward_ns", "features", "accepted_indices", "batch_rows", "batch_calls", "logprobs", "decoded_token_ids", "lookup_drafted", "lookup_accepted", "lookup_steps", "forced", "constraint_complete", "verified_draft_ids", "forced_accepted", "head_drafted", "head_accepted", "head_steps", "head_ns")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class VerifyResponse(_message.Message):
     HEAD_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     HEAD_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     HEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_NS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token_id: int
     length: int
@@ -169,7 +170,8 @@ class VerifyResponse(_message.Message):
     head_drafted: int
     head_accepted: int
     head_steps: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., decoded_token_ids: _Optional[_Iterable[int]] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., lookup_steps: _Optional[int] = ..., forced: _Optional[int] = ..., constraint_complete: _Optional[bool] = ..., verified_draft_ids: _Optional[_Iterable[int]] = ..., forced_accepted: _Optional[int] = ..., head_drafted: _Optional[int] = ..., head_accepted: _Optional[int] = ..., head_steps: _Optional[int] = ...) -> None: ...
+    head_ns: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., accepted_indices: _Optional[_Iterable[int]] = ..., batch_rows: _Optional[int] = ..., batch_calls: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., decoded_token_ids: _Optional[_Iterable[int]] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., lookup_steps: _Optional[int] = ..., forced: _Optional[int] = ..., constraint_complete: _Optional[bool] = ..., verified_draft_ids: _Optional[_Iterable[int]] = ..., forced_accepted: _Optional[int] = ..., head_drafted: _Optional[int] = ..., head_accepted: _Optional[int] = ..., head_steps: _Optional[int] = ..., head_ns: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
