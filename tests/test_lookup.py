@@ -45,8 +45,14 @@ def test_lookups_draft_what_pays_at_their_rate_and_the_forwards_cost_by_width():
     for _ in range(40):  # (120 tokens accepted fade at 0.9 a lookup)
         odds.add(2, 0)  # the copy ended: rejected at once
     assert odds.rate < 0.1 and odds.depth(8, flat_then_dear) == 2
-    assert odds.depth(8, [3.0, 4.0, 5.0]) == 0  # where every row costs, a poor rate drafts nothing
+    # Where every row costs, a poor rate drafts nothing, but one token every PROBE steps (the rate
+    # is only learnt from drafts); a probe accepted raises it.
+    assert [odds.depth(8, [3.0, 4.0, 5.0]) for _ in range(2 * Agreement.PROBE)] == \
+        ([0] * (Agreement.PROBE - 1) + [1]) * 2
     assert odds.depth(0, flat_then_dear) == 0
+    before = odds.rate
+    odds.add(1, 1)
+    assert odds.rate > before
 
 
 def test_stored_outputs_are_found_by_their_last_two_tokens_with_how_far_they_agree_and_never_across_outputs():

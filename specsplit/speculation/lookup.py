@@ -104,13 +104,17 @@ class OutputIndex:
 class Agreement:
     """How often the target follows one sequence's lookup drafts, per token: accepted tokens over
     accepted tokens plus rejections (a geometric run's estimate), decayed so that a copied span
-    shows quickly; and how many tokens a draft is worth at that rate and a forward's cost by width."""
+    shows quickly; and how many tokens a draft is worth at that rate and a forward's cost by width.
+    A rate too low to draft at is tried again with one token every PROBE steps: it is only learnt
+    from drafts, and what the target follows changes along a text (prose, then code)."""
 
     DECAY = 0.9  # per lookup
     PRIOR, WEIGHT = 0.5, 2.0  # before any lookup: an even chance, worth two lookups
+    PROBE = 16  # steps that drafted nothing before one token is drafted anyway (~1 % of a step each)
 
     def __init__(self):
         self.accepted, self.stops = self.PRIOR * self.WEIGHT, (1 - self.PRIOR) * self.WEIGHT
+        self.idle = 0  # steps since the last draft that had room
 
     @property
     def rate(self) -> float:
@@ -133,4 +137,11 @@ class Agreement:
             if chance * cost(1) < cost(k + 2) - cost(k + 1):
                 break
             k += 1
-        return k
+        if k or room < 1:
+            self.idle = 0
+            return k
+        self.idle += 1
+        if self.idle < self.PROBE:
+            return 0
+        self.idle = 0
+        return 1  # the probe
