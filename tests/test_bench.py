@@ -177,6 +177,9 @@ async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(
     assert "default" in printed and "service tax" in printed
     assert tax["bare_vs_through"] > 0 and "bare target" in printed  # timed beside each spec-off request
     assert tax["bare_ms"] > 0
+    # The price columns: this verifier runs no head (the tiny target has none), so it drafted nothing.
+    assert rows["ALL"]["head_drafted"] == rows["ALL"]["head_accepted"] == 0 and rows["ALL"]["draft_cost"] >= 0
+    assert "lookup        head   cost identical" in printed.splitlines()[1]
 
 
 async def test_structured_runs_each_schema_constrained_and_free_and_checks_every_output(models, tmp_path):

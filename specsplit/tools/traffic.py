@@ -80,6 +80,9 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
     chosen: dict[str, Counter] = defaultdict(Counter)  # the drafter each default request ran with
     drafted_rounds: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # forwards that verified drafts, forwards
     looked: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # the default's verifier lookups: drafted, accepted
+    headed: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # the default's verifier head drafts: drafted, accepted
+    # the default's drafting: ms, tokens drafted; spec-off's verify ms and forwards (a step's price)
+    price: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0, 0])
     accepted: dict[str, int] = defaultdict(int)  # the default's drafts accepted in its drafting rounds
     # spec-off ms per token: decoding through the services, its forwards, the bare target (or None)
     tax: list[tuple[float, float, float | None]] = []
@@ -111,11 +114,19 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                     identical[key][label] += list(answer.token_ids) == off
                 reasons[key][stats.speculation_reason] += 1
                 chosen[key][stats.drafter or "none"] += 1
-                drafted_rounds[key][0] += sum(bool(rr.drafted) + rr.lookup_steps for rr in stats.round_records)
+                drafted_rounds[key][0] += sum(bool(rr.drafted) + rr.lookup_steps + rr.head_steps
+                                              for rr in stats.round_records)
                 drafted_rounds[key][1] += stats.forwards
                 accepted[key] += stats.accepted_tokens
                 looked[key][0] += sum(rr.lookup_drafted for rr in stats.round_records)
                 looked[key][1] += sum(rr.lookup_accepted for rr in stats.round_records)
+                headed[key][0] += sum(rr.head_drafted for rr in stats.round_records)
+                headed[key][1] += sum(rr.head_accepted for rr in stats.round_records)
+                off_stats = outputs[OFF].stats
+                price[key][0] += stats.draft_ms
+                price[key][1] += stats.drafted_tokens
+                price[key][2] += off_stats.verify_ms
+                price[key][3] += off_stats.forwards or off_stats.rounds
             off_stats = outputs[OFF].stats
             print(f"traffic {r + 1}/{repeats} [{i}/{len(modes)}] {task:<10} default: "
                   f"{stats.speculation_reason:<10} {stats.drafter or 'none':<7}"
@@ -131,7 +142,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
           "(no prefix cache)", file=out)
     head = f"{'category':<11}{'n':>3}{'off':>8}" + "".join(f"{lb[:14]:>15}" for lb in forced)
     head += (f"{'default':>9}{'def/off':>8}{'def/best':>9}{'prefill':>8}{'decode':>7}{'acc.len':>8}{'drafted':>8}"
-             f"{'lookup':>12}{'identical':>10}  default's reasons; drafters")
+             f"{'lookup':>12}{'head':>12}{'cost':>7}{'identical':>10}  default's reasons; drafters")
     print(head, file=out)
     for key in sorted(seconds, key=lambda k: (k == "ALL", k)):
         rate = {lb: tokens[key][lb] / seconds[key][lb] for lb in labels}
@@ -148,7 +159,9 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                "drafted_share": drafted_rounds[key][0] / max(1, drafted_rounds[key][1]),
                "identical": dict(identical[key]), "reasons": dict(reasons[key]), "drafters": dict(chosen[key]),
                "lookup_drafted": looked[key][0],
-               "lookup_accepted": looked[key][1]}
+               "lookup_accepted": looked[key][1], "head_drafted": headed[key][0], "head_accepted": headed[key][1],
+               "draft_cost": ((price[key][0] / price[key][1]) / (price[key][2] / price[key][3])
+                              if price[key][1] and price[key][2] else 0.0)}
         rows[key] = row
         same = "/".join(str(identical[key][lb]) for lb in [AUTO, *forced])
         print(f"{key:<11}{n:>3}{rate[OFF]:>8.1f}" + "".join(f"{rate[lb]:>8.1f} {rate[lb] / rate[OFF]:>5.2f}x"
@@ -156,7 +169,8 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
               + f"{rate[AUTO]:>9.1f}{row['default_vs_off']:>7.2f}x{row['default_vs_best']:>8.2f}x"
               f"{prefill_share:>8.0%}{decode_ratio:>6.2f}x"
               f"{row['default_acc_len']:>8.2f}{row['drafted_share']:>7.0%}"
-              f"{f'{looked[key][1]}/{looked[key][0]}':>12}{same:>10}  "
+              f"{f'{looked[key][1]}/{looked[key][0]}':>12}{f'{headed[key][1]}/{headed[key][0]}':>12}"
+              f"{row['draft_cost']:>7.3f}{same:>10}  "
               + ", ".join(f"{k} {v}" for k, v in sorted(reasons[key].items())) + "; "
               + ", ".join(f"{k} {v}" for k, v in sorted(chosen[key].items())), file=out)
     if tax:
@@ -179,6 +193,7 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
           "spec-off's", file=out)
     print(f"identical = outputs equal to spec-off ({'/'.join([AUTO, *forced])}); acc.len = tokens per target "
           "forward of the default request; drafted = its forwards that verified a draft (the drafter's or the "
-          "verifier's own lookup); lookup = those lookups' tokens, accepted/drafted", file=out)
+          "verifier's own lookup or head); lookup, head = the verifier's own drafts of each kind, accepted/drafted; "
+          "cost = the default's drafting ms per drafted token / spec-off's ms per forward", file=out)
     return rows
 
