@@ -120,3 +120,25 @@ def test_auto_takes_the_head_shipped_for_a_catalog_target_and_none_where_there_i
     (shipped / "head.json").write_text("{}")
     assert headfile.head_setting("auto", "qwen2.5-coder-1.5b-instruct") == str(shipped)
     assert headfile.head_setting("none", "default") is None and headfile.head_setting("/x/h", "default") == "/x/h"
+
+
+@pytest.mark.parametrize("shipped", sorted(p.name for p in Path(catalog.__file__).parent.joinpath("drafts").iterdir()))
+def test_each_shipped_head_fits_its_card_and_a_catalog_target(shipped):
+    """Every head in the package: its card's shape is its weights' shape, its target is a catalog
+    entry whose `auto` head it is, and it is small enough to ship (at most 40 MB)."""
+    from safetensors import safe_open
+
+    from specsplit.model import headfile
+
+    head_dir = headfile.PACKAGED / shipped
+    card = headfile.read_head_card(head_dir)
+    cfg, target = card["config"], card["target"]["model_id"]
+    name = catalog.DEFAULT if target == catalog.model_dir(catalog.DEFAULT).name else target
+    assert name in catalog.MODELS and headfile.shipped_head(name) == head_dir
+    with safe_open(str(head_dir / "head.safetensors"), "pt") as st:
+        shapes = {k: st.get_slice(k).get_shape() for k in st.keys()}
+    d, hd = cfg["hidden"], cfg["head_dim"]
+    assert shapes["fc.weight"] == [d, 2 * d] and shapes["gate_proj.weight"] == [cfg["intermediate"], d]
+    assert shapes["q_proj.weight"] == [cfg["heads"] * hd, d] and shapes["k_proj.weight"] == [cfg["kv_heads"] * hd, d]
+    assert shapes["vocab_ids"] == [cfg["draft_vocab"]]
+    assert (head_dir / "head.safetensors").stat().st_size <= 40 << 20
