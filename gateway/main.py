@@ -6,7 +6,8 @@ import asyncio
 import logging
 
 from gateway.access import BearerAuth
-from gateway.server import SERVICE_NAME, Backends, GatewayServicer, register
+from gateway.backends import Backends
+from gateway.server import SERVICE_NAME, GatewayServicer, register
 from specsplit.model import catalog
 from specsplit.serving import runtime, telemetry
 from specsplit.serving.server import serve
