@@ -97,4 +97,8 @@ def test_models_runs_as_written(capsys):
     from specsplit.cli import main
 
     assert main(["models"]) == 0
-    assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "qwen2.5-coder-1.5b-instruct" in out
+    # the shipped heads, by target: the default's and the 1.5B's; none for the 0.5B
+    heads = [line.strip().split(":")[1].split("(")[0].strip() for line in out.splitlines() if "feature head:" in line]
+    assert heads == ["shipped", "shipped", "none shipped"]

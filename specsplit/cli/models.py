@@ -106,7 +106,10 @@ def run_fetch_model(a: argparse.Namespace) -> int:
 def run_models(a: argparse.Namespace) -> int:
     """One block per catalog entry: what it is, where it comes from, whether it is fetched, and which
     weights a target start serves it from (`--quantize auto`) once that was measured here."""
+    import json
+
     from specsplit.model import catalog, weightchoice
+    from specsplit.model.headfile import shipped_head
 
     for e in catalog.MODELS.values():
         where = catalog.model_dir(e.name)
@@ -117,6 +120,13 @@ def run_models(a: argparse.Namespace) -> int:
         print(f"  converted to {e.dtype}: {f'ready in {where}' if fetched else 'not fetched'}")
         choice = weightchoice.recorded(where) if fetched else None
         print(f"  served (--quantize auto, bfloat16): {choice.why if choice else weightchoice.UNMEASURED}")
+        head = shipped_head(e.name)
+        if (head / "head.json").is_file():
+            acc = json.loads((head / "head.json").read_text()).get("metrics", {}).get("held_out_step_accuracy", [])
+            print(f"  feature head: shipped ({head.name}; held-out accuracy per drafting step "
+                  f"{' / '.join(f'{a:.2f}' for a in acc) or 'unrecorded'}): --self-head auto drafts with it")
+        else:
+            print(f"  feature head: none shipped (make one with `specsplit distill --target-model {e.name}`)")
     return 0
 
 
