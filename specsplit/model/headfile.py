@@ -53,18 +53,22 @@ def read_head_card(head_dir: Path) -> dict:
     return card
 
 
-def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and output head, read alone from its safetensors files."""
+def _read(target_dir: Path, wanted) -> dict[str, torch.Tensor]:
+    """The tensors of the target's safetensors files whose names `wanted(name)` accepts, read alone."""
     from safetensors import safe_open
 
-    embed = head = None
+    found = {}
     for f in sorted(target_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                if name.endswith("embed_tokens.weight"):
-                    embed = st.get_tensor(name)
-                elif name == "lm_head.weight":
-                    head = st.get_tensor(name)
+            found.update({name: st.get_tensor(name) for name in st.keys() if wanted(name)})
+    return found
+
+
+def target_tensors(target_dir: Path, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and output head, read alone from its safetensors files."""
+    found = _read(target_dir, lambda name: name.endswith("embed_tokens.weight") or name == "lm_head.weight")
+    head = found.pop("lm_head.weight", None)
+    embed = next(iter(found.values()), None)
     if embed is None:
         raise ValueError(f"{target_dir}: no '*embed_tokens.weight' tensor in its safetensors files")
     if head is None:
@@ -78,12 +82,8 @@ def target_layer(target_dir: Path, index: int) -> dict[str, torch.Tensor]:
     """Decoder layer `index`'s weights by their names inside the layer (`self_attn.q_proj.weight`, ...),
     read alone from the target's safetensors files (a target served from its GGUF blocks holds no
     unpacked copy of them)."""
-    from safetensors import safe_open
-
-    prefix, found = f"model.layers.{index}.", {}
-    for f in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            found.update({name[len(prefix):]: st.get_tensor(name) for name in st.keys() if name.startswith(prefix)})
+    prefix = f"model.layers.{index}."
+    found = {name[len(prefix):]: t for name, t in _read(target_dir, lambda name: name.startswith(prefix)).items()}
     if not found:
         raise ValueError(f"{target_dir}: no '{prefix}*' tensors in its safetensors files")
     return found

@@ -104,11 +104,10 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                     phase[1] += answer.stats.decode_ms
                     phase[2] += max(0, len(answer.token_ids) - 1)
             off = list(outputs[OFF].token_ids)
-            stats = outputs[AUTO].stats
-            if len(off) > 1 and outputs[OFF].stats.decode_ms > 0:
-                s = outputs[OFF].stats
+            stats, off_stats = outputs[AUTO].stats, outputs[OFF].stats
+            if len(off) > 1 and off_stats.decode_ms > 0:
                 alone = bare.decode_ms(reqs[0][1].chat.messages[0].content, off) if bare is not None else None
-                tax.append((s.decode_ms / (len(off) - 1), s.verify_ms / (len(off) - 1), alone))
+                tax.append((off_stats.decode_ms / (len(off) - 1), off_stats.verify_ms / (len(off) - 1), alone))
             for key in (task, "ALL"):
                 for label, answer in outputs.items():
                     identical[key][label] += list(answer.token_ids) == off
@@ -122,12 +121,10 @@ def run(stub, prompts: list[Prompt], max_new_tokens: int, repeats: int, variants
                 looked[key][1] += sum(rr.lookup_accepted for rr in stats.round_records)
                 headed[key][0] += sum(rr.head_drafted for rr in stats.round_records)
                 headed[key][1] += sum(rr.head_accepted for rr in stats.round_records)
-                off_stats = outputs[OFF].stats
                 price[key][0] += stats.draft_ms
                 price[key][1] += stats.drafted_tokens
                 price[key][2] += off_stats.verify_ms
                 price[key][3] += off_stats.forwards or off_stats.rounds
-            off_stats = outputs[OFF].stats
             print(f"traffic {r + 1}/{repeats} [{i}/{len(modes)}] {task:<10} default: "
                   f"{stats.speculation_reason:<10} {stats.drafter or 'none':<7}"
                   f"{len(outputs[AUTO].token_ids) / max(1e-9, stats.total_ms / 1e3):6.1f} tok/s "
