@@ -71,7 +71,8 @@ def test_self_session_keeps_features_aligned_with_committed_tokens():
         session.sync(2, [1])
 
 
-QUANT_CASES = [(torch.float32, 1e-4, ""), (torch.bfloat16, 0.05, ""), (torch.bfloat16, 0.1, "q8_0")]
+QUANT_CASES = [(torch.float32, 1e-4, ""), (torch.bfloat16, 0.05, ""), (torch.bfloat16, 0.1, "q8_0"),
+              (torch.bfloat16, 0.15, "q4_0")]
 
 
 def _skip_unless_runs(dtype, quantize):
@@ -86,7 +87,7 @@ def _skip_unless_runs(dtype, quantize):
 def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantize, kernel_path):
     """The native kernels run the head's layer and draft logits as head_step + logits do, through
     a prefix, drafted steps and a rollback (bfloat16 weights: within bf16 rounding; q8_0 weights
-    and activations, as the draft service serves the head where the CPU has VNNI: within theirs)."""
+    and activations, as the head is served where the CPU has VNNI; q4_0 on AVX2: within theirs)."""
     from specsplit.model.headserving import NativeHead, TorchHead
 
     _skip_unless_runs(dtype, quantize)

@@ -111,16 +111,25 @@ def load_head(head_dir: Path, target_dir: Path, device: str = "cpu") -> tuple[Fe
     return head, card
 
 
+def head_format(path: str | None) -> str:
+    """The feature head's weights on a kernel path: a step reads all of them (≈ 9.5 M values for the
+    default's head), so the fewer bytes the better while the drafts stay as good. AVX2 (no VNNI: q8's
+    signs cost two more instructions a quad than q4's nibbles): q4_0, a step 0.15 ms against q8_0's
+    0.25 on an EPYC, acceptance unchanged at the ceiling (561-564 of 947-949 drafts against 528-579
+    of 887-1,012). AVX-512 VNNI: q8_0 (a step 0.27 -> 0.19 ms from bfloat16; docs/benchmarks.md)."""
+    return "q4_0" if path == "avx2" else "q8_0"
+
+
 def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
-    """The native kernels when they run here, else torch. Weights q8_0 where the block formats run
-    (a drafting step of the default's head 0.27 -> 0.19 ms on AVX-512: every step of a round's tree
-    pays it; drafts need not match any other path, only be the same for a session however it is
-    batched), else bfloat16 where it has bf16 dot products (half the bytes of float32)."""
+    """The native kernels when they run here, else torch. Weights in the block format whose step
+    measured fastest on the kernel path that runs (head_format), else bfloat16 where it has bf16
+    dot products (half the bytes of float32). Drafts need not match any other path, only be the same
+    for a session however it is batched."""
     from specsplit.model import native
 
     if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
         dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32
-        quantize = "q8_0" if native.lacks_vnni() is None else ""
+        quantize = head_format(native.isa()[0]) if native.lacks_vnni() is None else ""
         try:
             return NativeHead(head, max_positions, dtype, quantize)
         except (RuntimeError, OSError):  # no compiler, a failed build: torch still drafts
