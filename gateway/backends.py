@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,6 +51,13 @@ def _drafters_signature(drafters) -> list[tuple]:
     return sorted((d.name, d.kind, d.model_id, d.tokenizer_fingerprint, d.target_model_fingerprint, d.needs_features)
                   for d in drafters)
 
+
+class OwnDrafts(NamedTuple):
+    """Where a request's drafter drafts (Backends.own_drafts)."""
+
+    in_verifier: bool  # every draft made by the verify service: no draft session, no round crosses
+    lookup: bool  # the verifier's prompt lookup drafts (in its own steps, or in an AUTO request's runs)
+    head: bool  # the verifier's feature head drafts where the lookup finds nothing
 
 class Backends:
     """Channels to the draft and verify services' replicas and what the gateway learnt from them at
@@ -102,8 +110,8 @@ class Backends:
     def incompatibility(self, name: str) -> str:
         return incompatibility(self.target, self.drafters, name)
 
-    def own_drafts(self, name: str, greedy: bool) -> tuple[bool, bool, bool]:
-        """Where drafter `name` drafts, as (in the verifier, its lookup, its head): an n-gram drafter's
+    def own_drafts(self, name: str, greedy: bool) -> OwnDrafts:
+        """Where drafter `name` drafts, and what the verifier drafts itself: an n-gram drafter's
         copies are the verifier's prompt lookup; a self or hybrid drafter whose head the verifier
         runs (InfoResponse.head_model_id) is drafted there too, for greedy requests (its head drafts
         chains of the target's own choices), so that a round crosses no process; any other drafter
@@ -112,8 +120,8 @@ class Backends:
         kind, head = self.drafters[name].kind, self.target.head_model_id if greedy else ""
         heads = bool(head) and kind in ("self", "hybrid") and self.drafters[name].model_id == head
         if kind == "ngram" or heads:
-            return True, kind != "self", heads
-        return False, True, bool(head)
+            return OwnDrafts(in_verifier=True, lookup=kind != "self", head=heads)
+        return OwnDrafts(in_verifier=False, lookup=True, head=bool(head))
 
     async def watch_health(self, report) -> None:
         """Health that tells the truth: the gateway is SERVING only while some verify replica says

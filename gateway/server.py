@@ -166,8 +166,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
         decision = self.controller.decide(request.task_type, drafter, mode, request.gamma,
                                           self._inflight.others())
-        in_verifier, lookup, head = b.own_drafts(drafter, sampling.temperature == 0)  # then no draft service
-        if decision.speculate and not in_verifier and not b.draft.serving:
+        own = b.own_drafts(drafter, sampling.temperature == 0)
+        if decision.speculate and not own.in_verifier and not b.draft.serving:
             if mode != AUTO:
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
                               f"({b.draft.why_none()}); AUTO runs without it meanwhile")
@@ -181,22 +181,22 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
         tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else settings.tree_budget)
         own_gamma = max(gamma, tree)  # the deepest draft a step of the verifier's own may make
-        if tree <= 1 or not speculate or not b.target.tree_verify or in_verifier:
+        if tree <= 1 or not speculate or not b.target.tree_verify or own.in_verifier:
             tree = 0  # trees need a verifier that takes them; the verifier's own drafts are chains
         return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
                     eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
                     drafter=drafter, task_type=request.task_type,
-                    needs_features=speculate and not in_verifier and b.drafters[drafter].needs_features,
+                    needs_features=speculate and not own.in_verifier and b.drafters[drafter].needs_features,
                     sampling=sampling,
                     decision=decision, tree_budget=tree,
                     score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
-                    predraft=speculate and not in_verifier and not tree and not request.HasField("constraint")
+                    predraft=speculate and not own.in_verifier and not tree and not request.HasField("constraint")
                     and self._predraft(request, drafter),
                     skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
                     prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
                     constraint=request.constraint if request.HasField("constraint") else None,
-                    in_verifier=speculate and in_verifier, lookup_gamma=own_gamma if lookup else 0,
-                    head_gamma=own_gamma if head else 0)
+                    in_verifier=speculate and own.in_verifier, lookup_gamma=own_gamma if own.lookup else 0,
+                    head_gamma=own_gamma if own.head else 0)
 
     def _default_drafter(self, task_type: str, mode: str) -> str:
         """A request that names no drafter gets the draft service's default; an AUTO one, that or the
