@@ -28,14 +28,20 @@
 // Layouts and why the block formats stay exact: packing.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <omp.h>
 
-// The instruction set this build is for (native/__init__.py compiles one library per set).
+// The instruction set this build is for (native/__init__.py compiles one library per set). Arm
+// builds the AVX2 path's code on NEON (neon_avx2.h: the intrinsics it uses, with their semantics).
 #if defined(__AVX512F__)
+#include <immintrin.h>
 #define SPECSPLIT_AVX512 1
 #define SPECSPLIT_ISA "avx512"
+#elif defined(__aarch64__)
+#include "neon_avx2.h"
+#define SPECSPLIT_AVX512 0
+#define SPECSPLIT_ISA "neon"
 #else
+#include <immintrin.h>
 #define SPECSPLIT_AVX512 0
 #define SPECSPLIT_ISA "avx2"
 #endif
@@ -47,6 +53,9 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -54,6 +63,7 @@ namespace {
 
 // The parts, in dependency order (each included once, here, inside this anonymous namespace).
 #include "common.h"
+#include "panels.h"
 #include "packing.h"
 #include "rows.h"
 #if SPECSPLIT_AVX512
@@ -449,6 +459,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("q4_1", &Weight::q4_1, pybind11::arg("nibbles"), pybind11::arg("d"), pybind11::arg("m"),
                   pybind11::arg("k"), pybind11::arg("d_base") = pybind11::none(),
                   pybind11::arg("m_base") = pybind11::none())
+      .def("buffers", &Weight::buffers)
       .def_property_readonly("outputs", &Weight::outputs)
       .def_property_readonly("amx", &Weight::on_amx)
       .def_property_readonly("kind", &Weight::kind_name)

@@ -43,6 +43,14 @@ struct Weight {
                      const std::optional<torch::Tensor>& d_base, const std::optional<torch::Tensor>& m_base) {
     return Weight{blocks_q4(nibbles, d, m, k, d_base.value_or(torch::Tensor()), m_base.value_or(torch::Tensor()))};
   }
+  // What the kernels read, for the kernel check (tests/kernelcheck.cpp): each buffer under its
+  // pointer's name, and "sizes": kind, meta, outputs, inputs, padded inputs.
+  std::map<std::string, torch::Tensor> buffers() const {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& [name, t] : static_cast<const Held*>(p.keep.get())->tensors) out[name] = t;
+    out["sizes"] = torch::tensor({static_cast<int64_t>(p.kind), static_cast<int64_t>(p.meta), p.n, p.k, p.k2});
+    return out;
+  }
   int64_t outputs() const { return p.n; }
   int64_t inputs() const { return p.k; }
 };

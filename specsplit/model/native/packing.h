@@ -12,36 +12,17 @@
 // order, so a row's result still does not depend on the other rows or the threads.
 #pragma once
 
-// A packed weight matrix and how to multiply rows by it.
-enum class Kind { kBF16, kF32, kI8, kQ8, kQ4, kQ41, kQ8H, kQ6H };
-// What a Decoder's GEMM weights are: the model's dtype, int8 weight-only, q8_0 (int8 weights and
-// activations in blocks of 32) or q4_0 (4-bit weights in blocks of 32, int8 activations).
-enum class Quant : int64_t { kNone = 0, kInt8 = 1, kQ8 = 2, kQ4 = 3 };
-constexpr int64_t kBlock = 32;  // q8_0: inputs per scale
-constexpr int64_t kSuperBlocks = 8;  // factored scales: blocks per float16 base (GGUF's K-quant super-block)
-// How a block format's scales (and mins) are stored: float32; float16 (each one exactly so); or
-// factored as GGUF's K-quants keep them, an int8 per block (or half-block) times a float16 base per
-// super-block of 256 inputs (the products exact in float32, so the GEMM's bits are those of float32
-// scales, from a quarter of the bytes).
-enum class Meta { kF32, kF16, kFactored };
-
-struct Packed {
-  torch::Tensor data;  // bf16 or int8 pairs, fp32 panels, or q8_0 quads
-  torch::Tensor scale;  // int8: float32 per output (w = q * scale); blocks: per panel, block and output (q8_h: half-block)
-  torch::Tensor mins;  // q4_1 (and q8_h with mins): m per panel, block and output
-  const void* ptr = nullptr;  // data's storage (read in hot loops; data_ptr<T>() checks cost there)
-  const float* scale_ptr = nullptr;  // int8
-  torch::Tensor scale_base, min_base;  // kFactored: float16 per panel, super-block (8 blocks) and output
-  const void* block_scale = nullptr;  // blocks: as `meta` says
-  const void* block_min = nullptr;
-  const uint16_t* scale_base_ptr = nullptr;
-  const uint16_t* min_base_ptr = nullptr;
-  Meta meta = Meta::kF32;
-  bool amx = false;  // bf16 on AMX tiles (tdpbf16ps) for every row count
-  int64_t n = 0, k = 0, k2 = 0;  // outputs, inputs, inputs rounded up to even (q8_0: to a whole block)
-  Kind kind = Kind::kBF16;
-  int64_t panels() const { return (n + kLanes - 1) / kLanes; }
+// The tensors a Packed's pointers read, by the pointer's name, kept alive as long as any copy of it.
+struct Held {
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;
 };
+
+// t, kept alive with p as what its pointer `name` reads; returns its storage.
+void* hold(Packed& p, const char* name, const torch::Tensor& t) {
+  if (!p.keep) p.keep = std::make_shared<Held>();
+  static_cast<Held*>(p.keep.get())->tensors.emplace_back(name, t);
+  return t.data_ptr();
+}
 
 // Weight-only int8, symmetric per output row: q = round(w / s), s = max|w| / 127. The pairs layout
 // is the bf16 one, so the GEMM widens a pair to bf16 (exact: |q| <= 127) and scales at the end.
@@ -54,16 +35,16 @@ Packed pack_int8(const torch::Tensor& weight) {
   auto w = weight.to(torch::kFloat32);
   auto scale = w.abs().amax({1}).clamp_min(1e-12) / 127.0;
   auto q = (w / scale.unsqueeze(1)).round().clamp(-127, 127).to(torch::kInt8).contiguous();
-  p.data = torch::zeros({p.panels() * p.k2 * kLanes}, torch::kInt8);
-  auto* dst = p.data.data_ptr<int8_t>();
+  auto data = torch::zeros({p.panels() * p.k2 * kLanes}, torch::kInt8);
+  auto* dst = data.data_ptr<int8_t>();
   const auto* src = q.data_ptr<int8_t>();
   for (int64_t o = 0; o < p.n; ++o)
     for (int64_t i = 0; i < p.k; ++i)
       dst[((o / kLanes) * (p.k2 / 2) + i / 2) * 2 * kLanes + (o % kLanes) * 2 + (i % 2)] = src[o * p.k + i];
-  p.scale = torch::zeros({p.panels() * kLanes}, torch::kFloat32);
-  p.scale.narrow(0, 0, p.n).copy_(scale);
-  p.ptr = p.data.data_ptr();
-  p.scale_ptr = p.scale.data_ptr<float>();
+  auto scales = torch::zeros({p.panels() * kLanes}, torch::kFloat32);
+  scales.narrow(0, 0, p.n).copy_(scale);
+  p.ptr = hold(p, "ptr", data);
+  p.scale_ptr = static_cast<const float*>(hold(p, "scale_ptr", scales));
   return p;
 }
 
@@ -91,7 +72,8 @@ torch::Tensor as_half(const torch::Tensor& t) {  // float32, rounded through flo
 
 // d and m: float scales and mins [n, blocks (x parts)], or with d_base (and m_base) defined their
 // int8 factors, the bases float16 [n, blocks / 8].
-void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m,
+// data: the packed values.
+void finish_blocks(Packed& p, const torch::Tensor& data, const torch::Tensor& d, const torch::Tensor& m,
                    const torch::Tensor& d_base = torch::Tensor(), const torch::Tensor& m_base = torch::Tensor()) {
   const int64_t panels = p.panels();
   // [outputs, blocks (x parts)] -> [panels][blocks * parts][16], padded; parts: values a block (q8_h scales: 2)
@@ -101,7 +83,7 @@ void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m,
     padded.narrow(0, 0, p.n).copy_(t.reshape({p.n, cols}));
     return padded.view({panels, kLanes, cols}).permute({0, 2, 1}).contiguous().view({-1});
   };
-  p.ptr = p.data.data_ptr();
+  p.ptr = hold(p, "ptr", data);
   if (d_base.defined()) {
     const int64_t blocks = p.k2 / kBlock;
     TORCH_CHECK(blocks % kSuperBlocks == 0 && d_base.numel() == p.n * blocks / kSuperBlocks &&
@@ -110,27 +92,19 @@ void finish_blocks(Packed& p, const torch::Tensor& d, const torch::Tensor& m,
     TORCH_CHECK(d.scalar_type() == torch::kInt8 && (!m.defined() || m.scalar_type() == torch::kInt8),
                 "factored scales and mins are int8");
     p.meta = Meta::kFactored;
-    p.scale = by_panel(d);
-    p.scale_base = by_panel(d_base.to(torch::kHalf));
-    p.block_scale = p.scale.data_ptr();
-    p.scale_base_ptr = reinterpret_cast<const uint16_t*>(p.scale_base.data_ptr());
+    p.block_scale = hold(p, "block_scale", by_panel(d));
+    p.scale_base_ptr = static_cast<const uint16_t*>(hold(p, "scale_base_ptr", by_panel(d_base.to(torch::kHalf))));
     if (m.defined()) {
-      p.mins = by_panel(m);
-      p.min_base = by_panel(m_base.to(torch::kHalf));
-      p.block_min = p.mins.data_ptr();
-      p.min_base_ptr = reinterpret_cast<const uint16_t*>(p.min_base.data_ptr());
+      p.block_min = hold(p, "block_min", by_panel(m));
+      p.min_base_ptr = static_cast<const uint16_t*>(hold(p, "min_base_ptr", by_panel(m_base.to(torch::kHalf))));
     }
     return;
   }
   auto exact_half = [](const torch::Tensor& t) { return torch::equal(as_half(t), t.to(torch::kFloat32)); };
   p.meta = exact_half(d) && (!m.defined() || exact_half(m)) ? Meta::kF16 : Meta::kF32;
   const auto type = p.meta == Meta::kF16 ? torch::kHalf : torch::kFloat32;
-  p.scale = by_panel(d.to(torch::kFloat32).to(type));
-  p.block_scale = p.scale.data_ptr();
-  if (m.defined()) {
-    p.mins = by_panel(m.to(torch::kFloat32).to(type));
-    p.block_min = p.mins.data_ptr();
-  }
+  p.block_scale = hold(p, "block_scale", by_panel(d.to(torch::kFloat32).to(type)));
+  if (m.defined()) p.block_min = hold(p, "block_min", by_panel(m.to(torch::kFloat32).to(type)));
 }
 
 // q [n, blocks, 32] int8, d [n, blocks] (q8_0) or [n, blocks, 2] (q8_h: a scale per 16 inputs, and
@@ -158,15 +132,15 @@ Packed blocks_q8(const torch::Tensor& q, const torch::Tensor& d, const torch::Te
     auto hi = pairs.select(3, 0);
     for (int s = 1; s < 4; ++s) hi = torch::bitwise_or(hi, torch::bitwise_left_shift(pairs.select(3, s), 2 * s));
     auto his = hi.view({p.panels(), kLanes, blocks, 2, 4}).permute({0, 2, 3, 1, 4});  // [panels][blocks][t][16][4]
-    p.data = torch::cat({lo.reshape({p.panels(), blocks, 4 * kLanes * 4}), his.reshape({p.panels(), blocks, 2 * kLanes * 4})}, 2)
-                 .contiguous().view({-1});
-    finish_blocks(p, d, m, d_base, m_base);
+    auto data = torch::cat({lo.reshape({p.panels(), blocks, 4 * kLanes * 4}),
+                            his.reshape({p.panels(), blocks, 2 * kLanes * 4})}, 2).contiguous().view({-1});
+    finish_blocks(p, data, d, m, d_base, m_base);
     return p;
   }
   auto padded = torch::full({p.panels() * kLanes, p.k2}, 128, torch::kUInt8);
   padded.narrow(0, 0, p.n).copy_((q.reshape({p.n, p.k2}).to(torch::kInt16) + 128).to(torch::kUInt8));
-  p.data = padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1});
-  finish_blocks(p, d, m, d_base, m_base);
+  finish_blocks(p, padded.view({p.panels(), kLanes, p.k2 / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({-1}), d, m,
+                d_base, m_base);
   return p;
 }
 
@@ -184,8 +158,8 @@ Packed blocks_q4(const torch::Tensor& nibbles, const torch::Tensor& d, const tor
   auto padded = torch::zeros({p.panels() * kLanes, blocks, kBlock / 2}, torch::kUInt8);
   if (!m.defined()) padded.fill_(0x88);  // padding outputs: nibbles 8 are zeros in q4_0
   padded.narrow(0, 0, p.n).copy_(nibbles);
-  p.data = padded.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({-1});
-  finish_blocks(p, d, m, d_base, m_base);
+  finish_blocks(p, padded.view({p.panels(), kLanes, blocks, 4, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({-1}), d,
+                m, d_base, m_base);
   return p;
 }
 
@@ -220,25 +194,25 @@ Packed pack(const torch::Tensor& weight, Quant quant = Quant::kNone) {
   TORCH_CHECK(bf16 || weight.scalar_type() == torch::kFloat32, "weights must be bfloat16 or float32");
   auto w = weight.contiguous();
   const int64_t panels = p.panels();
+  torch::Tensor data;
   if (bf16) {
     p.k2 = (p.k + 1) / 2 * 2;
-    p.data = torch::zeros({panels * p.k2 * kLanes}, torch::kInt16);
-    auto* dst = reinterpret_cast<uint16_t*>(p.data.data_ptr<int16_t>());
+    data = torch::zeros({panels * p.k2 * kLanes}, torch::kInt16);
+    auto* dst = reinterpret_cast<uint16_t*>(data.data_ptr<int16_t>());
     const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     for (int64_t o = 0; o < p.n; ++o)
       for (int64_t i = 0; i < p.k; ++i)
         dst[((o / kLanes) * (p.k2 / 2) + i / 2) * 2 * kLanes + (o % kLanes) * 2 + (i % 2)] = src[o * p.k + i];
   } else {
     p.k2 = p.k;
-    p.data = torch::zeros({panels * p.k * kLanes}, torch::kFloat32);
-    float* dst = p.data.data_ptr<float>();
+    data = torch::zeros({panels * p.k * kLanes}, torch::kFloat32);
+    float* dst = data.data_ptr<float>();
     const float* src = w.data_ptr<float>();
     for (int64_t o = 0; o < p.n; ++o)
       for (int64_t i = 0; i < p.k; ++i) dst[((o / kLanes) * p.k + i) * kLanes + (o % kLanes)] = src[o * p.k + i];
   }
-  p.ptr = p.data.data_ptr();
+  p.ptr = hold(p, "ptr", data);
   return p;
 }
 
-constexpr int kTileRows = 16;  // AMX: rows of a tile
 
