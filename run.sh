@@ -30,6 +30,17 @@ shift || true
 setup
 case "$cmd" in
   test)
+    # the aarch64 kernel check's cross compiler and emulator, once (tests/test_kernelcheck.py says
+    # it skipped the aarch64 build where they are missing)
+    if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing g++-aarch64-linux-gnu and qemu-user (once) ..." >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 ||
+          { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1; } ||
+          echo "... not installed: the aarch64 kernel check will be skipped" >&2
+      fi
+    fi
     python -m specsplit.api.protogen --check
     ruff check --quiet .
     # -rs: every skip is listed with its reason (kernel paths this CPU lacks, for one)

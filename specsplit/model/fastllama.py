@@ -89,12 +89,13 @@ def dense(weight: torch.Tensor, quant: int = 0):
 def kernel_name(quantize: str, dtype: torch.dtype) -> str:
     """What multiplies the weights, on which kernel path, for logs and the bench header."""
     path = native.isa()[0]
-    if path == "avx2":
+    if path in native.AVX2_CODE:
+        isa = "AVX2" if path == "avx2" else "AVX2 on NEON"
         if quantize in ("q8_0", "q4_0", "gguf"):
-            return f"{quantize} x int8 rows, AVX2 vpmaddubsw"
+            return f"{quantize} x int8 rows, {isa} vpmaddubsw"
         if quantize == "int8":
-            return "int8 widened to fp32, AVX2 FMA"
-        return f"{'bf16 widened to fp32' if dtype == torch.bfloat16 else 'fp32'}, AVX2 FMA"
+            return f"int8 widened to fp32, {isa} FMA"
+        return f"{'bf16 widened to fp32' if dtype == torch.bfloat16 else 'fp32'}, {isa} FMA"
     if quantize in ("q8_0", "q4_0", "gguf"):
         return f"{quantize} x int8 rows, AVX-512 VNNI vpdpbusd"
     if quantize == "int8":

@@ -113,11 +113,13 @@ def load_head(head_dir: Path, target_dir: Path, device: str = "cpu") -> tuple[Fe
 
 def head_format(path: str | None) -> str:
     """The feature head's weights on a kernel path: a step reads all of them (≈ 9.5 M values for the
-    default's head), so the fewer bytes the better while the drafts stay as good. AVX2 (no VNNI: q8's
-    signs cost two more instructions a quad than q4's nibbles): q4_0, a step 0.15 ms against q8_0's
-    0.25 on an EPYC, acceptance unchanged at the ceiling (561-564 of 947-949 drafts against 528-579
-    of 887-1,012). AVX-512 VNNI: q8_0 (a step 0.27 -> 0.19 ms from bfloat16; docs/benchmarks.md)."""
-    return "q4_0" if path == "avx2" else "q8_0"
+    default's head), so the fewer bytes the better while the drafts stay as good. The AVX2 code (on
+    x86, and on NEON): q4_0, as q8's signs cost two more instructions a quad without VNNI; a step
+    0.15 ms against q8_0's 0.25 on an EPYC, acceptance unchanged at the ceiling (561-564 of 947-949
+    drafts against 528-579 of 887-1,012). AVX-512 VNNI: q8_0 (a step 0.27 -> 0.19 ms from bfloat16)."""
+    from specsplit.model import native
+
+    return "q4_0" if path in native.AVX2_CODE else "q8_0"
 
 
 def head_runner(head: FeatureHead, device: torch.device, max_positions: int):

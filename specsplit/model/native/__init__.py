@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -18,20 +19,24 @@ SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, *.i
 PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h", ".inc"})
 # The instruction sets the kernels are built for, best first: compiler flags and the CPU flags each
 # needs. One library per set (decoder.cpp includes isa_<set>.h); "amx" is the avx512 library with
-# bf16 GEMMs and attention on AMX tiles.
+# bf16 GEMMs and attention on AMX tiles; "neon" (aarch64: the "Features" line's asimd and fphp) is
+# the AVX2 path's code on NEON (neon_avx2.h), checked bit for bit against the x86 build under
+# qemu-user (tests/test_kernelcheck.py) and not yet timed on Arm hardware.
 ISAS = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
                 "-mf16c"], {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "neon": ([], {"asimd", "fphp"}),
 }
-PATHS = ("amx", "avx512", "avx2")  # what SPECSPLIT_ISA may name, best first
+PATHS = ("amx", "avx512", "avx2", "neon")  # what SPECSPLIT_ISA may name, best first
+AVX2_CODE = ("avx2", "neon")  # the paths that run isa_avx2.h: bf16 widened to fp32, blocks by vpmaddubsw
 _LOCK = threading.Lock()
 
 
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):  # x86, aarch64
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -62,7 +67,7 @@ def isa() -> tuple[str | None, str]:
         return (None, f"SPECSPLIT_ISA={forced}, but {why}") if why else (forced, f"SPECSPLIT_ISA={forced}")
     paths = [p for p in runnable() if not (p == "amx" and os.environ.get("SPECSPLIT_AMX", "1") == "0")]
     if not paths:
-        return None, lacks("avx2") or "no kernel path"
+        return None, lacks("neon" if platform.machine() == "aarch64" else "avx2") or "no kernel path"
     return paths[0], "the best this CPU runs" + (" (SPECSPLIT_AMX=0)" if "amx" in runnable() and paths[0] != "amx"
                                                  else "")
 
@@ -78,7 +83,7 @@ def unavailable(dtype: torch.dtype, device: torch.device) -> str | None:
         return why
     if dtype not in (torch.bfloat16, torch.float32):
         return f"the native kernels run bfloat16 or float32, not {dtype}"
-    if dtype == torch.bfloat16 and path != "avx2" and "avx512_bf16" not in cpu_flags():
+    if dtype == torch.bfloat16 and path not in AVX2_CODE and "avx512_bf16" not in cpu_flags():
         return "this CPU lacks avx512_bf16 (SPECSPLIT_ISA=avx2 widens bf16 instead)"
     return None
 
@@ -91,7 +96,7 @@ def amx() -> bool:
 def lacks_vnni() -> str | None:
     """None if the block formats (q8 rows by q8_0 / q4 / GGUF blocks) can run here, else why not: the
     AVX-512 path multiplies them with vpdpbusd (AVX512_VNNI), the AVX2 path with vpmaddubsw."""
-    if isa()[0] == "avx2":
+    if isa()[0] in AVX2_CODE:
         return None
     return None if "avx512_vnni" in cpu_flags() else "this CPU lacks avx512_vnni"
 
