@@ -22,7 +22,7 @@ from specsplit.serving.sessions import Draining, SessionEnded, SessionExists, Se
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA
 from specsplit.serving.worker import ModelWorker
 from specsplit.speculation.drafting import Proposal
-from specsplit.speculation.sampling import Method
+from specsplit.speculation.params import Method
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name

@@ -13,7 +13,7 @@ import grpc
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.errors import Failure
-from specsplit.speculation.sampling import MAX_TOP_LOGPROBS
+from specsplit.speculation.params import MAX_TOP_LOGPROBS
 
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CONTEXT: "length", pb.FINISH_REASON_EOS: "stop",
           pb.FINISH_REASON_STOP_STRING: "stop"}

@@ -23,11 +23,11 @@ from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.errors import Failure
-from specsplit.model.modeling import chat_prompt_ids
+from specsplit.model.chat import chat_prompt_ids
 from specsplit.serving import wire
 from specsplit.serving.server import unix_path
 from specsplit.serving.settings import MAX_DRAFT, MAX_GAMMA
-from specsplit.speculation.sampling import SamplingParams
+from specsplit.speculation.params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 MAX_STOP_STRINGS = 16

@@ -13,7 +13,7 @@ from gateway.gate import Gate, Prior
 from gateway.payloads import Links
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.speculation.cursor import Cursor
-from specsplit.speculation.sampling import SamplingParams
+from specsplit.speculation.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -113,14 +113,17 @@ def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(mode
             assert out.stats.generated_tokens == 8 and out.stats.speculation_used
             logs = {{n: open({str(tmp_path / "up")!r} + f"/{{n}}.log").read() for n in ("verify", "draft", "gateway")}}
         for name, log in logs.items():
-            print(name, [line.split(name + ":", 1)[1] for line in log.splitlines() if "torch thread" in line])
+            print(name, [line.split(name + ":", 1)[1] for line in log.splitlines()
+                         if "torch thread" in line or "no model compute" in line])
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SPECSPLIT_THREADS")}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("verify", "draft", "gateway"):
+    for name in ("verify", "draft"):
         line = next(line for line in done.stdout.splitlines() if line.startswith(name))
         assert " 1 torch thread (" in line, line
+    gateway = next(line for line in done.stdout.splitlines() if line.startswith("gateway"))
+    assert "torch not loaded" in gateway, gateway  # it computes nothing: no torch, no threads of its own
     verify = next(line for line in done.stdout.splitlines() if line.startswith("verify"))
     assert ("cgroup CPU limit 0.5" if confine == "cgroup" else "affinity 1 CPUs") in verify, verify
 

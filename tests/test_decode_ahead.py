@@ -145,7 +145,7 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
     from transformers import AutoTokenizer
 
     from specsplit.model import catalog, native
-    from specsplit.model.modeling import chat_prompt_ids
+    from specsplit.model.chat import chat_prompt_ids
 
     why = native.unavailable(torch.bfloat16, torch.device("cpu"))
     if why:

@@ -296,7 +296,8 @@ def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_
 def test_the_data_samplers_draws_are_a_served_requests_for_its_seed():
     """gen.Sampler draws as a served request with that seed does (speculation.sampling's warp and
     stream), only among the top k, and greedy at temperature 0."""
-    from specsplit.speculation.sampling import SamplingParams, sample, warp
+    from specsplit.speculation.params import SamplingParams
+    from specsplit.speculation.sampling import sample, warp
     from specsplit.tools.distill.gen import Sampler
 
     rows = torch.randn(40, 300, generator=torch.Generator().manual_seed(1))

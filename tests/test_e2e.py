@@ -47,6 +47,9 @@ def test_greedy_speculation_is_token_identical_on_the_default_model(default_mode
     with Stack(config) as stack:
         address = stack.start()
         assert address.startswith("unix://") == (transport == "unix")
+        # The gateway computes nothing and never loads torch (gateway.main.load_tokenizer).
+        maps = Path(f"/proc/{stack.procs['gateway'].pid}/maps").read_text()
+        assert "libtorch" not in maps and "libtorch" in Path(f"/proc/{stack.procs['verify'].pid}/maps").read_text()
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.GatewayStub(channel)
             for p in one_prompt_per_task():

@@ -119,6 +119,18 @@ def test_the_speculation_core_imports_only_the_standard_library_torch_and_itself
     assert not wrong, f"specsplit/speculation/ must not import these (it is plain maths, no services): {wrong}"
 
 
+def test_the_gateway_imports_no_torch():
+    """The gateway computes nothing: its modules import no torch (the wire's and the runtime's
+    tensor functions import it where they run), so it starts in a second and holds no torch."""
+    import subprocess
+
+    code = ("import sys, gateway.main, gateway.openai, specsplit.cli.serve, specsplit.model.headfile\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"importing the gateway loads torch: {out.stdout[:300]}"
+
+
 def test_no_import_cycle_between_modules():
     found = modules()
     assert "gateway.rounds" in found and "specsplit.speculation.cursor" in found  # the walk sees the product

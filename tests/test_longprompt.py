@@ -17,7 +17,7 @@ from conftest import native_model, prefill_all
 from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import load_model
 from specsplit.model.prefixcache import BLOCK, PrefixCache
-from specsplit.speculation.sampling import SamplingParams
+from specsplit.speculation.params import SamplingParams
 from verify_service.engine import Target
 
 

@@ -244,7 +244,7 @@ def _decode(target, session, rounds, drafter):
 
 
 def test_coupled_sampling_commits_the_same_text_whatever_is_drafted(models):
-    from specsplit.speculation.sampling import SamplingParams
+    from specsplit.speculation.params import SamplingParams
 
     target = Target(load_model(models["target"], "float32"))
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
@@ -263,7 +263,7 @@ def test_coupled_sampling_commits_the_same_text_whatever_is_drafted(models):
 def test_rejection_sampling_session_needs_a_proposal_per_draft_token(models):
     import torch
 
-    from specsplit.speculation.sampling import Method, SamplingParams
+    from specsplit.speculation.params import Method, SamplingParams
 
     target = Target(load_model(models["target"], "float32"))
     params = SamplingParams(temperature=1.0, seed=3, method=Method.REJECTION)

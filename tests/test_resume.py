@@ -11,7 +11,7 @@ from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 from specsplit.model.modeling import load_model
-from specsplit.speculation.sampling import SamplingParams
+from specsplit.speculation.params import SamplingParams
 from verify_service.engine import Target
 
 PROMPT = [5, 17, 3, 22, 9, 41, 8]

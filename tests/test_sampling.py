@@ -8,7 +8,8 @@ import torch
 
 from specsplit.speculation import acceptance
 from specsplit.speculation.acceptance import coupled_accept, rejection_accept
-from specsplit.speculation.sampling import Method, SamplingParams, coupled_choice, sample, warp
+from specsplit.speculation.params import Method, SamplingParams
+from specsplit.speculation.sampling import coupled_choice, sample, warp
 
 
 def dense(*probs: float) -> torch.Tensor:

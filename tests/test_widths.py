@@ -36,7 +36,7 @@ def test_a_session_under_rejection_sampling_keeps_the_start_curve():
     """Its text for a seed depends on what was drafted: a depth that followed the machine's moment
     would make a repeated request's text differ. Greedy and coupled sampling do not depend on the
     drafts, and follow the live costs."""
-    from specsplit.speculation.sampling import Method, SamplingParams
+    from specsplit.speculation.params import Method, SamplingParams
 
     widths, step = Widths(), Ewma(0.9)
     start = [3.0, 3.1, 3.2]

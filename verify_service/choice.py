@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from specsplit.speculation.acceptance import argmax_rows, coupled_accept, greedy_accept, rejection_accept
-from specsplit.speculation.sampling import Method, SamplingParams, warp
+from specsplit.speculation.params import Method, SamplingParams
+from specsplit.speculation.sampling import warp
 from specsplit.speculation.tokentree import follow
 
 

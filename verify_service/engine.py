@@ -16,8 +16,9 @@ from specsplit.serving.grammar import Language, Matcher
 from specsplit.speculation import tokentree
 from specsplit.speculation.ewma import Ewma
 from specsplit.speculation.lookup import Agreement, BigramIndex
+from specsplit.speculation.params import Logprobs, Method, SamplingParams
 from specsplit.speculation.rollback import TreeRollback
-from specsplit.speculation.sampling import Logprobs, Method, SamplingParams, token_logprobs
+from specsplit.speculation.sampling import token_logprobs
 from verify_service.choice import decide
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from specsplit.serving.settings import MAX_DRAFT
 from specsplit.serving.telemetry import meter, record_compute
 from specsplit.serving.worker import Again, ModelWorker
 from specsplit.speculation.lookup import OutputIndex
-from specsplit.speculation.sampling import Logprobs, SamplingParams
+from specsplit.speculation.params import Logprobs, SamplingParams
 from verify_service.decoding import Decoding, decodes
 from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
 from verify_service.headdraft import VerifierHead

@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 from specsplit.speculation.ewma import Ewma
-from specsplit.speculation.sampling import Method, SamplingParams
+from specsplit.speculation.params import Method, SamplingParams
 
 if TYPE_CHECKING:
     from specsplit.model.modeling import LoadedModel

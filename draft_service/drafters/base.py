@@ -9,7 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specsplit.speculation.drafting import Proposal
-from specsplit.speculation.sampling import Method, SamplingParams
+from specsplit.speculation.params import Method, SamplingParams
 from specsplit.speculation.tokentree import verify_ms
 
 GREEDY = SamplingParams()

@@ -1,18 +1,20 @@
 """A feature head on disk (`specsplit distill` writes one: head.json, its card, and
 head.safetensors) and loading it for the target it was trained for; the serving runner that fits
-this machine (native kernels, else torch)."""
+this machine (native kernels, else torch). torch and the head's code are imported by the
+functions that load or run a head: the gateway reads the settings here and never loads torch."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from specsplit.model.catalog import DEFAULT
-from specsplit.model.featurehead import FeatureHead, HeadConfig
-from specsplit.model.headserving import NativeHead, TorchHead
-from specsplit.model.identity import weights_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+
+    from specsplit.model.featurehead import FeatureHead
 
 HEAD_FORMAT = "specsplit-feature-head/1"
 PACKAGED = Path(__file__).resolve().parent / "drafts"
@@ -55,6 +57,7 @@ def read_head_card(head_dir: Path) -> dict:
 
 def _read(target_dir: Path, wanted) -> dict[str, torch.Tensor]:
     """The tensors of the target's safetensors files whose names `wanted(name)` accepts, read alone."""
+
     from safetensors import safe_open
 
     found = {}
@@ -92,6 +95,11 @@ def target_layer(target_dir: Path, index: int) -> dict[str, torch.Tensor]:
 def load_head(head_dir: Path, target_dir: Path, device: str = "cpu") -> tuple[FeatureHead, dict]:
     """The head (float32, the target's embedding and output rows attached) and its card; refused,
     saying so, when it was trained for other target weights."""
+    import torch
+
+    from specsplit.model.featurehead import FeatureHead, HeadConfig
+    from specsplit.model.identity import weights_fingerprint
+
     card = read_head_card(head_dir)
     theirs = card["target"]["model_fingerprint"]
     ours = weights_fingerprint(target_dir)
@@ -127,7 +135,10 @@ def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
     measured fastest on the kernel path that runs (head_format), else bfloat16 where it has bf16
     dot products (half the bytes of float32). Drafts need not match any other path, only be the same
     for a session however it is batched."""
+    import torch
+
     from specsplit.model import native
+    from specsplit.model.headserving import NativeHead, TorchHead
 
     if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
         dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32

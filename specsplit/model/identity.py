@@ -7,8 +7,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
-
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 over the token→id map and the special tokens: equal fingerprints mean equal ids."""
@@ -39,6 +37,7 @@ def weights_fingerprint(model_dir: str | Path) -> str:
     the same weights for any practical purpose: fine-tuning changes every row of a tensor it
     touches, and the bfloat16 cast makes an fp32 and a bf16 copy of one model agree. "" when the
     directory has no safetensors files."""
+    import torch  # here: the gateway checks pairings with the fingerprints alone, and never loads torch
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))

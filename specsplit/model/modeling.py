@@ -130,13 +130,6 @@ def swap_linears(model: nn.Module, cls: type[FlatLinear]) -> None:
             module.__class__ = cls
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages rendered with the tokenizer's chat template, ready for the assistant's turn:
-    how the gateway sends a chat request (and so what distillation must generate from)."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=True)["input_ids"])
-
-
 @dataclass
 class LoadedModel:
     model: nn.Module

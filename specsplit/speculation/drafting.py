@@ -16,7 +16,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from specsplit.speculation.sampling import DRAFT, SIBLING_DRAFT, Method, SamplingParams, gumbel, sample, warp
+from specsplit.speculation.params import Method, SamplingParams
+from specsplit.speculation.sampling import DRAFT, SIBLING_DRAFT, gumbel, sample, warp
 from specsplit.speculation.tokentree import Tree
 
 

@@ -8,52 +8,16 @@ carried between calls or processes, retries and restarts reproduce the same draw
 
 from __future__ import annotations
 
-import enum
 import hashlib
-import math
-from dataclasses import dataclass
 
 import torch
+
+from specsplit.speculation.params import SamplingParams, TokenLogprob
 
 GUMBEL, ACCEPT, RESAMPLE, DRAFT = 0, 1, 2, 3  # noise streams (DRAFT: the drafter's own samples)
 # Token trees under rejection sampling: the j-th sibling's acceptance uniform (j >= 1) and the
 # drafter's j-th extra sample at a position come from streams SIBLING_ACCEPT + j, SIBLING_DRAFT + j.
 SIBLING_ACCEPT, SIBLING_DRAFT = 16, 48
-
-
-class Method(enum.Enum):
-    """How drafts are verified (docs/protocol.md#sampling)."""
-
-    GREEDY = "greedy"  # temperature 0: the target's argmax
-    COUPLED = "coupled"  # the target's Gumbel-max choice under (seed, position) noise: drafter-invariant
-    REJECTION = "rejection"  # speculative sampling: min(1, p/q), then the residual norm(max(0, p - q))
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """A request's sampling, the one type from the gateway's edge to the acceptance walks (the wire
-    carries it as specsplit.common.v1.Sampling: specsplit.serving.wire)."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int = 0
-    method: Method = Method.COUPLED  # how drafts are verified at temperature > 0
-
-    @property
-    def verification(self) -> Method:
-        """How drafts are verified under these params: GREEDY at temperature 0, else the method."""
-        return Method.GREEDY if self.temperature == 0 else self.method
-
-    def check(self) -> None:
-        if self.method not in (Method.COUPLED, Method.REJECTION):
-            raise ValueError(f"unknown verify method {self.method!r}; use coupled or rejection")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature {self.temperature} must be a finite number >= 0")
-        if self.top_k < 0:
-            raise ValueError(f"top_k {self.top_k} must be >= 0")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p {self.top_p} is not in (0, 1]")
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -111,26 +75,6 @@ def coupled_choice(probs: torch.Tensor, seed: int, position: int) -> int:
 
 def sample(probs: torch.Tensor, seed: int, position: int, stream: int = RESAMPLE) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator(seed, position, stream)))
-
-
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
-
-
-@dataclass(frozen=True)
-class Logprobs:
-    """Which log-probabilities a session returns: each generated token's, the `top` most likely
-    alternatives at each position, and each prompt token's (from the second on)."""
-
-    generated: bool = False
-    top: int = 0
-    prompt: bool = False
-
-    def check(self) -> None:
-        if not 0 <= self.top <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top logprobs {self.top} is not in [0, {MAX_TOP_LOGPROBS}]")
-
-
-TokenLogprob = tuple[int, float, list[int], list[float]]  # token, its logprob, top ids, their logprobs
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -71,7 +71,7 @@ class Anchor:
             self._generate(self._ids(prompt), 8, mode)
 
     def _ids(self, prompt: str) -> list[int]:
-        from specsplit.model.modeling import chat_prompt_ids
+        from specsplit.model.chat import chat_prompt_ids
 
         return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
 
@@ -129,7 +129,8 @@ class BareTarget:
 
     def decode_ms(self, prompt: str, output: list[int]) -> float | None:
         """ms per token after the first (None for an output of fewer than 2 tokens)."""
-        from specsplit.model.modeling import KVSequence, chat_prompt_ids
+        from specsplit.model.chat import chat_prompt_ids
+        from specsplit.model.modeling import KVSequence
 
         if len(output) < 2:
             return None

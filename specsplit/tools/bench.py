@@ -304,7 +304,7 @@ def main(args, config: StackConfig) -> int:
     if args.anchor_llama_cpp:
         from transformers import AutoTokenizer
 
-        from specsplit.model.modeling import chat_prompt_ids
+        from specsplit.model.chat import chat_prompt_ids
         from specsplit.tools import llamacpp, llamaserver
 
         gguf = Path(model_dir) / "model.gguf"

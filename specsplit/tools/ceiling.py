@@ -103,8 +103,9 @@ def main(args, config) -> int:
 
     from draft_service.main import build_drafters
     from specsplit.model import catalog
+    from specsplit.model.chat import chat_prompt_ids
     from specsplit.model.headfile import head_setting
-    from specsplit.model.modeling import chat_prompt_ids, load_model
+    from specsplit.model.modeling import load_model
     from specsplit.serving.settings import ControllerSettings, DraftSettings, ModelSettings, ServerSettings
     from specsplit.tools.workload import load_prompts
     from verify_service.engine import Target

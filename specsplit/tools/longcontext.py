@@ -110,7 +110,7 @@ def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out
         sizes: tuple[int, ...] = SIZES) -> int:
     from transformers import AutoTokenizer
 
-    from specsplit.model.modeling import chat_prompt_ids
+    from specsplit.model.chat import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     docs = documents(tokenizer, sizes)

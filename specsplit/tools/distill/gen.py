@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specsplit.model.modeling import LoadedModel, chat_prompt_ids
-from specsplit.speculation.sampling import SamplingParams, sample, warp
+from specsplit.model.chat import chat_prompt_ids
+from specsplit.model.modeling import LoadedModel
+from specsplit.speculation.params import SamplingParams
+from specsplit.speculation.sampling import sample, warp
 
 SLOTS = 16  # sequences decoded together: the most tokens/s on 2 cores (16: 337, 32: 314, 64: 280 tok/s)
 
