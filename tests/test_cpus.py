@@ -61,15 +61,16 @@ def test_threads_are_the_smaller_of_affinity_and_quota(monkeypatch, affinity, qu
 
 
 @pytest.fixture
-def half_a_cpu():
-    """A real cgroup (v1's cpu controller, or v2) limited to 0.5 CPU; its tasks file, for a process
+def one_cpu_quota():
+    """A real cgroup (v1's cpu controller, or v2) limited to 1 CPU (a quota, not an affinity: the
+    process still sees every CPU; fractions are rounded up, tested above); its tasks file, for a process
     to join. Skipped, saying why, where this process may not make one (not root, a read-only
     /sys/fs/cgroup)."""
     import contextlib
 
     made = None
-    for root, limit in ((Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_quota_us": "50000", "cpu.cfs_period_us": "100000"}),
-                        (Path("/sys/fs/cgroup"), {"cpu.max": "50000 100000"})):
+    for root, limit in ((Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_quota_us": "100000", "cpu.cfs_period_us": "100000"}),
+                        (Path("/sys/fs/cgroup"), {"cpu.max": "100000 100000"})):
         group = root / f"specsplit-test-{os.getpid()}"
         try:
             group.mkdir()
@@ -93,10 +94,10 @@ def half_a_cpu():
 
 @pytest.mark.parametrize("confine", ["affinity", "cgroup", "pinned"])
 def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(models, tmp_path, request, confine):
-    # affinity: as `taskset -c 0 specsplit up`; cgroup: a real CPU quota of 0.5, as a container's limit;
+    # affinity: as `taskset -c 0 specsplit up`; cgroup: a real CPU quota of 1, as a container's limit;
     # pinned: `up --pin verify=0 --pin draft=0 --pin gateway=0`, each service pinning itself (serve --cpus)
     join = {"affinity": "os.sched_setaffinity(0, {0})", "pinned": "",
-            "cgroup": f"open({str(request.getfixturevalue('half_a_cpu'))!r}, 'w').write(str(os.getpid()))"
+            "cgroup": f"open({str(request.getfixturevalue('one_cpu_quota'))!r}, 'w').write(str(os.getpid()))"
             if confine == "cgroup" else ""}[confine]
     pins = {"verify": "0", "draft": "0", "gateway": "0"} if confine == "pinned" else {}
     script = textwrap.dedent(f"""
@@ -125,7 +126,7 @@ def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(mode
     gateway = next(line for line in done.stdout.splitlines() if line.startswith("gateway"))
     assert "torch not loaded" in gateway, gateway  # it computes nothing: no torch, no threads of its own
     verify = next(line for line in done.stdout.splitlines() if line.startswith("verify"))
-    assert ("cgroup CPU limit 0.5" if confine == "cgroup" else "affinity 1 CPUs") in verify, verify
+    assert ("cgroup CPU limit 1 " if confine == "cgroup" else "affinity 1 CPUs") in verify, verify
 
 
 def test_idle_clock_sums_the_idle_and_iowait_ticks_of_the_cpus_this_process_may_run_on(tmp_path, monkeypatch):
