@@ -6,7 +6,8 @@
 // Usage: kernelcheck CASES OUT. CASES holds weights as packing.h packed them (Weight.buffers) and
 // input rows; OUT gets, per case, float32: the GEMM of all rows in one call, the same rows one call
 // each, RMS norm of the inputs, SiLU(gate) * up of the outputs (when they pair up), each output
-// row's argmax (as float) and its sum of exp(y - max).
+// row's argmax (as float) and its sum of exp(y - max). Then attention cases (a cache, queries and
+// each query's key list): the attention of all rows in one call, then of each row alone.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +31,7 @@ namespace {
 #include "panels.h"
 #include "rows.h"
 #include "isa_avx2.h"
+#include "attention_avx2.h"
 }  // namespace
 
 namespace {
@@ -122,6 +124,33 @@ int main(int argc, char** argv) {
         picks.push_back(sum_exp(y.data() + i * p.n, p.n, best));
       }
       put(out, picks);
+    }
+    const int64_t attention = in.i64();
+    for (int64_t c = 0; c < attention; ++c) {
+      AttendShape shape{};
+      shape.heads = in.i64();
+      shape.kv_heads = in.i64();
+      shape.d = in.i64();
+      shape.bf16 = in.i64() != 0;
+      const int64_t rows = in.i64(), cap = in.i64();
+      const auto kv = in.bytes(2 * cap * shape.kv_heads * shape.d * (shape.bf16 ? 2 : 4));
+      std::vector<std::vector<int64_t>> paths(rows);
+      std::vector<AttendRow> attend(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t base = in.i64();
+        for (int64_t k = in.i64(); k > 0; --k) paths[r].push_back(in.i64());
+        attend[r] = AttendRow{kv.data(), cap, base, &paths[r]};
+      }
+      const int64_t ld = (shape.heads + 2 * shape.kv_heads) * shape.d, width = shape.heads * shape.d;
+      const auto raw = in.bytes(rows * ld * 4);
+      std::vector<float> qkv(rows * ld);
+      std::memcpy(qkv.data(), raw.data(), raw.size());
+      std::vector<float> all(rows * width), alone(rows * width);
+      attend_rows_team(shape, qkv.data(), ld, attend.data(), rows, all.data());
+      for (int64_t r = 0; r < rows; ++r)
+        attend_rows_team(shape, qkv.data() + r * ld, ld, attend.data() + r, 1, alone.data() + r * width);
+      put(out, all);
+      put(out, alone);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernelcheck: %s\n", e.what());

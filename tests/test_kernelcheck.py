@@ -1,9 +1,10 @@
-"""The kernels on Arm. The AVX2 path's code (isa_avx2.h) built for aarch64, where it runs on NEON
-(neon_avx2.h), and run under qemu-user gives the x86 build's bits: every weight format the kernels
-serve (float32, bf16, int8, q8_0, q4_0, q4_1 with float16 and with factored scales, q8_h, q6_h),
-1 to 9 rows, each row alone as in a batch, and the row ops (RMS norm, SiLU * up, argmax, sum of
-exp). The x86 build of the same check is held to the maths: its GEMM against torch's float matmul
-of the dequantized weights.
+"""The kernels on Arm. The AVX2 path's code (isa_avx2.h, attention_avx2.h) built for aarch64, where
+it runs on NEON (neon_avx2.h), and run under qemu-user gives the x86 build's bits: every weight
+format the kernels serve (float32, bf16, int8, q8_0, q4_0, q4_1 with float16 and with factored
+scales, q8_h, q6_h), 1 to 9 rows, each row alone as in a batch, the row ops (RMS norm, SiLU * up,
+argmax, sum of exp) and attention (bf16 and fp32 caches, grouped heads, chains and tree paths).
+The x86 build of the same check is held to the maths: its GEMM against torch's float matmul of
+the dequantized weights, its attention against torch's softmax attention.
 
 The builds: g++ for x86-64 and aarch64-linux-gnu-g++ (apt: g++-aarch64-linux-gnu), qemu-aarch64
 (apt: qemu-user); where either is missing the comparison is skipped and says so."""
@@ -104,7 +105,37 @@ def weights(gen: torch.Generator):
     return out
 
 
-def write_cases(path: Path, cases) -> None:
+def attention_cases(gen: torch.Generator):
+    """(heads, kv_heads, d, bf16, cache [2, cap, kv_heads, d] fp32 values, [(base, path)], q rows
+    [n, (heads + 2 kv_heads) d]): a chain after a prefix and a tree's paths (siblings share ancestors)."""
+    out = []
+    for heads, kv_heads, d, bf16 in ((9, 3, 64, True), (4, 4, 32, False), (6, 2, 48, True)):
+        cap = 40
+        cache = torch.randn(2, cap, kv_heads, d, generator=gen)
+        if bf16:
+            cache = cache.bfloat16().float()  # what the cache holds
+        rows = [(20, [20]), (20, [20, 21]), (20, [20, 21, 22]),  # a chain of three after 20 keys
+                (30, [30, 32]), (30, [31, 33]), (30, [30, 32, 35]), (0, [0])]  # tree paths; a first token
+        q = torch.randn(len(rows), (heads + 2 * kv_heads) * d, generator=gen)
+        out.append((heads, kv_heads, d, bf16, cache, rows, q))
+    return out
+
+
+def attention_reference(heads, kv_heads, d, cache, rows, q) -> torch.Tensor:
+    out = []
+    for (base, path), qr in zip(rows, q):
+        slots = list(range(base)) + path
+        k, v = cache[0, slots], cache[1, slots]  # [keys, kv_heads, d]
+        heads_out = []
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            p = torch.softmax(k[:, g] @ qr[h * d:(h + 1) * d] / d ** 0.5, dim=0)
+            heads_out.append(p @ v[:, g])
+        out.append(torch.cat(heads_out))
+    return torch.stack(out)
+
+
+def write_cases(path: Path, cases, attention) -> None:
     with path.open("wb") as f:
         f.write(struct.pack("<q", len(cases)))
         for w, act, x in cases:
@@ -116,10 +147,18 @@ def write_cases(path: Path, cases) -> None:
                 raw = t.contiguous().view(torch.uint8).numpy().tobytes()
                 f.write(struct.pack("<q", len(name)) + name.encode() + struct.pack("<q", len(raw)) + raw)
             f.write(x.numpy().astype("<f4").tobytes())
+        f.write(struct.pack("<q", len(attention)))
+        for heads, kv_heads, d, bf16, cache, rows, q in attention:
+            f.write(struct.pack("<6q", heads, kv_heads, d, int(bf16), len(rows), cache.shape[1]))
+            stored = cache.bfloat16().view(torch.int16) if bf16 else cache
+            f.write(stored.contiguous().numpy().tobytes())
+            for base, slots in rows:
+                f.write(struct.pack(f"<{2 + len(slots)}q", base, len(slots), *slots))
+            f.write(q.numpy().astype("<f4").tobytes())
 
 
-def outputs(raw: bytes, cases) -> list[dict[str, np.ndarray]]:
-    """Each case's results, split as kernelcheck.cpp writes them."""
+def outputs(raw: bytes, cases, attention) -> list[dict[str, np.ndarray]]:
+    """Each case's results, split as kernelcheck.cpp writes them (the GEMM cases', then attention's)."""
     v, at, out = np.frombuffer(raw, dtype="<f4"), 0, []
     for w, _, x in cases:
         rows, n, k = x.shape[0], w.outputs, w.inputs
@@ -131,6 +170,12 @@ def outputs(raw: bytes, cases) -> list[dict[str, np.ndarray]]:
         for name, size in sizes.items():
             res[name] = v[at:at + size]
             at += size
+        out.append(res)
+    for heads, _, d, _, _, rows, _ in attention:
+        res = {}
+        for name in ("attention", "attention alone"):
+            res[name] = v[at:at + len(rows) * heads * d]
+            at += len(rows) * heads * d
         out.append(res)
     assert at == v.size, "kernelcheck wrote another number of values than its cases call for"
     return out
@@ -149,10 +194,17 @@ def test_the_aarch64_build_gives_the_x86_builds_bits_and_the_x86_build_the_maths
                 for label, w, act, deq, tol in weights(gen) for rows in ROWS]
     cases = [case for _, case, _, _ in labelled]
     assert {w.kind for w, _, _ in cases} == set(KINDS)  # every format the kernels serve
+    attention = attention_cases(gen)
     path = tmp_path / "cases.bin"
-    write_cases(path, cases)
+    write_cases(path, cases, attention)
     x86 = run(builds["x86"], path, tmp_path / "x86.out")
-    for (label, (w, _, x), deq, tol), res in zip(labelled, outputs(x86, cases)):
+    results = outputs(x86, cases, attention)
+    for (heads, kv_heads, d, _, cache, rows, q), res in zip(attention, results[len(cases):]):
+        want = attention_reference(heads, kv_heads, d, cache, rows, q)
+        got = torch.from_numpy(res["attention"].copy()).view(len(rows), heads * d)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), f"attention {heads}/{kv_heads}x{d}: not the maths"
+        assert np.array_equal(res["attention"], res["attention alone"]), "a row's attention depends on its batch"
+    for (label, (w, _, x), deq, tol), res in zip(labelled, results):
         y = torch.from_numpy(res["batch"].copy()).view(x.shape[0], w.outputs)
         ref = x @ deq.T
         err = float((y - ref).norm() / ref.norm())
@@ -172,8 +224,10 @@ def test_the_aarch64_build_gives_the_x86_builds_bits_and_the_x86_build_the_maths
         pytest.skip("no aarch64-linux-gnu-g++ or qemu-aarch64 here (apt: g++-aarch64-linux-gnu qemu-user): "
                     "the x86 build was checked, the aarch64 one not built")
     arm = run(builds["arm"], path, tmp_path / "arm.out")
-    for (label, (w, _, x), _, _), a, b in zip(labelled, outputs(x86, cases), outputs(arm, cases)):
+    names = [f"{label}, {x.shape[0]} rows" for label, (_, _, x), _, _ in labelled]
+    names += [f"attention {h}/{g}x{d}{' bf16' if b else ''}" for h, g, d, b, *_ in attention]
+    for name, a, b in zip(names, results, outputs(arm, cases, attention), strict=True):
         for part in a:
             same = a[part].view(np.uint32) == b[part].view(np.uint32)
-            assert same.all(), (f"{label}, {x.shape[0]} rows, {part}: the aarch64 build differs from the x86 "
-                                f"build in {int((~same).sum())} of {same.size} values")
+            assert same.all(), (f"{name}, {part}: the aarch64 build differs from the x86 build in "
+                                f"{int((~same).sum())} of {same.size} values")

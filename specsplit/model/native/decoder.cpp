@@ -70,6 +70,7 @@ namespace {
 #include "isa_avx512.h"
 #else
 #include "isa_avx2.h"
+#include "attention_avx2.h"
 #endif
 #include "choice.h"
 #include "layers.h"
