@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -24,12 +25,23 @@ from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
 from specsplit.speculation import tokentree
 
+if TYPE_CHECKING:
+    from gateway.state import Request
+
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
 ROUND_OVERHEAD_MS = 0.5  # a round's link and gateway work beyond compute, co-located (docs/metrics.md#time)
 # A draft replica that refused a StartSession outright (down, or its session table full): nothing
 # started there, so the session may start on another replica instead.
 _START_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class Predraft:
+    """What became of a round's pre-draft (DraftSide.heard)."""
+
+    attempted: bool = False
+    hit: bool = False  # its assumption held: it is the next round's draft
 
 
 @dataclass
@@ -109,7 +121,7 @@ class DraftSide:
                 other.sessions += 1
                 self.replica = other
 
-    async def next(self, request, gamma: int) -> Draft:
+    async def next(self, request: Request, gamma: int) -> Draft:
         """This round's draft: the pre-draft that held, or a Propose where the gate asks for one (a
         forced request: every round), cut to what pays; an empty Draft when there is none."""
         plan = request.plan
@@ -135,7 +147,7 @@ class DraftSide:
         draft.probs, draft.probs_ref = payloads.for_verifier(request.links, proposal, keep)
         return draft
 
-    def predraft(self, request, draft: Draft) -> None:
+    def predraft(self, request: Request, draft: Draft) -> None:
         """Pre-drafting: the next block, drafted while this round's Verify is in flight, assuming
         every draft is accepted and the target's next token is the drafter's own guess."""
         cursor = request.cursor
@@ -148,23 +160,40 @@ class DraftSide:
         if self._ahead is not None:
             self._predraft = (await asyncio.gather(self._ahead, return_exceptions=True))[0]
 
-    def heard(self, request, draft: Draft, verdict: vpb.VerifyResponse) -> None:
+    def heard(self, request: Request, draft: Draft, verdict: vpb.VerifyResponse) -> Predraft:
         """After the Verify: a pre-draft whose assumption held becomes the next round's draft, and
-        the target features it returned are owed to the drafter."""
+        the target features it returned are owed to the drafter. Returns what became of the
+        pre-draft, for the round to count."""
+        outcome = Predraft()
         if self._ahead is not None:
             predraft, self._ahead, self._predraft = self._predraft, None, None
-            request.measured.predraft_attempts += 1
+            outcome.attempted = True
             if isinstance(predraft, BaseException):
                 raise predraft
             if (predraft is not None and verdict.num_accepted == len(draft.tokens)
                     and verdict.next_token_id == draft.guess):
                 self.ready = predraft
-                request.measured.predraft_hits += 1
+                outcome.hit = True
         if request.plan.needs_features and self.drafting:
-            self.features = payloads.join(self.features, verdict.features if verdict.HasField("features") else None,
-                                          request.links.segment)
+            self.owe(verdict.features if verdict.HasField("features") else None, request.links.segment)
+        return outcome
 
-    async def _propose(self, request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:
+    def owe(self, features: cpb.Features | None, segment) -> None:
+        """Target features the drafter has not had yet (the prefill's, then each Verify's), after
+        those still owed; they go with the next Propose."""
+        self.features = payloads.join(self.features, features, segment)
+
+    def start_failed(self, why: str, abandoned: bool) -> None:
+        """StartSession failed where the request may go on without drafts: it never drafts (`why`:
+        drafter-down, drafter-full), and a start given up on (`abandoned`: it may still have run on
+        a stalled replica) is ended at the release too."""
+        self.drafting, self.fallback, self.start_abandoned = False, why, abandoned
+
+    def forget_predraft(self) -> None:
+        """The round a pre-draft assumed was lost (its verify replica died): the pre-draft is void."""
+        self.ready = None
+
+    async def _propose(self, request: Request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:
         """A Propose within its budget (DraftWatch). None when the draft service failed or overran
         it: the request loses its drafter."""
         kind = "next" if request.measured.rounds else "first"  # a first Propose may carry the prompt's features
@@ -174,7 +203,7 @@ class DraftSide:
             self.lose(request, str(e))
             return None
 
-    def lose(self, request, why: str) -> None:
+    def lose(self, request: Request, why: str) -> None:
         if not self.drafting:
             return  # already lost (a pre-draft and a round's Propose can both fail)
         self.lost, self.lost_at, self.fallback = why, len(request.measured.rounds), "drafter-lost"
@@ -184,7 +213,7 @@ class DraftSide:
         self.replica.watch.lost(why)
         log.warning("session %s goes on without drafts: %s", request.session_id, why)
 
-    def _message(self, request, gamma: int, ahead: list[int] = ()) -> dpb.ProposeRequest:
+    def _message(self, request: Request, gamma: int, ahead: list[int] = ()) -> dpb.ProposeRequest:
         """Tells the drafter what was committed since it last heard (for a pre-draft, also the block
         under verification and the guess after it: `ahead`) and the features it lacks; they count
         as delivered: a Propose that fails fails the request."""
@@ -195,7 +224,7 @@ class DraftSide:
         self.features = None
         return message
 
-    def _cut(self, request, proposal: dpb.ProposeResponse, gamma: int,
+    def _cut(self, request: Request, proposal: dpb.ProposeResponse, gamma: int,
              draft_ms: float) -> tuple[list[int], list[int], float]:
         """A proposed token tree cut to what pays: its best-first prefix whose expected tokens per
         millisecond are highest at the verifier's measured cost per width (this round's drafting
@@ -219,7 +248,7 @@ class DraftSide:
         keep, parents = tokentree.prune(list(proposal.draft_parents)[:len(proposal.draft_token_ids)], gamma, size)
         return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 
-    def end_session(self, request) -> dpb.EndSessionRequest | None:
+    def end_session(self, request: Request) -> dpb.EndSessionRequest | None:
         """The release's EndSession (the drafter hears the last committed tokens), or None when the
         draft service holds no session of this request."""
         if not (self.drafting or self.lost or self.start_abandoned):  # a stalled drafter may hold it

@@ -129,7 +129,9 @@ class RoundLoop:
             await drafter.landed()
         if request.plan.constraint is not None:  # the draft as verified: cut, or carried on with forced tokens
             draft.tokens = list(verdict.verified_draft_ids)
-        drafter.heard(request, draft, verdict)
+        predraft = drafter.heard(request, draft, verdict)
+        request.measured.predraft_attempts += predraft.attempted
+        request.measured.predraft_hits += predraft.hit
         request.logprobs += verdict.logprobs
         cursor.commit([*draft.accepted(verdict), verdict.next_token_id, *verdict.decoded_token_ids], verdict.length,
                       drafter_holds_them=drafter.ready is not None)
@@ -217,8 +219,8 @@ class RoundLoop:
         if isinstance(started, Failure) and plan.may_fall_back and started.code in _NO_DRAFTER:
             if started.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is not down
                 drafter.replica.watch.lost(str(started))
-            drafter.start_abandoned = started.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            drafter.drafting, started, drafter.fallback = False, None, _NO_DRAFTER[started.code]
+            drafter.start_failed(_NO_DRAFTER[started.code], abandoned=started.code == grpc.StatusCode.DEADLINE_EXCEEDED)
+            started = None
         elif isinstance(started, BaseException):
             raise started
         links = request.links
@@ -239,7 +241,7 @@ class RoundLoop:
         request.gate.extend([*plan.prompt_ids, verified.next_token_id])
         request.logprobs, request.prompt_logprobs = list(verified.logprobs), list(verified.prompt_logprobs)
         if plan.needs_features and drafter.drafting:
-            drafter.features = verified.features
+            drafter.owe(verified.features, links.segment)
 
     async def _resume(self, request: Request, failure: Failure, deadline: Deadline) -> None:
         """The session's verify replica died (or restarted) under a round: it is re-opened on a live
@@ -247,7 +249,7 @@ class RoundLoop:
         go on exactly (sampling noise follows seed and position; the gateway holds every committed
         token); the stream has sent nothing of the lost round."""
         t = now()
-        request.drafter.ready = None  # a pre-draft assumed the lost round's outcome
+        request.drafter.forget_predraft()
         links = request.links
         links.verifier.close()
         verified = await self._pin.reopen(request, failure, deadline, resume=True)
