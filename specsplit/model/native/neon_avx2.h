@@ -48,6 +48,11 @@ template <typename F>
 static inline __m256 map_ps(__m256 a, __m256 b, F f) { return {f(a.lo, b.lo), f(a.hi, b.hi)}; }
 template <typename F>
 static inline __m256i map_si(__m256i a, __m256i b, F f) { return {f(a.lo, b.lo), f(a.hi, b.hi)}; }
+// An x86 op that works lane by lane as a NEON op on each 128-bit half.
+#define SPECSPLIT_HALVES_PS(name, op) \
+  static inline __m256 name(__m256 a, __m256 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+#define SPECSPLIT_HALVES_SI(name, op) \
+  static inline __m256i name(__m256i a, __m256i b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
 
 // x86's maxps / minps: a > b ? a : b (a < b ? a : b), so NaN in either gives b.
 static inline float32x4_t max4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
@@ -61,12 +66,12 @@ static inline void _mm256_storeu_ps(float* p, __m256 v) {
   vst1q_f32(p, v.lo);
   vst1q_f32(p + 4, v.hi);
 }
-static inline __m256 _mm256_add_ps(__m256 a, __m256 b) { return map_ps(a, b, [](auto x, auto y) { return vaddq_f32(x, y); }); }
-static inline __m256 _mm256_sub_ps(__m256 a, __m256 b) { return map_ps(a, b, [](auto x, auto y) { return vsubq_f32(x, y); }); }
-static inline __m256 _mm256_mul_ps(__m256 a, __m256 b) { return map_ps(a, b, [](auto x, auto y) { return vmulq_f32(x, y); }); }
-static inline __m256 _mm256_div_ps(__m256 a, __m256 b) { return map_ps(a, b, [](auto x, auto y) { return vdivq_f32(x, y); }); }
-static inline __m256 _mm256_max_ps(__m256 a, __m256 b) { return map_ps(a, b, max4); }
-static inline __m256 _mm256_min_ps(__m256 a, __m256 b) { return map_ps(a, b, min4); }
+SPECSPLIT_HALVES_PS(_mm256_add_ps, vaddq_f32)
+SPECSPLIT_HALVES_PS(_mm256_sub_ps, vsubq_f32)
+SPECSPLIT_HALVES_PS(_mm256_mul_ps, vmulq_f32)
+SPECSPLIT_HALVES_PS(_mm256_div_ps, vdivq_f32)
+SPECSPLIT_HALVES_PS(_mm256_max_ps, max4)
+SPECSPLIT_HALVES_PS(_mm256_min_ps, min4)
 static inline __m256 _mm256_fmadd_ps(__m256 a, __m256 b, __m256 c) {  // a b + c, one rounding
   return {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)};
 }
@@ -156,11 +161,11 @@ static inline void _mm256_storeu_si256(__m256i* p, __m256i v) {
   vst1q_s32(q, v.lo);
   vst1q_s32(q + 4, v.hi);
 }
-static inline __m256i _mm256_and_si256(__m256i a, __m256i b) { return map_si(a, b, [](auto x, auto y) { return vandq_s32(x, y); }); }
-static inline __m256i _mm256_or_si256(__m256i a, __m256i b) { return map_si(a, b, [](auto x, auto y) { return vorrq_s32(x, y); }); }
-static inline __m256i _mm256_xor_si256(__m256i a, __m256i b) { return map_si(a, b, [](auto x, auto y) { return veorq_s32(x, y); }); }
-static inline __m256i _mm256_add_epi32(__m256i a, __m256i b) { return map_si(a, b, [](auto x, auto y) { return vaddq_s32(x, y); }); }
-static inline __m256i _mm256_sub_epi32(__m256i a, __m256i b) { return map_si(a, b, [](auto x, auto y) { return vsubq_s32(x, y); }); }
+SPECSPLIT_HALVES_SI(_mm256_and_si256, vandq_s32)
+SPECSPLIT_HALVES_SI(_mm256_or_si256, vorrq_s32)
+SPECSPLIT_HALVES_SI(_mm256_xor_si256, veorq_s32)
+SPECSPLIT_HALVES_SI(_mm256_add_epi32, vaddq_s32)
+SPECSPLIT_HALVES_SI(_mm256_sub_epi32, vsubq_s32)
 static inline __m256i _mm256_add_epi16(__m256i a, __m256i b) {  // wraps, as paddw
   return map_si(a, b, [](auto x, auto y) { return i32(vaddq_s16(s16(x), s16(y))); });
 }
