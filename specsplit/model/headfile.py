@@ -57,7 +57,6 @@ def read_head_card(head_dir: Path) -> dict:
 
 def _read(target_dir: Path, wanted) -> dict[str, torch.Tensor]:
     """The tensors of the target's safetensors files whose names `wanted(name)` accepts, read alone."""
-
     from safetensors import safe_open
 
     found = {}

@@ -6,6 +6,7 @@ the others, relays features as bytes and never loads torch (a second less to sta
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import TYPE_CHECKING
 
 from specsplit.api.common.v1 import common_pb2 as pb
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 DTYPES = ("bfloat16", "float16", "float32")  # what features may travel as
 
 
+@cache
 def _carriers() -> dict:
     """dtype name -> (its torch dtype, the integer type of its width that carries its bytes)."""
     import torch
