@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specsplit.model.native import PATHS
 from specsplit.serving.settings import DraftSettings, GatewaySettings, ModelSettings, ServerSettings, VerifySettings
 
 CORPUS = [
@@ -395,7 +396,7 @@ def free_ports(n: int = 1) -> int:
     raise RuntimeError("no free ports")
 
 
-@pytest.fixture(params=["amx", "avx512", "avx2"])
+@pytest.fixture(params=PATHS)
 def kernel_path(request, monkeypatch):
     """Runs the test once on each native kernel path this CPU has (SPECSPLIT_ISA); the others are
     skipped saying what the CPU lacks, so `pytest -rs` shows only what it truly lacks."""

@@ -1,8 +1,9 @@
 """The kernels on Arm. The AVX2 path's code (isa_avx2.h, attention_avx2.h) built for aarch64, where
-it runs on NEON (neon_avx2.h), and run under qemu-user gives the x86 build's bits: every weight
-format the kernels serve (float32, bf16, int8, q8_0, q4_0, q4_1 with float16 and with factored
-scales, q8_h, q6_h), 1 to 9 rows, each row alone as in a batch, the row ops (RMS norm, SiLU * up,
-argmax, sum of exp) and attention (bf16 and fp32 caches, grouped heads, chains and tree paths).
+it runs on NEON (neon_avx2.h), with and without sdot (the "neon_dot" path), and run under qemu-user
+gives the x86 build's bits: every weight format the kernels serve (float32, bf16, int8, q8_0, q4_0,
+q4_1 with float16 and with factored scales, q8_h, q6_h), 1 to 9 rows, each row alone as in a batch,
+the row ops (RMS norm, SiLU * up, argmax, sum of exp) and attention (bf16 and fp32 caches, grouped
+heads, chains and tree paths).
 The x86 build of the same check is held to the maths: its GEMM against torch's float matmul of
 the dequantized weights, its attention against torch's softmax attention.
 
@@ -48,11 +49,13 @@ def builds(tmp_path_factory) -> dict[str, list[str] | None]:
     out = tmp_path_factory.mktemp("kernelcheck")
     from specsplit.model import native
 
-    runs: dict[str, list[str] | None] = {"x86": None, "arm": None}
+    runs: dict[str, list[str] | None] = {"x86": None, "neon": None, "neon_dot": None}
     if shutil.which("g++") and native.lacks("avx2") is None:
         runs["x86"] = [str(build("g++", ["-mavx2", "-mfma", "-mf16c"], out))]
     if shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64"):
-        runs["arm"] = ["qemu-aarch64", str(build("aarch64-linux-gnu-g++", ["-static"], out))]
+        for path in ("neon", "neon_dot"):  # each Arm path with the flags it is served with
+            exe = build("aarch64-linux-gnu-g++", ["-static", *native.ISAS[path][0]], out)
+            runs[path] = ["qemu-aarch64", "-cpu", "max", str(exe)]
     return runs
 
 
@@ -220,14 +223,15 @@ def test_the_aarch64_build_gives_the_x86_builds_bits_and_the_x86_build_the_maths
             pairs = y.view(x.shape[0], -1, 2, 16)  # gate and up interleaved by 16-output panel
             want = torch.nn.functional.silu(pairs[:, :, 0]) * pairs[:, :, 1]
             assert np.allclose(res["silu"], want.flatten().numpy(), rtol=1e-4, atol=1e-6), label
-    if builds["arm"] is None:
+    if builds["neon"] is None:
         pytest.skip("no aarch64-linux-gnu-g++ or qemu-aarch64 here (apt: g++-aarch64-linux-gnu qemu-user): "
-                    "the x86 build was checked, the aarch64 one not built")
-    arm = run(builds["arm"], path, tmp_path / "arm.out")
+                    "the x86 build was checked, the aarch64 ones not built")
     names = [f"{label}, {x.shape[0]} rows" for label, (_, _, x), _, _ in labelled]
     names += [f"attention {h}/{g}x{d}{' bf16' if b else ''}" for h, g, d, b, *_ in attention]
-    for name, a, b in zip(names, results, outputs(arm, cases, attention), strict=True):
-        for part in a:
-            same = a[part].view(np.uint32) == b[part].view(np.uint32)
-            assert same.all(), (f"{name}, {part}: the aarch64 build differs from the x86 build in "
-                                f"{int((~same).sum())} of {same.size} values")
+    for arm_path in ("neon", "neon_dot"):
+        arm = run(builds[arm_path], path, tmp_path / f"{arm_path}.out")
+        for name, a, b in zip(names, results, outputs(arm, cases, attention), strict=True):
+            for part in a:
+                same = a[part].view(np.uint32) == b[part].view(np.uint32)
+                assert same.all(), (f"{name}, {part}: the aarch64 {arm_path} build differs from the x86 build "
+                                    f"in {int((~same).sum())} of {same.size} values")

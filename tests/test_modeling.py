@@ -7,13 +7,14 @@ import torch
 from draft_service.drafters.model import ModelDrafter
 from specsplit.model.identity import tokenizer_fingerprint
 from specsplit.model.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model
+from specsplit.model.native import PATHS
 from verify_service.engine import LengthMismatch, Target
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
 
 
 # (dtype, quantize, kernel path): every weight format on every path (AMX runs bf16 GEMMs only).
-KERNEL_PATHS = [("bfloat16", "", "amx")] + [(dtype, quantize, path) for path in ("avx512", "avx2")
+KERNEL_PATHS = [("bfloat16", "", "amx")] + [(dtype, quantize, path) for path in PATHS if path != "amx"
                                             for dtype, quantize in (("bfloat16", ""), ("float32", ""),
                                                                     ("bfloat16", "q8_0"), ("bfloat16", "q4_0"))]
 
