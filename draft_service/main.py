@@ -21,7 +21,7 @@ from specsplit.serving.server import serve
 from specsplit.serving.sessions import SessionTable
 from specsplit.serving.settings import DraftSettings, ModelSettings
 from specsplit.serving.worker import ModelWorker
-from specsplit.speculation.store import OutputStore
+from specsplit.speculation.lookup import OutputIndex
 
 log = logging.getLogger("specsplit")
 
@@ -49,7 +49,7 @@ def draft_quantization(model: ModelSettings) -> str:
 
 
 def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
-    store = OutputStore(settings.store_tokens) if settings.store_tokens > 0 else None
+    store = OutputIndex(settings.store_tokens) if settings.store_tokens > 0 else None
     ngram = NgramDrafter("ngram", settings.ngram_min, settings.ngram_max, store=store)
     drafters: dict[str, Drafter] = {"ngram": ngram}
     if settings.model is not None:

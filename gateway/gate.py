@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specsplit.speculation.ewma import Ewma
-from specsplit.speculation.lookup import BigramIndex
+from specsplit.speculation.lookup import SequenceIndex
 
 DECAY = 0.95  # per asked round: acceptance is noisy round to round (a geometric run); bursts are the copy signal's
 PRIOR_ROUNDS = 4.0  # the type's prior counts as this many rounds of the request's own
@@ -97,7 +97,7 @@ class Gate:
                              prior.unasked.get(False, prior.off_ms), unknown_asks=True),
             True: Situation(prior.situations.get(True, (None, None)), prior.unasked.get(True), unknown_asks=False)}
         self._context: list[int] = []  # the prompt and the committed tokens
-        self._index = BigramIndex()
+        self._index = SequenceIndex()
         self._copy: bool | None = None  # whether a copy was in sight as the round under way started
 
     def extend(self, tokens: list[int]) -> None:

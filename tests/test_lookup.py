@@ -1,11 +1,11 @@
 """Prompt lookup's bigram index (specsplit/speculation/lookup.py): the verifier copies what followed the
 occurrence of the last two tokens that agrees longest with the context, and indexes a growing list."""
 
-from specsplit.speculation.lookup import BigramIndex, OutputIndex
+from specsplit.speculation.lookup import OutputIndex, SequenceIndex
 
 
 def test_no_copy_where_the_last_two_tokens_are_new():
-    index = BigramIndex()
+    index = SequenceIndex()
     assert index.follows([1, 2, 3, 4], 4) == []
     assert index.follows([1, 2, 3, 1, 2], 0) == []  # k < 1
     assert index.follows([7], 3) == []
@@ -14,15 +14,15 @@ def test_no_copy_where_the_last_two_tokens_are_new():
 def test_copies_the_occurrence_that_agrees_longest_not_merely_the_latest():
     # "9 5 1 2" -> 30 early; "8 1 2" -> 40 later; the context ends "9 5 1 2": the early one agrees over 4 tokens
     tokens = [9, 5, 1, 2, 30, 31, 0, 8, 1, 2, 40, 41, 0, 9, 5, 1, 2]
-    assert BigramIndex().follows(tokens, 2) == [30, 31]
+    assert SequenceIndex().follows(tokens, 2) == [30, 31]
     # ends "8 1 2": the later one agrees longer
-    assert BigramIndex().follows([*tokens[:-4], 8, 1, 2], 2) == [40, 41]
+    assert SequenceIndex().follows([*tokens[:-4], 8, 1, 2], 2) == [40, 41]
     # agreeing equally (only the bigram): the latest
-    assert BigramIndex().follows([*tokens[:-4], 6, 1, 2], 3) == [40, 41, 0]
+    assert SequenceIndex().follows([*tokens[:-4], 6, 1, 2], 3) == [40, 41, 0]
 
 
 def test_indexes_a_growing_sequence_as_it_grows():
-    index, tokens = BigramIndex(), [1, 2, 3]
+    index, tokens = SequenceIndex(), [1, 2, 3]
     assert index.follows(tokens, 2) == []
     tokens += [4, 1, 2]
     assert index.follows(tokens, 2) == [3, 4]
@@ -63,7 +63,7 @@ def test_stored_outputs_are_found_by_their_last_two_tokens_with_how_far_they_agr
     assert store.match([3, 7], 2) == ([8, 9], 2)
     assert store.match([9, 1, 2, 3], 3) == ([4, 6], 3)  # the latest occurrence; agrees on 3 tokens (9 != 5)
     assert store.match([5, 1, 2, 3], 1) == ([4], 4)
-    assert store.match([8, 9], 4) == ([], 2)  # the end of its output: nothing follows
+    assert store.match([8, 9], 4) == ([], 0)  # the end of its output: nothing follows
     assert store.match([9, 5], 2) == ([], 0)  # the two outputs' seam is no bigram
     assert store.match([2, 3], 0) == ([], 0)
 

@@ -1,7 +1,12 @@
 from draft_service.drafters.base import DraftSession
-from draft_service.drafters.ngram import NgramDrafter, lookup
+from draft_service.drafters.ngram import NgramDrafter
 from specsplit.speculation.drafting import Proposal
-from specsplit.speculation.store import OutputStore
+from specsplit.speculation.lookup import CANDIDATES, OutputIndex
+
+
+def lookup(tokens: list[int], gamma: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """The n-gram drafter's own-token lookup on a fresh session of `tokens`."""
+    return NgramDrafter(min_n=min_n, max_n=max_n).match(DraftSession(tokens), gamma)
 
 
 def test_longest_suffix_wins():
@@ -43,27 +48,43 @@ def test_sync_refuses_a_gap():
         session.sync(3, [5])
 
 
-def test_packed_search_equals_a_plain_scan_including_misaligned_byte_matches():
+def test_the_index_finds_what_a_plain_scan_finds_as_the_sequence_grows_and_rolls_back():
+    """The rule, by brute force: the longest agreeing suffix (max_n down to min_n tokens) among the
+    latest CANDIDATES occurrences of the last two tokens (of the last one where the pair never
+    occurred), latest first; on one session that grows and is rolled back, as the drafter's is."""
     import random
 
     def scan(tokens, gamma, min_n, max_n):
-        length = len(tokens)
-        for n in range(min(max_n, length - 1), min_n - 1, -1):
-            for start in range(length - n - 1, -1, -1):
-                if tokens[start:start + n] == tokens[length - n:]:
-                    return tokens[start + n:start + n + gamma]
-        return []
+        end = len(tokens) - 1
+
+        def agree(p):  # the longest n <= max_n whose n tokens ending at p are the context's last n
+            return max(n for n in range(1, max_n + 1) if n == 1 or (p - n + 1 >= 0 and
+                                                                    tokens[p - n + 1:p + 1] == tokens[end - n + 1:]))
+
+        earlier = [p for p in range(end) if tokens[p] == tokens[end]]
+        pairs = [p for p in earlier if max_n >= 2 and agree(p) >= 2][-CANDIDATES:]
+        candidates = pairs or (earlier[-CANDIDATES:] if min_n <= 1 else [])
+        if not candidates:
+            return []
+        best = max(agree(p) for p in candidates)
+        return tokens[max(p for p in candidates if agree(p) == best) + 1:][:gamma] if best >= min_n else []
 
     rng = random.Random(0)
-    # Ids whose uint32 bytes overlap when shifted (0, 1, 256, 65536...) provoke unaligned hits.
-    alphabet = [0, 1, 2, 256, 257, 65536, 65537, 16777216]
-    for _ in range(2000):
-        tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 30))]
-        assert lookup(tokens, 3, 1, 3)[0] == scan(tokens, 3, 1, 3), tokens
+    drafter = NgramDrafter(min_n=1, max_n=3)
+    for _ in range(100):
+        session = drafter.start([rng.randrange(4) for _ in range(rng.randrange(1, 6))])
+        for _ in range(40):
+            if rng.random() < 0.3 and len(session.tokens) > session.prompt_len:  # a rollback
+                base = rng.randrange(session.prompt_len, len(session.tokens) + 1)
+            else:
+                base = len(session.tokens)
+            session.sync(base, [rng.randrange(4) for _ in range(rng.randrange(1, 4))])
+            tokens = session.tokens
+            assert drafter.match(session, 3)[0] == scan(tokens, 3, 1, 3), tokens
 
 
 def test_store_drafts_from_earlier_outputs_but_not_across_them():
-    store = OutputStore(max_tokens=100)
+    store = OutputIndex(max_tokens=100)
     drafter = NgramDrafter(store=store)
     first = drafter.start([50, 51])
     first.sync(2, [10, 11, 12, 13])
@@ -75,20 +96,10 @@ def test_store_drafts_from_earlier_outputs_but_not_across_them():
 
 
 def test_store_needs_two_matching_tokens_and_prefers_the_longer_match():
-    store = OutputStore(max_tokens=100)
+    store = OutputIndex(max_tokens=100)
     store.add([1, 2, 3, 7, 8, 9])
     drafter = NgramDrafter(store=store)
-    assert drafter.match([5, 3], 2) == ([], 0)  # one matching token in the store is a guess
-    assert drafter.match([3, 7], 2) == ([8, 9], 2)
-    assert drafter.match([9, 2, 3, 5, 1, 2, 3], 2) == ([7, 8], 3)  # the store's 3-gram beats the session's 2-gram
-
-
-def test_store_evicts_oldest_outputs_beyond_its_bound():
-    store = OutputStore(max_tokens=10)
-    store.add([1, 2, 3, 4, 5, 6])
-    store.add([7, 8, 9, 10, 11, 12])
-    assert len(store) == 6
-    assert store.lookup([1, 2], 2, 2, 3) == ([], 0)
-    assert store.lookup([8, 9], 2, 2, 3) == ([10, 11], 2)
-    store.add(list(range(100, 130)))  # longer than the bound: only its tail is kept
-    assert len(store) == 10 and store.lookup([120, 121], 1, 2, 2) == ([122], 2)
+    assert drafter.match(DraftSession([5, 3]), 2) == ([], 0)  # one matching token in the store is a guess
+    assert drafter.match(DraftSession([3, 7]), 2) == ([8, 9], 2)
+    # the store's 3-gram beats the session's 2-gram
+    assert drafter.match(DraftSession([9, 2, 3, 5, 1, 2, 3]), 2) == ([7, 8], 3)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import native_model, running_stack
 
-from draft_service.drafters.ngram import NgramDrafter, add_continuations, continuations
+from draft_service.drafters.base import DraftSession
+from draft_service.drafters.ngram import NgramDrafter, add_continuations
 from gateway.load import InFlight, Load
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
@@ -143,9 +144,9 @@ def test_in_a_shared_forward_a_node_must_pay_for_its_row_across_the_batch():
 
 def test_retrieval_tree_counts_what_followed_every_occurrence():
     tokens = [1, 2, 5, 6, 9, 1, 2, 5, 7, 9, 1, 2, 5, 6, 9, 1, 2]
-    follows, n = continuations(tokens, 3, 1, 3)
+    follows, n = NgramDrafter(min_n=1, max_n=3).continuations(DraftSession(tokens), 3)
     assert n == 3 and sorted(follows) == [[5, 6, 9], [5, 7, 9]]  # after [9, 1, 2], latest first
-    follows, n = continuations(tokens, 3, 1, 2)
+    follows, n = NgramDrafter(min_n=1, max_n=2).continuations(DraftSession(tokens), 3)
     assert n == 2 and sorted(follows) == [[5, 6, 9], [5, 6, 9], [5, 7, 9]]
     tree = Tree()
     add_continuations(tree, follows, 1.0)

@@ -15,7 +15,7 @@ from specsplit.serving import hops
 from specsplit.serving.grammar import Language, Matcher
 from specsplit.speculation import tokentree
 from specsplit.speculation.ewma import Ewma
-from specsplit.speculation.lookup import Agreement, BigramIndex
+from specsplit.speculation.lookup import Agreement, SequenceIndex
 from specsplit.speculation.params import Logprobs, Method, SamplingParams
 from specsplit.speculation.rollback import TreeRollback
 from specsplit.speculation.sampling import token_logprobs
@@ -52,7 +52,7 @@ class TargetSession:
     segment: object = None  # the gateway's shared-memory segment, when mapped (specsplit.serving.shm)
     logprobs: Logprobs = Logprobs()  # which log-probabilities its answers carry
     stop_tokens: frozenset[int] = frozenset()  # a decode-ahead stops after one (PrefillRequest.stop_token_ids)
-    index: BigramIndex = field(default_factory=BigramIndex)  # prompt lookup over its tokens (decode-ahead)
+    index: SequenceIndex = field(default_factory=SequenceIndex)  # prompt lookup over its tokens (decode-ahead)
     agreement: Agreement = field(default_factory=Agreement)  # how often the target follows its lookups
     matcher: Matcher | None = None  # structured output: the output's place in its language (serving.grammar)
     output_start: int = 0  # tokens[output_start:] are its output (a resumed session's prompt holds some)

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from specsplit.speculation.drafting import Proposal
+from specsplit.speculation.lookup import SequenceIndex
 from specsplit.speculation.params import Method, SamplingParams
 from specsplit.speculation.tokentree import verify_ms
 
@@ -40,6 +41,7 @@ class DraftSession:
 
     def __init__(self, prompt: list[int]):
         self.tokens = list(prompt)
+        self.index = SequenceIndex()  # retrieval over `tokens` (the n-gram drafter's, the hybrid's)
         self.prompt_len = len(prompt)
         self.drafting = 0  # index of the draft token being chosen (its position: len(tokens) + drafting)
 
@@ -49,6 +51,7 @@ class DraftSession:
             raise ValueError(f"base_length {base_length} is past the {len(self.tokens)} tokens the drafter has")
         if base_length < self.prompt_len:
             raise ValueError(f"base_length {base_length} is inside the {self.prompt_len}-token prompt")
+        self.index.truncate(self.tokens, base_length)
         del self.tokens[base_length:]
         self.tokens += new_tokens
 

@@ -107,7 +107,7 @@ class HybridDrafter:
             # the type stopped using is measured again.
             session.choice = _Choice(self.min_match, task, explore=task["sessions"] % EXPLORE == 0)
         choice = _learn(session)
-        drafts, n = self.ngram.match(session.tokens, gamma)
+        drafts, n = self.ngram.match(session, gamma)
         key = min(n, 3)
         # Tokens per round over the round's cost in target steps: verifying k drafts costs
         # width_cost(k) (measured by the verifier), the head its own drafting time on top.
@@ -144,7 +144,7 @@ class HybridDrafter:
         length) and the head's tree when it ran, cut to the best `budget` nodes."""
         # A source's mean accepted per round m as a per-token chance r (a geometric run: m = r / (1 - r)).
         reliability = {k: m.value / (1 + m.value) for k, m in choice.means.items() if k != HEAD}
-        tree, n = self.ngram.tree(session.tokens, gamma, reliability=reliability)
+        tree, n = self.ngram.tree(session, gamma, reliability=reliability)
         if head is not None and head.tokens:
             nodes: list[int] = []
             for token, parent, score in zip(head.tokens, head.parents or chain(len(head.tokens)),
