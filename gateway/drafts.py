@@ -34,7 +34,7 @@ _START_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUS
 
 @dataclass
 class Predraft:
-    """What became of a round's pre-draft (DraftSide.heard)."""
+    """What became of a round's pre-draft (DraftSide.take_verdict)."""
 
     attempted: bool = False
     hit: bool = False  # its assumption held: it is the next round's draft
@@ -151,12 +151,12 @@ class DraftSide:
             self._ahead = asyncio.ensure_future(self._propose(
                 request, self._message(request, request.plan.gamma + 1, ahead=[*draft.tokens, draft.guess])))
 
-    async def landed(self) -> None:
+    async def wait_predraft(self) -> None:
         """Waits for the pre-draft in flight, if any (whatever became of the Verify)."""
         if self._ahead is not None:
             self._predraft = (await asyncio.gather(self._ahead, return_exceptions=True))[0]
 
-    def heard(self, request, draft: Draft, verdict: vpb.VerifyResponse) -> Predraft:
+    def take_verdict(self, request, draft: Draft, verdict: vpb.VerifyResponse) -> Predraft:
         """After the Verify: a pre-draft whose assumption held becomes the next round's draft, and
         the target features it returned are owed to the drafter. Returns what became of the
         pre-draft, for the round to count."""
@@ -213,7 +213,7 @@ class DraftSide:
         """Tells the drafter what was committed since it last heard (for a pre-draft, also the block
         under verification and the guess after it: `ahead`) and the features it lacks; they count
         as delivered: a Propose that fails fails the request."""
-        base, new_tokens = request.cursor.tell(ahead)
+        base, new_tokens = request.cursor.next_propose(ahead)
         message = dpb.ProposeRequest(session_id=request.session_id, base_length=base,
                                      new_token_ids=new_tokens, gamma=gamma, tree_budget=request.plan.tree_budget,
                                      features=payloads.for_drafter(request.links, self.features))

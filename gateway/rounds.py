@@ -114,8 +114,8 @@ class RoundLoop:
         record; returns when it ended."""
         drafter, cursor = request.drafter, request.cursor
         hops.mark("gateway.round")
-        draft = await drafter.next(request, cursor.room(request.plan.gamma))
-        check = self._check(request, draft)
+        draft = await drafter.next(request, cursor.draft_room(request.plan.gamma))
+        check = self._verify_request(request, draft)
         drafter.predraft(request, draft)  # the next block, while this one is verified
         t = now()
         try:
@@ -126,10 +126,10 @@ class RoundLoop:
             raise
         finally:
             verify_call = now() - t
-            await drafter.landed()
+            await drafter.wait_predraft()
         if request.plan.constraint is not None:  # the draft as verified: cut, or carried on with forced tokens
             draft.tokens = list(verdict.verified_draft_ids)
-        predraft = drafter.heard(request, draft, verdict)
+        predraft = drafter.take_verdict(request, draft, verdict)
         request.measured.predraft_attempts += predraft.attempted
         request.measured.predraft_hits += predraft.hit
         request.logprobs += verdict.logprobs
@@ -139,21 +139,21 @@ class RoundLoop:
         hops.mark("gateway.committed")
         return self._record(request, mark, draft, verdict, verify_call)
 
-    def _check(self, request: Request, draft: Draft) -> vpb.VerifyRequest:
+    def _verify_request(self, request: Request, draft: Draft) -> vpb.VerifyRequest:
         """The round's Verify. Without drafts the verifier decodes on its own until the next ask
         (AUTO's gate), the budget or DECODE_AHEAD tokens, without a trip back here per token,
         drafting as it goes (copies from the request's own context, and its feature head where it
         runs the request's: no trip to the draft service) where the request's drafts are made there
         (plan.in_verifier), or is AUTO and drafts."""
         cursor, gate, drafting, plan = request.cursor, request.gate, request.drafter.drafting, request.plan
-        decode = 0 if draft.tokens else cursor.room(min(DECODE_AHEAD, gate.off_run() - 1) if drafting
+        decode = 0 if draft.tokens else cursor.draft_room(min(DECODE_AHEAD, gate.off_run() - 1) if drafting
                                                     else DECODE_AHEAD)
         own = decode and (plan.in_verifier or drafting and not gate.always)
         return vpb.VerifyRequest(session_id=request.session_id, length=cursor.length, draft_token_ids=draft.tokens,
                                  draft_probs=draft.probs, draft_probs_shm=draft.probs_ref, draft_parents=draft.parents,
                                  decode_ahead=decode, lookup_gamma=plan.lookup_gamma if own else 0,
                                  head_gamma=plan.head_gamma if own else 0,
-                                 forced_room=cursor.room(DECODE_AHEAD) if plan.constraint and request.speculates
+                                 forced_room=cursor.draft_room(DECODE_AHEAD) if plan.constraint and request.speculates
                                  else 0)
 
     def _record(self, request: Request, mark: int, draft: Draft, verdict: vpb.VerifyResponse, verify_call: int) -> int:
@@ -163,13 +163,16 @@ class RoundLoop:
         copy = request.gate.record(draft.asked, len(committed), (end - mark) / 1e6)
         request.gate.extend(committed)
         request.measured.rounds.append(Round(
-            len(draft.tokens), verdict.num_accepted, draft.draft_ns, draft.call_ns, verdict.forward_ns, verify_call,
-            end - mark, draft.source, draft.feature_bytes, payloads.proposal_bytes(draft.probs, draft.probs_ref),
-            draft.predrafted, draft.depth, draft.expected, verdict.batch_rows, verdict.batch_calls,
-            len(verdict.decoded_token_ids), verdict.lookup_drafted, verdict.lookup_accepted, verdict.lookup_steps,
-            verdict.forced,
-            verdict.forced_accepted, draft.asked, copy, verdict.head_drafted, verdict.head_accepted,
-            verdict.head_steps, verdict.head_ns))
+            drafted=len(draft.tokens), accepted=verdict.num_accepted, draft_ns=draft.draft_ns,
+            draft_call_ns=draft.call_ns, verify_ns=verdict.forward_ns, verify_call_ns=verify_call,
+            round_ns=end - mark, source=draft.source, feature_bytes=draft.feature_bytes,
+            proposal_bytes=payloads.proposal_bytes(draft.probs, draft.probs_ref), predrafted=draft.predrafted,
+            depth=draft.depth, expected=draft.expected, batch_rows=verdict.batch_rows,
+            batch_calls=verdict.batch_calls, decoded=len(verdict.decoded_token_ids),
+            lookup_drafted=verdict.lookup_drafted, lookup_accepted=verdict.lookup_accepted,
+            lookup_steps=verdict.lookup_steps, forced=verdict.forced, forced_accepted=verdict.forced_accepted,
+            asked=draft.asked, copy=copy, head_drafted=verdict.head_drafted, head_accepted=verdict.head_accepted,
+            head_steps=verdict.head_steps, head_ns=verdict.head_ns))
         request.measured.constraint_complete = verdict.constraint_complete
         return end
 

@@ -31,11 +31,11 @@ def test_drafter_view_matches_the_committed_tokens_under_any_verdicts():
         for _ in range(budget):  # every round commits at least one token
             if cursor.finish():
                 break
-            gamma = cursor.room(rng.randrange(1, 8))
+            gamma = cursor.draft_room(rng.randrange(1, 8))
             assert gamma <= budget - cursor.generated - 1 and gamma <= context - cursor.length - 1
             drafts = []
             if gamma >= 1 and not predrafted:
-                drafter.hear(*cursor.tell())
+                drafter.hear(*cursor.next_propose())
                 assert drafter.tokens == committed
                 drafts = [rng.randrange(1000) for _ in range(gamma)]
             elif predrafted:
@@ -45,7 +45,7 @@ def test_drafter_view_matches_the_committed_tokens_under_any_verdicts():
             # a pre-draft: the drafter is told the block and its guess while the verify runs
             guess = rng.randrange(1000) if drafts and rng.random() < 0.4 else None
             if guess is not None:
-                drafter.hear(*cursor.tell([*drafts, guess]))
+                drafter.hear(*cursor.next_propose([*drafts, guess]))
                 if rng.random() < 0.5:  # the assumption holds: all accepted, the guess is the target's
                     accepted, nxt = len(drafts), guess
             tokens = [*drafts[:accepted], nxt]
@@ -68,5 +68,5 @@ def test_a_round_without_a_propose_keeps_the_unheard_tokens():
     cursor = Cursor(max_new_tokens=10, max_context=100)
     cursor.start(3, 7, 4)
     cursor.commit([8], 5, drafter_holds_them=False)  # a round with no room to draft: no Propose
-    assert cursor.tell() == (3, [7, 8])
-    assert cursor.tell() == (5, [])
+    assert cursor.next_propose() == (3, [7, 8])
+    assert cursor.next_propose() == (5, [])

@@ -6,10 +6,10 @@ A session's round (the gateway drives it; docs/protocol.md has the messages):
 1. The verifier holds the committed tokens; its cache holds all but the last (`rollback`). The
    gateway's `cursor` says where both sides stand: the verifier's length, what the drafter has not
    heard yet, the room left.
-2. The drafter, told what was committed since its last proposal (`Cursor.tell`), proposes k tokens: a chain, or a
-   token tree (`tokentree`: each token's parent, scored by the drafter's estimate that the target
-   follows the path to it), drawn as `drafting` says (greedy, coupled with the verifier's noise, or
-   sampled from q with q sent along for rejection sampling).
+2. The drafter, told what was committed since its last proposal (`Cursor.next_propose`), proposes
+   k tokens: a chain, or a token tree (`tokentree`: each token's parent, scored by the drafter's
+   estimate that the target follows the path to it), drawn as `drafting` says (greedy, coupled
+   with the verifier's noise, or sampled from q with q sent along for rejection sampling).
 3. The verifier feeds the last committed token and the drafts in one forward (a tree's rows see
    only their own path) and walks them (`acceptance`): the longest path the target agrees with,
    then its own token at the first disagreement (recovered) or after the last draft (bonus). At

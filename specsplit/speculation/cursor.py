@@ -5,12 +5,12 @@ between rounds: plain values, no gRPC.
   Verify feeds first).
 * The drafter has heard every committed token before position `base`; `unheard` are the committed
   tokens from `base` on that it has not. A Propose (or the EndSession) carries them, with `base`,
-  and the drafter rolls its own state back to `base` before appending them: `tell()`.
+  and the drafter rolls its own state back to `base` before appending them: `next_propose()`.
 * A verdict commits the accepted drafts and the target's next token: `commit()`. When a pre-draft
   assumed exactly that outcome, the drafter already holds them.
 * `output` is every token committed after the prompt: with the prompt, what a session re-opened on
   another verifier is prefilled with (the last of them still to be fed).
-* A round drafts at most `room(gamma)` tokens, so that accepted + 1 fits the output budget and the
+* A round drafts at most `draft_room(gamma)` tokens, so that accepted + 1 fits the output budget and the
   context; `finish()` says when neither has room left."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Cursor:
         self.base, self.unheard, self.last = prompt_length, [first_token], [first_token]
         self.length, self.output = length, [first_token]
 
-    def room(self, gamma: int) -> int:
+    def draft_room(self, gamma: int) -> int:
         """Largest gamma whose accepted + 1 tokens fit max_new_tokens and the context."""
         return min(gamma, self.max_new_tokens - self.generated - 1, self.max_context - self.length - 1)
 
@@ -49,7 +49,7 @@ class Cursor:
             return "context"
         return ""
 
-    def tell(self, ahead: list[int] = ()) -> tuple[int, list[int]]:
+    def next_propose(self, ahead: list[int] = ()) -> tuple[int, list[int]]:
         """What the next Propose tells the drafter: `base` and the unheard tokens (a pre-draft adds
         the block under verification and the guess after it, `ahead`). They count as heard from now
         on: a Propose that fails fails the request or its drafter, never half of it."""
