@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,18 @@ class Prefilling:
     @property
     def finished(self) -> bool:
         return self.done == len(self.prompt) and len(self.session.tokens) > len(self.prompt)
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """A Verify's draft as checked and fitted (Target._checked_draft), for its step's finish."""
+
+    session: TargetSession
+    length: int  # committed tokens before the call
+    draft: list[int]
+    proposals: list  # rejection sampling's (ids, probs) per draft token; else empty
+    parents: list[int] | None  # a token tree's; None: a chain
+    forced: tuple[bool, ...]  # which draft tokens the language forced
 
 
 @dataclass
@@ -245,10 +258,25 @@ class Target:
                     parents: list[int] | None = None, fill: int = 0, copied: bool = False) -> Step:
         """proposals: for rejection sampling, the sparse distribution (ids, probs) each draft token
         was sampled from; `copied`: the draft was copied, not sampled (the verifier's own lookup),
-        and each token's q is 1 on it. parents: the draft is a token tree (draft[i]'s parent is draft[parents[i]],
-        -1: the last committed token); None or a chain's parents: a chain. Under a constraint, a
-        draft is cut where the language no longer allows it, and one left empty is filled with up
-        to `fill` tokens the language forces."""
+        and each token's q is 1 on it. parents: the draft is a token tree (draft[i]'s parent is
+        draft[parents[i]], -1: the last committed token); None or a chain's parents: a chain. Under
+        a constraint, a draft is cut where the language no longer allows it, and one left empty is
+        filled with up to `fill` tokens the language forces. The step's finish decides what the
+        target accepts and commits it (_commit_verified)."""
+        plan = self._checked_draft(session, length, draft, proposals, parents, fill, copied)
+        depth = max(tokentree.depths(plan.parents), default=0) if plan.parents is not None else len(plan.draft)
+        self._check_room(length + depth + 1)
+        self._reserve(session, len(plan.draft) + 1)
+        # Feed the last committed token and the draft: row i of the logits follows the path to
+        # draft[i - 1] (a chain: predicts draft[i]).
+        rows = None if plan.parents is None else [-1, *(p + 1 for p in plan.parents)]
+        return Step(session, [session.tokens[-1], *plan.draft], functools.partial(self._commit_verified, plan), rows,
+                    features=session.needs_features)
+
+    def _checked_draft(self, session: TargetSession, length: int, draft: list[int], proposals, parents,
+                       fill: int, copied: bool) -> VerifyPlan:
+        """The Verify's draft checked against the session (length, vocabulary, tree shape, proposals)
+        and, under a constraint, fitted to the language."""
         if length != len(session.tokens):
             raise LengthMismatch(f"session has {len(session.tokens)} committed tokens, request says {length}")
         vocab = self.lm.vocab_size
@@ -272,41 +300,37 @@ class Target:
         if parents is not None and not self.verifies_trees:
             raise ValueError("this target runs on transformers' forward, which verifies chains only "
                              "(Info.tree_verify is false): send no draft_parents")
-        depth = max(tokentree.depths(parents), default=0) if parents is not None else len(draft)
-        self._check_room(length + depth + 1)
-        self._reserve(session, len(draft) + 1)
-        # Feed the last committed token and the draft: row i of the logits follows the path to
-        # draft[i - 1] (a chain: predicts draft[i]).
-        rows = None if parents is None else [-1, *(p + 1 for p in parents)]
+        return VerifyPlan(session, length, draft, proposals, parents, forced)
 
-        def finish(logits: torch.Tensor, features, chosen: list[int] | None = None) -> VerifyResult:
-            # logits [k+1, vocab]
-            try:
-                path, next_token = self._decide(session, logits, draft, proposals, length, parents, chosen)
-            except BaseException:
-                session.kv.truncate(length - 1)  # a refused call leaves the session as it was
-                raise
-            # Roll back by position: keep the cache for the committed prefix plus the accepted path.
-            if rows is None:
-                session.kv.truncate(length + len(path))
-            else:
-                session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
-            committed = [*(draft[i] for i in path), next_token]
-            session.tokens += committed
-            if session.matcher is not None:
-                session.matcher.consume(committed)
-            kept = [0, *(i + 1 for i in path)]  # the rows that chose the committed tokens, in order
-            if features is not None:
-                features = features[kept]
-            asked = session.logprobs
-            logprobs = token_logprobs(logits[kept], committed, asked.top) if asked.generated else ()
-            return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path),
-                                logprobs=tuple(logprobs), constrained=session.matcher is not None,
-                                draft=tuple(draft) if session.matcher is not None else (), forced=sum(forced),
-                                forced_accepted=sum(forced[:len(path)]),
-                                complete=session.matcher is not None and session.matcher.complete)
-
-        return Step(session, [session.tokens[-1], *draft], finish, rows, features=session.needs_features)
+    def _commit_verified(self, plan: VerifyPlan, logits: torch.Tensor, features,
+                         chosen: list[int] | None = None) -> VerifyResult:
+        """After the forward (logits [k+1, vocab]): the accepted path and the target's next token,
+        the cache rolled back to them, the tokens committed, their features and logprobs."""
+        session, length, draft, parents, forced = plan.session, plan.length, plan.draft, plan.parents, plan.forced
+        try:
+            path, next_token = self._decide(session, logits, draft, plan.proposals, length, parents, chosen)
+        except BaseException:
+            session.kv.truncate(length - 1)  # a refused call leaves the session as it was
+            raise
+        # Roll back by position: keep the cache for the committed prefix plus the accepted path.
+        if parents is None:
+            session.kv.truncate(length + len(path))
+        else:
+            session.kv.keep(length - 1, [0, *(i + 1 for i in path)])
+        committed = [*(draft[i] for i in path), next_token]
+        session.tokens += committed
+        if session.matcher is not None:
+            session.matcher.consume(committed)
+        kept = [0, *(i + 1 for i in path)]  # the rows that chose the committed tokens, in order
+        if features is not None:
+            features = features[kept]
+        asked = session.logprobs
+        logprobs = token_logprobs(logits[kept], committed, asked.top) if asked.generated else ()
+        return VerifyResult(len(path), next_token, len(session.tokens), 0, features, tuple(path),
+                            logprobs=tuple(logprobs), constrained=session.matcher is not None,
+                            draft=tuple(draft) if session.matcher is not None else (), forced=sum(forced),
+                            forced_accepted=sum(forced[:len(path)]),
+                            complete=session.matcher is not None and session.matcher.complete)
 
     def run(self, steps: list[Step]) -> list[VerifyResult | BaseException]:
         """The steps' rows in one forward where the kernels batch (each row's logits are those of
