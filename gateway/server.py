@@ -131,14 +131,44 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                                 time.perf_counter() - started)
 
     def plan(self, request: pb.GenerateRequest, prompt_ids: list[int] | None = None) -> Plan:
-        """The request validated and decided (prompt_ids: its tokens, when already tokenized)."""
+        """The request validated (_validated), its drafter and speculation decided (_decided), and its
+        token tree and the verifier's own drafts sized (prompt_ids: its tokens, when already
+        tokenized)."""
         b = self._backends
         if b.target is None:  # health says NOT_SERVING until connect() finished; be just as clear here
             raise Failure(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its draft and "
                           "verify services")
-        settings = b.settings
         prompt_ids = self._prompt_ids(request) if prompt_ids is None else prompt_ids
-        max_context = b.target.max_context
+        sampling, stops = self._validated(request, prompt_ids)
+        mode = MODES.get(request.speculation, AUTO)
+        drafter = request.drafter or self._default_drafter(request.task_type, mode)
+        decision, own = self._decided(request, drafter, mode, sampling)
+        speculate = decision.speculate
+        gamma = decision.gamma or request.gamma or b.settings.controller.gamma_start
+        eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
+        # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
+        tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else b.settings.tree_budget)
+        own_gamma = max(gamma, tree)  # the deepest draft a step of the verifier's own may make
+        if tree <= 1 or not speculate or not b.target.tree_verify or own.in_verifier:
+            tree = 0  # trees need a verifier that takes them; the verifier's own drafts are chains
+        return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
+                    eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
+                    drafter=drafter, task_type=request.task_type,
+                    needs_features=speculate and not own.in_verifier and b.drafters[drafter].needs_features,
+                    sampling=sampling,
+                    decision=decision, tree_budget=tree,
+                    score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
+                    predraft=speculate and not own.in_verifier and not tree and not request.HasField("constraint")
+                    and self._predraft(request, drafter),
+                    skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
+                    prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
+                    constraint=request.constraint if request.HasField("constraint") else None,
+                    in_verifier=speculate and own.in_verifier, lookup_gamma=own_gamma if own.lookup else 0,
+                    head_gamma=own_gamma if own.head else 0)
+
+    def _validated(self, request: pb.GenerateRequest, prompt_ids: list[int]) -> tuple[SamplingParams, tuple[str, ...]]:
+        """The request's limits checked (INVALID_ARGUMENT saying which); its sampling and stop strings."""
+        settings, max_context = self._backends.settings, self._backends.target.max_context
         if len(prompt_ids) + 1 > max_context:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt is {len(prompt_ids)} tokens; the target's context is {max_context}, "
@@ -159,8 +189,13 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if request.tree_budget > MAX_DRAFT:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"tree_budget {request.tree_budget} is not in 1..{MAX_DRAFT} (0: the gateway's default)")
-        mode = MODES.get(request.speculation, AUTO)
-        drafter = request.drafter or self._default_drafter(request.task_type, mode)
+        return sampling, stops
+
+    def _decided(self, request: pb.GenerateRequest, drafter: str, mode: str, sampling: SamplingParams):
+        """(the controller's Decision, where the drafts are made: backends.OwnDrafts): speculation
+        as measured for the request's type and the load, off (AUTO) or refused (ON) while the draft
+        service it needs is down, refused where the drafter cannot serve this target."""
+        b = self._backends
         if drafter not in b.drafters:
             raise Failure(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown drafter {drafter!r}; the draft service has {sorted(b.drafters)}")
@@ -172,31 +207,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                 raise Failure(grpc.StatusCode.UNAVAILABLE, f"speculation ON needs the draft service, which is down "
                               f"({b.draft.why_none()}); AUTO runs without it meanwhile")
             decision = Decision(False, 0, "drafter-down")
-        speculate = decision.speculate
-        gamma = decision.gamma or request.gamma or settings.controller.gamma_start
         problem = b.incompatibility(drafter)
-        if speculate and problem:
+        if decision.speculate and problem:
             raise Failure(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        eos = frozenset() if request.stop.ignore_eos else frozenset(b.target.eos_token_ids)
-        # A request that asks for pre-drafting and no tree gets chains (pre-drafting assumes one).
-        tree = request.tree_budget or (0 if request.predraft == pb.PREDRAFT_ON else settings.tree_budget)
-        own_gamma = max(gamma, tree)  # the deepest draft a step of the verifier's own may make
-        if tree <= 1 or not speculate or not b.target.tree_verify or own.in_verifier:
-            tree = 0  # trees need a verifier that takes them; the verifier's own drafts are chains
-        return Plan(prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens, stop_strings=stops,
-                    eos_ids=eos, speculate=speculate, may_fall_back=mode == AUTO, gamma=gamma,
-                    drafter=drafter, task_type=request.task_type,
-                    needs_features=speculate and not own.in_verifier and b.drafters[drafter].needs_features,
-                    sampling=sampling,
-                    decision=decision, tree_budget=tree,
-                    score_scale=self.controller.score_scale(request.task_type, drafter) if tree else 1.0,
-                    predraft=speculate and not own.in_verifier and not tree and not request.HasField("constraint")
-                    and self._predraft(request, drafter),
-                    skip_prefix_cache=request.skip_prefix_cache, logprobs=self._check_logprobs(request.logprobs),
-                    prior=self.controller.prior(request.task_type, drafter, decision) if speculate else None,
-                    constraint=request.constraint if request.HasField("constraint") else None,
-                    in_verifier=speculate and own.in_verifier, lookup_gamma=own_gamma if own.lookup else 0,
-                    head_gamma=own_gamma if own.head else 0)
+        return decision, own
 
     def _default_drafter(self, task_type: str, mode: str) -> str:
         """A request that names no drafter gets the draft service's default; an AUTO one, that or the
