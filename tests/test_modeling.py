@@ -8,7 +8,8 @@ from draft_service.drafters.model import ModelDrafter
 from specsplit.model.identity import tokenizer_fingerprint
 from specsplit.model.modeling import FlatLinear, KVSequence, RowInvariantLinear, load_model
 from specsplit.model.native import PATHS
-from verify_service.engine import LengthMismatch, Target
+from verify_service.engine import Target
+from verify_service.steps import LengthMismatch
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
 

@@ -13,7 +13,7 @@ import torch
 
 from specsplit.api.verify.v1 import verify_pb2 as pb
 from specsplit.speculation.lookup import OutputIndex
-from verify_service.engine import TargetSession
+from verify_service.steps import TargetSession
 
 
 def decodes(request: pb.VerifyRequest) -> bool:

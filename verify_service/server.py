@@ -25,9 +25,10 @@ from specsplit.serving.worker import Again, ModelWorker
 from specsplit.speculation.lookup import OutputIndex
 from specsplit.speculation.params import Logprobs, SamplingParams
 from verify_service.decoding import Decoding, decodes
-from verify_service.engine import ContextFull, Prefilling, Target, TargetSession
+from verify_service.engine import Target
 from verify_service.headdraft import VerifierHead
 from verify_service.statuses import failure
+from verify_service.steps import ContextFull, Prefilling, TargetSession
 from verify_service.widths import Widths, first_id, measure_rows
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name

@@ -7,7 +7,7 @@ import grpc
 from specsplit.errors import Failure
 from specsplit.model.fastllama import CacheFull
 from specsplit.serving.sessions import SessionNotFound
-from verify_service.engine import ContextFull, LengthMismatch
+from verify_service.steps import ContextFull, LengthMismatch
 
 
 def failure(e: BaseException) -> BaseException:
