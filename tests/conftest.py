@@ -81,7 +81,7 @@ def start_serve(name: str, run_dir: Path, args: list[str], env: dict | None = No
     import subprocess
     import sys
 
-    from specsplit.tools.launcher import wait_serving
+    from specsplit.launcher import wait_serving
 
     address_file, log_path = run_dir / f"{name}.address", run_dir / f"{name}.log"
     with open(log_path, "ab") as log:
@@ -144,7 +144,7 @@ async def service_address(path: Path, task: asyncio.Task, name: str, serving: bo
     """The address a service started by `task` writes to `path` once it reports SERVING (bounded:
     a service that neither starts nor dies fails the test, naming it); with `serving`, also
     waits for its health check to say so."""
-    from specsplit.tools.launcher import wait_serving
+    from specsplit.launcher import wait_serving
 
     await until(path.exists, f"the {name} service writing its address to {path.name}", timeout_s, task)
     addr = path.read_text().strip()
@@ -250,7 +250,7 @@ def write_prompts(path: Path) -> Path:
 def self_head(models, tmp_path_factory) -> Path:
     """A feature head for the tiny target, made by the real `specsplit distill` pipeline, its MLP
     narrower than the target's (as a big target's head is made)."""
-    from specsplit.tools.distill.pipeline import DistillSettings, distill
+    from specsplit.distill.pipeline import DistillSettings, distill
 
     work = tmp_path_factory.mktemp("distill")
     return distill(DistillSettings(target_model=str(models["target"]), out=str(work), dtype="float32",

@@ -1,8 +1,8 @@
 """The bench's anchor runs transformers on the same task our verifier decodes."""
 
+from specsplit.bench.anchor import Anchor, AnchorRecord
 from specsplit.model.chat import chat_prompt_ids
 from specsplit.model.modeling import load_model
-from specsplit.tools.anchor import Anchor, AnchorRecord
 from verify_service.engine import Target
 
 

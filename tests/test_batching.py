@@ -235,8 +235,8 @@ async def test_the_concurrency_sweep_measures_every_level_and_mode_and_checks_an
     batches formed, and exits 0 only when every answer equals its one-client spec-off answer."""
     import io
 
-    from specsplit.tools import concurrency
-    from specsplit.tools.workload import Prompt, Variant
+    from specsplit.bench import concurrency
+    from specsplit.bench.workload import Prompt, Variant
 
     prompts = [Prompt("code", "def add(a, b):"), Prompt("chat", "Once upon a time")]
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:

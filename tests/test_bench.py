@@ -1,7 +1,7 @@
 import pytest
 
-from specsplit.tools.records import Record, first_divergence, summarise
-from specsplit.tools.workload import load_prompts
+from specsplit.bench.records import Record, first_divergence, summarise
+from specsplit.bench.workload import load_prompts
 
 
 def test_first_divergence():
@@ -28,7 +28,7 @@ def record(task, off_s, on_s, tokens, rounds, accepted, identical=True, drafter=
 def test_the_summary_says_which_drafter_each_default_request_ran():
     import io
 
-    from specsplit.tools.records import print_table
+    from specsplit.bench.records import print_table
 
     rows = summarise([record("code", 2.0, 1.0, 20, 8, 11, drafter="default", ran="hybrid"),
                       record("code", 2.0, 1.5, 20, 8, 11, drafter="default", ran="ngram"),
@@ -89,7 +89,7 @@ def test_prompt_files_ignore_extra_keys_and_name_a_bad_line(tmp_path):
 
 def test_acceptance_by_draft_position_counts_chains_and_trees():
     from specsplit.api.gateway.v1 import gateway_pb2 as gpb
-    from specsplit.tools.records import depth_counts
+    from specsplit.bench.records import depth_counts
 
     rounds = [gpb.RoundRecord(drafted=4, accepted=2),  # a chain: depth 4
               gpb.RoundRecord(drafted=6, accepted=1, depth=3),  # a tree 3 deep
@@ -105,7 +105,7 @@ def test_acceptance_by_draft_position_counts_chains_and_trees():
 def test_round_overhead_runs_the_real_gateway_around_stub_services(transport, shared_memory):
     """`bench --round-overhead` (a documented command): stub verify and draft services that cost nothing,
     the real gateway, every drafted token accepted; the fast path where shared memory is on."""
-    from specsplit.tools import roundoverhead
+    from specsplit.bench import roundoverhead
 
     row = roundoverhead.measure(transport, shared_memory, requests=2, tokens=24, gamma=4)
     assert row["rounds"] == 2 * 5  # 23 tokens after the first, 4 drafts + 1 per round (the last round shorter)
@@ -124,8 +124,8 @@ async def test_bench_measures_the_target_step_per_forward_and_the_default_reques
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools.bench import run_prompt
-    from specsplit.tools.workload import Prompt, Variant
+    from specsplit.bench.bench import run_prompt
+    from specsplit.bench.workload import Prompt, Variant
 
     prompt = Prompt("code", "Write a Python function that adds two numbers.")
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
@@ -152,8 +152,8 @@ async def test_traffic_sends_the_default_request_unlabelled_beside_forced_modes(
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools import anchor, traffic
-    from specsplit.tools.workload import Prompt, Variant
+    from specsplit.bench import anchor, traffic
+    from specsplit.bench.workload import Prompt, Variant
 
     prompts = [Prompt("rag", "Document: the cat sat on the mat. Question: where did the cat sit?"),
                Prompt("chat", "Hello! How are you today?"), Prompt("rag", "Copy this: 1 2 3 4 5 6 7 8")]
@@ -193,7 +193,7 @@ async def test_structured_runs_each_schema_constrained_and_free_and_checks_every
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools import structured
+    from specsplit.bench import structured
 
     rows = [{"task_type": "flag", "prompt": "Answer as JSON.",
              "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -235,9 +235,9 @@ def test_hops_table_splits_rounds_and_takes_medians_per_transition():
 def test_round_hops_are_marked_in_every_process_of_a_real_stack(models, capsys):
     """`bench --round-overhead`'s second table: a real stack whose three processes mark a round's
     hops; the rounds that asked the drafter pass through each service's fast path and the forward."""
-    from specsplit.tools import roundoverhead
-    from specsplit.tools.launcher import StackConfig
-    from specsplit.tools.workload import Prompt
+    from specsplit.bench import roundoverhead
+    from specsplit.bench.workload import Prompt
+    from specsplit.launcher import StackConfig
 
     prompts = [Prompt("t", "one two three one two three one two three one two"), Prompt("t", "a b a b a b a b")]
     rows = roundoverhead.hop_by_hop(StackConfig(target_model=str(models["target"]), draft_model=str(models["draft"]),
@@ -264,8 +264,8 @@ async def test_controlled_learns_then_reports_each_task_type_and_every_auto_deci
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools.bench import controlled
-    from specsplit.tools.workload import Prompt
+    from specsplit.bench.bench import controlled
+    from specsplit.bench.workload import Prompt
 
     prompts = [Prompt("code", "def add(a, b):"), Prompt("code", "def sub(a, b):"), Prompt("story", "Once upon a time")]
     async with running_stack(tmp_path, "unix", models["target"], models["draft"]) as stack:
@@ -290,8 +290,8 @@ def test_busy_spell_counts_what_auto_decided_beside_the_neighbours_and_after_and
     neighbours are real processes, running only during the spell and gone after it."""
     from types import SimpleNamespace
 
-    from specsplit.tools import bench
-    from specsplit.tools.workload import Prompt
+    from specsplit.bench import bench
+    from specsplit.bench.workload import Prompt
 
     made = []
     real = bench.Neighbours

@@ -9,11 +9,11 @@ import json
 from conftest import running_stack
 
 from specsplit.cli import parser as _parser
-from specsplit.tools.launcher import StackConfig
+from specsplit.launcher import StackConfig
 
 
 async def test_calibrate_writes_a_policy_for_every_task_type(models, tmp_path, capsys):
-    from specsplit.tools.calibrate import main
+    from specsplit.bench.calibrate import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"task_type": t, "prompt": p}) + "\n" for t, p in (
@@ -48,8 +48,8 @@ def test_recommend_reads_the_measured_walls_and_the_controllers_statistics_exact
     per drafted token over the spec-off step, the seed's estimate 1 / (gamma / acc + cost); and
     speculation is recommended exactly when the measured speedup passes 1.02."""
     from gateway.controller import Controller
+    from specsplit.bench.calibrate import FORCED, recommend
     from specsplit.serving.settings import ControllerSettings
-    from specsplit.tools.calibrate import FORCED, recommend
 
     controller = Controller(ControllerSettings(gamma_start=3))
     for task, accepted in (("code", 3), ("chat", 0)):

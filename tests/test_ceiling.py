@@ -8,10 +8,10 @@ import io
 
 import pytest
 
+from specsplit.bench import ceiling
+from specsplit.bench.workload import Prompt
 from specsplit.model.modeling import load_model
 from specsplit.serving.settings import DraftSettings, ModelSettings, ServerSettings
-from specsplit.tools import ceiling
-from specsplit.tools.workload import Prompt
 from verify_service.engine import Target
 
 

@@ -103,7 +103,7 @@ def test_a_stack_confined_to_one_cpu_runs_one_thread_per_service_and_serves(mode
     script = textwrap.dedent(f"""
         import os, grpc
         {join}
-        from specsplit.tools.launcher import Stack, StackConfig
+        from specsplit.launcher import Stack, StackConfig
         from specsplit.api.gateway.v1 import gateway_pb2 as pb, gateway_pb2_grpc as pbg
         with Stack(StackConfig(target_model={str(models["target"])!r}, draft_model={str(models["draft"])!r},
                                dtype="float32", draft_dtype="float32", drafter="ngram", self_head="none",

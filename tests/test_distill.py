@@ -9,13 +9,9 @@ import torch
 from conftest import write_prompts
 
 from draft_service.drafters.selfdraft import SelfDrafter
-from specsplit.model.headfile import target_tensors
-from specsplit.model.identity import weights_fingerprint
-from specsplit.model.modeling import load_model
-from specsplit.speculation.drafting import Proposal
-from specsplit.tools.distill import gen
-from specsplit.tools.distill.prompts import builtin_prompts, load_prompts
-from specsplit.tools.distill.train import (
+from specsplit.distill import gen
+from specsplit.distill.prompts import builtin_prompts, load_prompts
+from specsplit.distill.train import (
     TrainSettings,
     build_vocab,
     evaluate,
@@ -24,7 +20,11 @@ from specsplit.tools.distill.train import (
     split,
     train,
 )
-from specsplit.tools.distill.train import features as train_features
+from specsplit.distill.train import features as train_features
+from specsplit.model.headfile import target_tensors
+from specsplit.model.identity import weights_fingerprint
+from specsplit.model.modeling import load_model
+from specsplit.speculation.drafting import Proposal
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +161,8 @@ def test_builtin_prompts_are_varied_and_hold_out_the_starter_prompts():
 
 def test_standalone_draft_learns_exports_and_drafts_in_its_vocabulary(data, models, tmp_path):
     from draft_service.drafters.model import ModelDrafter, draft_vocabulary
-    from specsplit.tools.distill.pipeline import DistillSettings, distill
-    from specsplit.tools.distill.standalone import layer_subset, train_standalone
+    from specsplit.distill.pipeline import DistillSettings, distill
+    from specsplit.distill.standalone import layer_subset, train_standalone
 
     assert layer_subset(30, 2) == [0, 29] and layer_subset(30, 4) == [0, 10, 19, 29] and layer_subset(2, 4) == [0, 1]
     lm, work = data
@@ -230,7 +230,7 @@ def test_continuous_batching_decodes_each_prompt_as_alone(models):
 
 
 def test_the_prompt_list_only_grows_at_its_end_and_shards_must_match_it(models, tmp_path):
-    from specsplit.tools.distill.pipeline import DistillSettings, prompt_list
+    from specsplit.distill.pipeline import DistillSettings, prompt_list
 
     lm = load_model(models["target"], "float32", exact=False)
     quiet = dict(log=lambda *_: None)
@@ -261,7 +261,7 @@ def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_
 
     from safetensors.torch import load_file, save_file
 
-    from specsplit.tools.distill.pipeline import DistillSettings, distill
+    from specsplit.distill.pipeline import DistillSettings, distill
 
     broken = tmp_path / "broken"
     shutil.copytree(self_head, broken)
@@ -296,9 +296,9 @@ def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_
 def test_the_data_samplers_draws_are_a_served_requests_for_its_seed():
     """gen.Sampler draws as a served request with that seed does (speculation.sampling's warp and
     stream), only among the top k, and greedy at temperature 0."""
+    from specsplit.distill.gen import Sampler
     from specsplit.speculation.params import SamplingParams
     from specsplit.speculation.sampling import sample, warp
-    from specsplit.tools.distill.gen import Sampler
 
     rows = torch.randn(40, 300, generator=torch.Generator().manual_seed(1))
     sampler, other = Sampler(0.9, 5, seed=11), Sampler(0.9, 5, seed=12)

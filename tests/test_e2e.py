@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.bench.workload import load_prompts
+from specsplit.launcher import Stack, StackConfig
 from specsplit.model import catalog
-from specsplit.tools.launcher import Stack, StackConfig
-from specsplit.tools.workload import load_prompts
 
 pytestmark = pytest.mark.e2e
 

@@ -314,10 +314,10 @@ def test_auto_serves_a_gguf_sourced_model_from_its_blocks_measured_once(every_ty
     `specsplit models`) without loading the model again."""
     _needs_vnni()
     from draft_service.main import draft_quantization
+    from specsplit.launcher import StackConfig
     from specsplit.model import weightchoice
     from specsplit.serving import runtime
     from specsplit.serving.settings import ModelSettings
-    from specsplit.tools.launcher import StackConfig
 
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path / "cache"))
     assert weightchoice.recorded(every_type_dir) is None

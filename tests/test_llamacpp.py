@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from specsplit.bench import llamacpp
 from specsplit.errors import UsageError
-from specsplit.tools import llamacpp
 
 REAL_LOG = """\
 0.01.573.159 I encoded   27 tokens in    0.175 seconds, speed:  359.751 t/s
@@ -123,7 +123,7 @@ def _fake_server(tmp_path):
 def test_llama_server_runs_plain_and_with_its_speculation_over_its_openai_api(tmp_path, capsys, with_draft):
     import json
 
-    from specsplit.tools import llamaserver
+    from specsplit.bench import llamaserver
 
     build, log = _fake_server(tmp_path)
     target, draft = tmp_path / "model.gguf", tmp_path / "draft.gguf"
@@ -160,7 +160,7 @@ def test_llama_server_runs_plain_and_with_its_speculation_over_its_openai_api(tm
 
 
 def test_a_llama_server_that_dies_at_start_says_why(tmp_path):
-    from specsplit.tools import llamaserver
+    from specsplit.bench import llamaserver
 
     tool = tmp_path / "bin" / "llama-server"
     tool.parent.mkdir(parents=True)

@@ -287,7 +287,7 @@ async def test_bench_long_context_runs_and_reports_cache_hits_and_identical_answ
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools import longcontext
+    from specsplit.bench import longcontext
 
     sizes = (200, 300, 400)
     async with running_stack(tmp_path, "unix", models["long"], None) as stack:

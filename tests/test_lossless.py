@@ -26,7 +26,7 @@ import torch
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.tools.launcher import Stack, StackConfig
+from specsplit.launcher import Stack, StackConfig
 
 PROMPT = "Once upon a time"
 NEW = 4  # the first token comes from prefill; the next three from one or two draft/verify rounds

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from specsplit.tools.netem import DelayProxy
+from specsplit.bench.netem import DelayProxy
 
 
 @pytest.fixture

@@ -663,7 +663,7 @@ async def test_bearer_token_and_per_client_cap(models, tmp_path):
                        for o in refused)
             assert (await gw.Generate(request(PROMPTS[0]), metadata=token)).stats.generated_tokens == 40
         # The tools' clients (bench, calibrate, generate) send the token from --auth-token-file.
-        from specsplit.tools.launcher import gateway_stub
+        from specsplit.launcher import gateway_stub
 
         (tmp_path / "token").write_text("s3cret\n")
         for token_file, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (str(tmp_path / "token"), None)):

@@ -289,7 +289,7 @@ def test_a_stopped_stack_leaves_nothing_in_dev_shm_after_its_services_were_kille
     live processes stay."""
     import socket as sockets
 
-    from specsplit.tools.launcher import Stack, StackConfig
+    from specsplit.launcher import Stack, StackConfig
 
     live = shm.Creator()  # a live gateway's segment and lock (this process holds the lock)
     kept = live.create("33" * 16, 0, 1 << 20, 0)

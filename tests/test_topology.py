@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.tools.topology import Point, Tally, fitted, measured_break_even, pooled_off
+from specsplit.bench.topology import Point, Tally, fitted, measured_break_even, pooled_off
 
 
 def _point(rtt, off_s, on_s, async_s, tokens=100, rounds=50) -> Point:
@@ -51,9 +51,9 @@ async def test_measure_through_a_delaying_proxy_pays_the_rtt_on_every_asked_roun
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.tools.netem import DelayProxy
-    from specsplit.tools.topology import measure, report
-    from specsplit.tools.workload import Prompt
+    from specsplit.bench.netem import DelayProxy
+    from specsplit.bench.topology import measure, report
+    from specsplit.bench.workload import Prompt
 
     proxies = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specsplit.tools.tracereport import (
+from specsplit.bench.tracereport import (
     GENERATE,
     Span,
     load_jaeger_json,
@@ -121,7 +121,7 @@ def test_otlp_json_and_jaeger_readers_rebuild_the_same_requests():
 
 
 def test_plot_lays_out_the_critical_path_and_the_pre_drafts(tmp_path):
-    from specsplit.tools.traceplot import pick, plot, segments
+    from specsplit.bench.traceplot import pick, plot, segments
 
     on = _request("on", "on", [(2, 10, 2, 1)] * 3, tokens=6, predrafted=1)
     off = _request("off", "off", [(0, 10, 1, 0)] * 6, tokens=6)

@@ -18,8 +18,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as otl
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.tools.launcher import Stack, StackConfig
-from specsplit.tools.tracereport import Span, load_otlp_request, requests_from
+from specsplit.bench.tracereport import Span, load_otlp_request, requests_from
+from specsplit.launcher import Stack, StackConfig
 
 GENERATE = "specsplit.gateway.v1.Gateway/Generate"
 
@@ -237,7 +237,7 @@ def test_json_file_exporter_writes_otlp_json_lines(models, tmp_path, monkeypatch
             response = _generate(pb_grpc.GatewayStub(channel), "def add(a, b):", drafter="ngram")
     lines = trace_file.read_text().splitlines()
     assert all("resourceSpans" in json.loads(line) for line in lines)
-    from specsplit.tools.tracereport import load_file
+    from specsplit.bench.tracereport import load_file
 
     spans = load_file(trace_file)
     assert {s.service for s in spans} == {"specsplit-gateway", "specsplit-verify", "specsplit-draft"}

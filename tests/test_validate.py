@@ -13,8 +13,8 @@ import pytest
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.tools.launcher import Stack, StackConfig
-from specsplit.tools.validate import TaskVerdict, decide
+from specsplit.bench.validate import TaskVerdict, decide
+from specsplit.launcher import Stack, StackConfig
 
 PROMPTS = [{"task_type": "code", "prompt": "def add(a, b):", "id": 1, "source": "mine"},
            {"task_type": "code", "prompt": "def sub(a, b):", "id": 2},
@@ -28,7 +28,7 @@ def reference_perplexity(model_dir: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specsplit.tools.validate import perplexity_text
+    from specsplit.bench.validate import perplexity_text
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

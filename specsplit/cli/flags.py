@@ -148,7 +148,7 @@ def stack_flags(p: argparse.ArgumentParser) -> None:
 
 
 def stack_config(a: argparse.Namespace):
-    from specsplit.tools.launcher import StackConfig
+    from specsplit.launcher import StackConfig
 
     return StackConfig(transport=a.transport, target_model=a.target_model, draft_model=a.draft_model, dtype=a.dtype,
                        draft_dtype=a.draft_dtype, draft_quantize=a.draft_quantize, draft_vocab=a.draft_vocab,

@@ -1,4 +1,4 @@
-"""The measuring commands: `bench`, `soak`, `calibrate`, `trace-report` (their work is in specsplit/tools/)."""
+"""The measuring commands: `bench`, `soak`, `calibrate`, `trace-report` (their work is in specsplit/bench/)."""
 
 from __future__ import annotations
 
@@ -164,32 +164,32 @@ def _measured_gateway_flags(p: argparse.ArgumentParser, gateway_help: str) -> No
 
 
 def run_bench(a: argparse.Namespace) -> int:
-    from specsplit.tools.bench import main as bench_main
+    from specsplit.bench.bench import main as bench_main
 
     return bench_main(a, stack_config(a))
 
 
 def run_soak(a: argparse.Namespace) -> int:
-    from specsplit.tools.soak import main as soak_main
-    from specsplit.tools.workload import load_prompts
+    from specsplit.bench.soak import main as soak_main
+    from specsplit.bench.workload import load_prompts
 
     return soak_main(a, stack_config(a), load_prompts(a.prompts))
 
 
 def run_calibrate(a: argparse.Namespace) -> int:
-    from specsplit.tools.calibrate import main as calibrate_main
+    from specsplit.bench.calibrate import main as calibrate_main
 
     return calibrate_main(a, stack_config(a))
 
 
 def run_validate(a: argparse.Namespace) -> int:
-    from specsplit.tools.validate import main as validate_main
+    from specsplit.bench.validate import main as validate_main
 
     return validate_main(a, stack_config(a))
 
 
 def run_trace_report(a: argparse.Namespace) -> int:
-    from specsplit.tools.traceplot import plot
-    from specsplit.tools.tracereport import main as report_main
+    from specsplit.bench.traceplot import plot
+    from specsplit.bench.tracereport import main as report_main
 
     return report_main(a, plot)

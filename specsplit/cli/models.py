@@ -70,9 +70,9 @@ def add(sub) -> None:
 
 
 def run_distill(a: argparse.Namespace) -> int:
+    from specsplit.distill.pipeline import DistillSettings, distill
     from specsplit.model.headfile import resolve_head
     from specsplit.serving import runtime
-    from specsplit.tools.distill.pipeline import DistillSettings, distill
 
     runtime.configure_process(a.threads, "distill")
     stages = a.stages

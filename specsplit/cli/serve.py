@@ -223,8 +223,8 @@ def _settings(a: argparse.Namespace):
 
 
 def run_serve(a: argparse.Namespace) -> int:
+    from specsplit.launcher import die_with_launcher
     from specsplit.serving import telemetry
-    from specsplit.tools.launcher import die_with_launcher
 
     die_with_launcher()
     if a.cpus:  # before torch starts its threads: they follow the affinity

@@ -51,8 +51,8 @@ def add(sub) -> None:
 
 
 def run_up(a: argparse.Namespace) -> int:
+    from specsplit.launcher import Stack
     from specsplit.model import catalog
-    from specsplit.tools.launcher import Stack
 
     for path in {a.target_model, a.draft_model} - {None}:
         catalog.resolve(path)  # convert the default model once, before three processes want it

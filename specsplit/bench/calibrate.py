@@ -18,9 +18,9 @@ from specsplit.api.draft.v1 import draft_pb2_grpc as dpb_grpc
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.bench.workload import Prompt, load_prompts, request, warmup
+from specsplit.launcher import StackConfig, gateway_stub
 from specsplit.serving.settings import ControllerSettings
-from specsplit.tools.launcher import StackConfig, gateway_stub
-from specsplit.tools.workload import Prompt, load_prompts, request, warmup
 
 FORCED = Decision(True, 0, "forced")  # observed for statistics only: calibration decides itself
 

@@ -15,27 +15,27 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.tools.workload import DEFAULT_REQUEST, Prompt, Variant, load_prompts, request, warmup
+from specsplit.bench.workload import DEFAULT_REQUEST, Prompt, Variant, load_prompts, request, warmup
 
 OFF, AUTO = "off", DEFAULT_REQUEST
 
 
 def main(args, config) -> int:
     """`bench --traffic`: a stack started here from `config` (or `--gateway`), warmed up, then run()."""
-    from specsplit.tools.launcher import gateway_stub
+    from specsplit.launcher import gateway_stub
 
     prompts = load_prompts(args.prompts or "general", args.limit)
     bare = None
     if not args.gateway:  # the target alone in this process, timed beside each spec-off request
+        from specsplit.bench import anchor as anchoring
         from specsplit.model import catalog
-        from specsplit.tools import anchor as anchoring
 
         resolved = config.resolved()
         bare = anchoring.BareTarget(str(catalog.resolve(resolved.target_model)), resolved.dtype, resolved.quantize)
     served = None
     if args.anchor_llama_cpp:  # llama-server on the same prompts, before the stack starts
+        from specsplit.bench import llamaserver
         from specsplit.model import catalog
-        from specsplit.tools import llamaserver
 
         print("running llama-server on the same GGUF file and prompts ...", file=sys.stderr, flush=True)
         served = llamaserver.run(args.anchor_llama_cpp, catalog.resolve(config.target_model) / "model.gguf", None,

@@ -144,9 +144,9 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
 
 
 def main(args, config) -> int:
+    from specsplit.bench import anchor as anchoring
+    from specsplit.launcher import gateway_stub
     from specsplit.model import catalog
-    from specsplit.tools import anchor as anchoring
-    from specsplit.tools.launcher import gateway_stub
 
     rows = load(args.prompts if args.prompts not in (None, "structured") else None)
     if args.limit:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.tools.distill.train import TrainSettings, build_vocab, fit, split
+from specsplit.distill.train import TrainSettings, build_vocab, fit, split
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 

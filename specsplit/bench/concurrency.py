@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from gateway.controller import p95
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.tools.workload import Prompt, Variant, request
+from specsplit.bench.workload import Prompt, Variant, request
 
 MODES = {"off": pb.SPECULATION_OFF, "on": pb.SPECULATION_ON, "auto": pb.SPECULATION_AUTO}
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specsplit.distill.gen import features_path, save_features, save_whole, shard_paths
 from specsplit.model.featurehead import FeatureHead, HeadConfig, unrolled_forward
 from specsplit.model.headfile import target_layer
-from specsplit.tools.distill.gen import features_path, save_features, save_whole, shard_paths
 
 
 @dataclass(frozen=True)

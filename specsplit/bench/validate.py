@@ -21,10 +21,10 @@ from gateway import policy
 from gateway.controller import p95
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
-from specsplit.tools.calibrate import describe
-from specsplit.tools.launcher import StackConfig, gateway_stub
-from specsplit.tools.validatereport import write_report
-from specsplit.tools.workload import Prompt, load_prompts, request, warmup
+from specsplit.bench.calibrate import describe
+from specsplit.bench.validatereport import write_report
+from specsplit.bench.workload import Prompt, load_prompts, request, warmup
+from specsplit.launcher import StackConfig, gateway_stub
 
 SAMPLED = {"temperature": 0.8, "seed": 1}  # the seeded-sampling consistency check
 FORMATS = ("q8_0", "q4_0")  # the quantization matrix beside the stack's own weights

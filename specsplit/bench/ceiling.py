@@ -18,8 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from specsplit.api.verify.v1 import verify_pb2 as vpb
+from specsplit.bench.workload import Prompt
 from specsplit.speculation.lookup import Agreement
-from specsplit.tools.workload import Prompt
 from verify_service.decoding import Decoding
 
 MODES = ("off", "lookup", "neural", "both")
@@ -102,12 +102,12 @@ def main(args, config) -> int:
     from transformers import AutoTokenizer
 
     from draft_service.main import build_drafters
+    from specsplit.bench.workload import load_prompts
     from specsplit.model import catalog
     from specsplit.model.chat import chat_prompt_ids
     from specsplit.model.headfile import head_setting
     from specsplit.model.modeling import load_model
     from specsplit.serving.settings import ControllerSettings, DraftSettings, ModelSettings, ServerSettings
-    from specsplit.tools.workload import load_prompts
     from verify_service.engine import Target
     from verify_service.widths import Widths, first_id, measure_rows
 
@@ -121,8 +121,8 @@ def main(args, config) -> int:
     drafter, languages = None, None
     if args.structured:  # each prompt with its schema, then without: the verifier's own drafting only
         from specsplit.api.common.v1 import common_pb2 as cpb
+        from specsplit.bench import structured
         from specsplit.serving.grammar import Language
-        from specsplit.tools import structured
 
         rows = structured.load(args.prompts)
         prompts = [Prompt(r["task_type"], r["prompt"]) for r in rows]

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from gateway.controller import p95
-from specsplit.tools.workload import DEFAULT_REQUEST
+from specsplit.bench.workload import DEFAULT_REQUEST
 
 
 @dataclass

@@ -25,9 +25,9 @@ from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
+from specsplit.bench.workload import Prompt, Variant, request
+from specsplit.launcher import Stack, StackConfig, wait_serving
 from specsplit.serving import shm
-from specsplit.tools.launcher import Stack, StackConfig, wait_serving
-from specsplit.tools.workload import Prompt, Variant, request
 
 STALL_S = 2.0  # --chaos stop: how long the draft service stays stopped
 CHAOS = {"kill": ("draft", signal.SIGKILL), "stop": ("draft", signal.SIGSTOP),

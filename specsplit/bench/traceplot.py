@@ -8,7 +8,7 @@ task type, as trace-report's table prints them."""
 
 from __future__ import annotations
 
-from specsplit.tools.tracereport import GENERATE, Pricing, Span, _ms
+from specsplit.bench.tracereport import GENERATE, Pricing, Span, _ms
 
 COLORS = {"prefill": "#8c8c8c", "draft": "#e6a23c", "network": "#d9534f", "verify": "#337ab7",
           "gateway": "#5cb85c"}

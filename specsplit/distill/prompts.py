@@ -199,7 +199,7 @@ def target_written(lm, count: int, seed: int = 0, max_tokens: int = 64, log=prin
     that rarely ends a turn gives fewer: at most 20 tries a prompt, and the log says how many it kept."""
     from tqdm import tqdm
 
-    from specsplit.tools.distill.gen import Sampler, decode_native
+    from specsplit.distill.gen import Sampler, decode_native
 
     tokenizer, rng = lm.tokenizer, random.Random(seed)
     mark = "\x00turn\x00"

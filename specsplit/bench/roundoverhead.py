@@ -22,7 +22,7 @@ import torch
 from gateway.controller import p95
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.tools.launcher import Stack, StackConfig, die_with_launcher
+from specsplit.launcher import Stack, StackConfig, die_with_launcher
 
 TOKEN = 100  # what the stub drafter proposes and the stub verifier chooses
 TRANSPORTS = (("shared memory", "unix", True), ("unix socket", "unix", False), ("tcp loopback", "tcp", False))
@@ -107,7 +107,7 @@ class _StubStack(Stack):
     def start(self, timeout_s: float = 120.0, draft_via=None) -> str:
         try:
             for name in ("verify", "draft"):
-                self._spawn(name, [], entry=("specsplit.tools.roundoverhead", "serve", name))
+                self._spawn(name, [], entry=("specsplit.bench.roundoverhead", "serve", name))
             self._await(["verify", "draft"], timeout_s)
             self._spawn("gateway", ["--verify", self.addresses["verify"], "--draft", self.addresses["draft"],
                                     "--tokenizer", "default", "--predraft", "off"])
@@ -158,8 +158,8 @@ def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: s
     drafts for: n-gram alone is the verifier's own, with no hop to take) through a stack of
     `config` whose processes mark each hop (specsplit.serving.hops); prints per transition between
     consecutive marks its median over the rounds that asked the drafter, and returns the rows."""
+    from specsplit.bench.workload import Variant, request
     from specsplit.serving import hops
-    from specsplit.tools.workload import Variant, request
 
     with tempfile.TemporaryDirectory(prefix="specsplit-hops-") as tmp:
         prefix = str(Path(tmp) / "hops")
@@ -199,7 +199,7 @@ def hop_by_hop(config: StackConfig, prompts: list, tokens: int = 128, drafter: s
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m specsplit.tools.roundoverhead")
+    parser = argparse.ArgumentParser(prog="python -m specsplit.bench.roundoverhead")
     parser.add_argument("cmd", choices=["serve"])
     parser.add_argument("kind", choices=["verify", "draft"])
     parser.add_argument("--listen", required=True)

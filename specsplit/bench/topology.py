@@ -17,9 +17,9 @@ import grpc
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-from specsplit.tools.launcher import Stack, StackConfig
-from specsplit.tools.netem import DelayProxy
-from specsplit.tools.workload import Prompt, request, warmup
+from specsplit.bench.netem import DelayProxy
+from specsplit.bench.workload import Prompt, request, warmup
+from specsplit.launcher import Stack, StackConfig
 
 RTTS_MS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0)  # 40: past the break-even on this CPU
 
@@ -204,7 +204,7 @@ def report(points: list[Point], plot: str | None) -> None:
           "critical path = network + gateway (docs/metrics.md#time, median); 1st round: the same for each "
           "spec-on request's first round, which carries the prompt's features to a drafter that reads them "
           "(median). shm: spec-on requests whose payloads went through shared memory. The split drafter sits "
-          "behind a userspace delaying proxy (specsplit/tools/netem.py), the gateway next to the verifier; "
+          "behind a userspace delaying proxy (specsplit/bench/netem.py), the gateway next to the verifier; "
           "split rows compare with spec-off pooled over the sweep (spec-off never reaches the drafter); the "
           "measured break-even is where a line fitted to the sweep's spec-on ms/token meets spec-off's, and "
           "the formula predicts that line's slope to be the rounds per token.")

@@ -19,10 +19,10 @@ import grpc
 
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from specsplit.bench.records import Record, depth_counts, first_divergence, print_table, summarise
+from specsplit.bench.workload import DEFAULT_REQUEST, REQUEST, Prompt, Variant, load_prompts, request, warmup
+from specsplit.launcher import Stack, StackConfig, gateway_stub
 from specsplit.serving import roundtime
-from specsplit.tools.launcher import Stack, StackConfig, gateway_stub
-from specsplit.tools.records import Record, depth_counts, first_divergence, print_table, summarise
-from specsplit.tools.workload import DEFAULT_REQUEST, REQUEST, Prompt, Variant, load_prompts, request, warmup
 
 
 def run_prompt(stub, p: Prompt, max_new_tokens: int, repeats: int, drafters: list[Variant],
@@ -241,18 +241,18 @@ def main(args, config: StackConfig) -> int:
     if not args.gateway:  # a stack started here: its target's weights named and measured as served
         config = config.resolved()
     if args.ceiling:  # no services: the verifier's own code in this process
-        from specsplit.tools import ceiling
+        from specsplit.bench import ceiling
 
         return ceiling.main(args, config)
     if args.structured:  # its own workload: prompts with schemas
-        from specsplit.tools import structured
+        from specsplit.bench import structured
 
         return structured.main(args, config)
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
                    predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])
     if args.round_overhead:
-        from specsplit.tools import roundoverhead
+        from specsplit.bench import roundoverhead
 
         roundoverhead.run()
         roundoverhead.hop_by_hop(config, load_prompts(args.prompts or "general", args.limit or 1),
@@ -261,13 +261,13 @@ def main(args, config: StackConfig) -> int:
     if args.tracing_overhead:
         return tracing_overhead(prompts, config, args.max_new_tokens, args.repeats)
     if args.topology:
-        from specsplit.tools import topology
+        from specsplit.bench import topology
 
         rtts = args.rtts or topology.RTTS_MS
         topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
         return 0
     if args.traffic:
-        from specsplit.tools import traffic
+        from specsplit.bench import traffic
 
         return traffic.main(args, config)
     if args.controlled:
@@ -277,16 +277,16 @@ def main(args, config: StackConfig) -> int:
                 busy_spell(stub, prompts, args.max_new_tokens, args.neighbour)
             return code
     if args.long_context:
+        from specsplit.bench import longcontext
         from specsplit.model import catalog
         from specsplit.model.fastllama import kernel_name
         from specsplit.model.modeling import parse_dtype
-        from specsplit.tools import longcontext
 
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             return longcontext.run(stub, str(catalog.resolve(config.target_model)), config.dtype, args.max_new_tokens,
                                    kernel_name(config.quantize, parse_dtype(config.dtype)))
     if args.concurrency:
-        from specsplit.tools import concurrency
+        from specsplit.bench import concurrency
 
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
             variant = Variant(args.drafters[0] if args.drafters else "")
@@ -295,8 +295,8 @@ def main(args, config: StackConfig) -> int:
                                    args.requests)
     anchor, anchored, profile, llama, lookups, served = None, [], None, None, None, None
     if args.anchor_llama_cpp or args.anchor and args.temperature <= 0:
+        from specsplit.bench import anchor as anchoring
         from specsplit.model import catalog
-        from specsplit.tools import anchor as anchoring
 
         model_dir = str(catalog.resolve(config.target_model))
         print("measuring the target step ...", file=sys.stderr, flush=True)
@@ -304,8 +304,8 @@ def main(args, config: StackConfig) -> int:
     if args.anchor_llama_cpp:
         from transformers import AutoTokenizer
 
+        from specsplit.bench import llamacpp, llamaserver
         from specsplit.model.chat import chat_prompt_ids
-        from specsplit.tools import llamacpp, llamaserver
 
         gguf = Path(model_dir) / "model.gguf"
         print("running llama.cpp's llama-bench (and llama-lookup, llama-server where built) on the same GGUF file ...",

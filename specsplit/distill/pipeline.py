@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specsplit.distill import gen
+from specsplit.distill.prompts import load_prompts, target_written
+from specsplit.distill.standalone import export_standalone, train_standalone
+from specsplit.distill.train import TrainSettings, compare, load_examples, train
 from specsplit.model import catalog, weightchoice
 from specsplit.model.featurehead import HeadConfig
 from specsplit.model.headfile import HEAD_FORMAT, target_tensors
 from specsplit.model.modeling import load_model
-from specsplit.tools.distill import gen
-from specsplit.tools.distill.prompts import load_prompts, target_written
-from specsplit.tools.distill.standalone import export_standalone, train_standalone
-from specsplit.tools.distill.train import TrainSettings, compare, load_examples, train
 
 
 @dataclass(frozen=True)
