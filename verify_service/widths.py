@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from verify_service.engine import Target
 
 WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
-WIDE_ROWS = (24, 32, 48, 64)  # and these (a batch of several sessions' rounds), linear in between
+# and these (a batch of several sessions' rounds), linear in between: past a few rows a forward's
+# cost is linear in its rows (each row is its own pass of multiply-adds over the weights), so two
+# points place the line; 24 and 48 were 23 % of every warm-up pass (393 of 1,739 ms on the default
+# model, 2 cores, beside a training run) for no figure of their own
+WIDE_ROWS = (32, 64)
 MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
 DECAY = 0.9  # per forward
 SPIKE = 3.0  # a forward this many times the session's step was preempted, not wide: not a sample
