@@ -76,7 +76,9 @@ def test_shipped_self_draft_is_exact_and_accepted_on_the_default_model(default_m
     with Stack(StackConfig(transport="unix", drafter="hybrid", run_dir=str(tmp_path))) as stack:
         with grpc.insecure_channel(stack.start()) as channel:
             stub = pb_grpc.GatewayStub(channel)
-            for p in one_prompt_per_task():
+            # Code (the head's drafts accepted) and open questions (the hardest to draft): the
+            # greedy test above meets every task type.
+            for p in [p for p in one_prompt_per_task() if p.task_type in ("code", "open")]:
                 off = generate(stub, p.prompt, pb.SPECULATION_OFF)
                 for drafter in ("self", "hybrid"):
                     on = generate(stub, p.prompt, pb.SPECULATION_ON, drafter=drafter)

@@ -13,6 +13,7 @@ The builds: g++ for x86-64 and aarch64-linux-gnu-g++ (apt: g++-aarch64-linux-gnu
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import shutil
 import struct
@@ -33,28 +34,34 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64",
                                 reason="compares an aarch64 build against the x86-64 one: runs on x86-64 hosts")
 
 
-def build(compiler: str, flags: list[str], out_dir: Path) -> Path:
+def build(compiler: str, flags: list[str]) -> Path:
+    """The check built by `compiler` with `flags`, cached beside the native kernels' own builds
+    (named by the digest of its sources and flags: a changed kernel is built anew)."""
     parts = sorted(NATIVE.glob("*.h")) + [SOURCE]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in parts) + " ".join(flags).encode()).hexdigest()[:12]
-    exe = out_dir / f"kernelcheck-{compiler}-{digest}"
+    cache = Path(os.environ.get("SPECSPLIT_CACHE", Path.home() / ".cache" / "specsplit")) / "kernelcheck"
+    cache.mkdir(parents=True, exist_ok=True)
+    exe = cache / f"kernelcheck-{compiler}-{digest}"
     if not exe.exists():
-        subprocess.run([compiler, "-O2", "-std=c++17", *flags, "-I", str(NATIVE), str(SOURCE), "-o", str(exe)],
+        partial = exe.with_name(f"{exe.name}.{os.getpid()}.partial")
+        subprocess.run([compiler, "-O2", "-std=c++17", *flags, "-I", str(NATIVE), str(SOURCE), "-o", str(partial)],
                        check=True, timeout=300)
+        os.replace(partial, exe)
     return exe
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict[str, list[str] | None]:
-    """The command that runs each build ("x86", "arm"), None where this host cannot build or run it."""
-    out = tmp_path_factory.mktemp("kernelcheck")
+def builds() -> dict[str, list[str] | None]:
+    """The command that runs each build ("x86", "neon", "neon_dot"), None where this host cannot
+    build or run it."""
     from specsplit.model import native
 
     runs: dict[str, list[str] | None] = {"x86": None, "neon": None, "neon_dot": None}
     if shutil.which("g++") and native.lacks("avx2") is None:
-        runs["x86"] = [str(build("g++", ["-mavx2", "-mfma", "-mf16c"], out))]
+        runs["x86"] = [str(build("g++", ["-mavx2", "-mfma", "-mf16c"]))]
     if shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64"):
         for path in ("neon", "neon_dot"):  # each Arm path with the flags it is served with
-            exe = build("aarch64-linux-gnu-g++", ["-static", *native.ISAS[path][0]], out)
+            exe = build("aarch64-linux-gnu-g++", ["-static", *native.ISAS[path][0]])
             runs[path] = ["qemu-aarch64", "-cpu", "max", str(exe)]
     return runs
 
