@@ -1,9 +1,9 @@
 """The kernels on Arm. The AVX2 path's code (isa_avx2.h, attention_avx2.h) built for aarch64, where
-it runs on NEON (neon_avx2.h), with and without sdot (the "neon_dot" path), and run under qemu-user
-gives the x86 build's bits: every weight format the kernels serve (float32, bf16, int8, q8_0, q4_0,
-q4_1 with float16 and with factored scales, q8_h, q6_h), 1 to 9 rows, each row alone as in a batch,
-the row ops (RMS norm, SiLU * up, argmax, sum of exp) and attention (bf16 and fp32 caches, grouped
-heads, chains and tree paths).
+it runs on NEON (neon_avx2.h), alone, with sdot and with smmla (the "neon_dot" and "neon_i8mm"
+paths), and run under qemu-user gives the x86 build's bits: every weight format the kernels serve
+(float32, bf16, int8, q8_0, q4_0, q4_1 with float16 and with factored scales, q8_h, q6_h), 1 to 9
+rows, each row alone as in a batch, the row ops (RMS norm, SiLU * up, argmax, sum of exp) and
+attention (bf16 and fp32 caches, grouped heads, chains and tree paths).
 The x86 build of the same check is held to the maths: its GEMM against torch's float matmul of
 the dequantized weights, its attention against torch's softmax attention.
 
@@ -28,7 +28,8 @@ NATIVE = Path(__file__).parents[1] / "specsplit" / "model" / "native"
 SOURCE = Path(__file__).with_name("kernelcheck.cpp")
 KINDS = ("bf16", "f32", "int8", "q8_0", "q4_0", "q4_1", "q8_h", "q6_h")  # panels.h's Kind, in order
 F32, BF16, Q8 = 0, 1, 2  # rows.h's Act
-ROWS = (1, 5, 9)  # one row, a block of rows, and more than a block (8)
+ROWS = (1, 5, 9)  # one row, a block of rows (pairs and an odd one), and more than a block (8)
+ARM_PATHS = ("neon", "neon_dot", "neon_i8mm")  # the shim alone, with sdot, with smmla
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64",
                                 reason="compares an aarch64 build against the x86-64 one: runs on x86-64 hosts")
@@ -52,15 +53,15 @@ def build(compiler: str, flags: list[str]) -> Path:
 
 @pytest.fixture(scope="module")
 def builds() -> dict[str, list[str] | None]:
-    """The command that runs each build ("x86", "neon", "neon_dot"), None where this host cannot
-    build or run it."""
+    """The command that runs each build ("x86" and ARM_PATHS), None where this host cannot build or
+    run it."""
     from specsplit.model import native
 
-    runs: dict[str, list[str] | None] = {"x86": None, "neon": None, "neon_dot": None}
+    runs: dict[str, list[str] | None] = {"x86": None, **{path: None for path in ARM_PATHS}}
     if shutil.which("g++") and native.lacks("avx2") is None:
         runs["x86"] = [str(build("g++", ["-mavx2", "-mfma", "-mf16c"]))]
     if shutil.which("aarch64-linux-gnu-g++") and shutil.which("qemu-aarch64"):
-        for path in ("neon", "neon_dot"):  # each Arm path with the flags it is served with
+        for path in ARM_PATHS:  # each Arm path with the flags it is served with
             exe = build("aarch64-linux-gnu-g++", ["-static", *native.ISAS[path][0]])
             runs[path] = ["qemu-aarch64", "-cpu", "max", str(exe)]
     return runs
@@ -235,7 +236,7 @@ def test_the_aarch64_build_gives_the_x86_builds_bits_and_the_x86_build_the_maths
                     "the x86 build was checked, the aarch64 ones not built")
     names = [f"{label}, {x.shape[0]} rows" for label, (_, _, x), _, _ in labelled]
     names += [f"attention {h}/{g}x{d}{' bf16' if b else ''}" for h, g, d, b, *_ in attention]
-    for arm_path in ("neon", "neon_dot"):
+    for arm_path in ARM_PATHS:
         arm = run(builds[arm_path], path, tmp_path / f"{arm_path}.out")
         for name, a, b in zip(names, results, outputs(arm, cases, attention), strict=True):
             for part in a:

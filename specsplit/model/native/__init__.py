@@ -20,19 +20,22 @@ PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h", 
 # The instruction sets the kernels are built for, best first: compiler flags and the CPU flags each
 # needs. One library per set (decoder.cpp includes isa_<set>.h); "amx" is the avx512 library with
 # bf16 GEMMs and attention on AMX tiles; "neon" (aarch64: the "Features" line's asimd and fphp) is
-# the AVX2 path's code on NEON (neon_avx2.h), and "neon_dot" the same with the block formats'
-# products by sdot (asimddp: Neoverse N1 and later, every Arm server CPU since 2019); both checked
-# bit for bit against the x86 build under qemu-user (tests/test_kernelcheck.py), not yet timed on
-# Arm hardware.
+# the AVX2 path's code on NEON (neon_avx2.h), "neon_dot" the same with the block formats'
+# products by sdot (asimddp: Neoverse N1 and later, every Arm server CPU since 2019), and
+# "neon_i8mm" with two rows at a time by smmla (i8mm: Neoverse V1/N2 and later, Graviton 3 and 4);
+# all checked bit for bit against the x86 build under qemu-user (tests/test_kernelcheck.py), not yet
+# timed on Arm hardware.
 ISAS = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma",
                 "-mf16c"], {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "neon_i8mm": (["-march=armv8.2-a+dotprod+i8mm"], {"asimd", "fphp", "asimddp", "i8mm"}),
     "neon_dot": (["-march=armv8.2-a+dotprod"], {"asimd", "fphp", "asimddp"}),
     "neon": ([], {"asimd", "fphp"}),
 }
-PATHS = ("amx", "avx512", "avx2", "neon_dot", "neon")  # what SPECSPLIT_ISA may name, best first
-AVX2_CODE = ("avx2", "neon_dot", "neon")  # the paths that run isa_avx2.h: bf16 widened to fp32, blocks by vpmaddubsw
+PATHS = ("amx", "avx512", "avx2", "neon_i8mm", "neon_dot", "neon")  # what SPECSPLIT_ISA may name, best first
+# the paths that run isa_avx2.h: bf16 widened to fp32, blocks by vpmaddubsw (or Arm's sdot, smmla)
+AVX2_CODE = ("avx2", "neon_i8mm", "neon_dot", "neon")
 _LOCK = threading.Lock()
 
 

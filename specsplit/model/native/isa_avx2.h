@@ -276,13 +276,44 @@ void half_q8(const Packed& w, int64_t panel, int h, const int8_t* x, const float
       return sum;
     };
 #endif
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+    // Arm's smmla multiplies a 2x8 by an 8x2 block of int8 into int32 (32 multiply-adds, twice
+    // sdot's): two output lanes' eight inputs (quads t and t + 1, zipped) by two rows' eight. The
+    // rows go in pairs, a last odd one by sdot; the sums are the same integers, so the same bits.
+    auto dot2 = [&](const int8_t* xa, const int8_t* xc, int j0, int j1, __m256i& ya, __m256i& yc) {
+      int32x4_t m01 = vdupq_n_s32(0), m23 = m01, m45 = m01, m67 = m01;  // [l·a, l·c, (l+1)·a, (l+1)·c]
+      for (int t = j0; t < j1; t += 2) {
+        const int8x16_t xx = vcombine_s8(vld1_s8(xa + 4 * t), vld1_s8(xc + 4 * t));
+        m01 = vmmlaq_s32(m01, s8(vzip1q_s32(wq[t].lo, wq[t + 1].lo)), xx);
+        m23 = vmmlaq_s32(m23, s8(vzip2q_s32(wq[t].lo, wq[t + 1].lo)), xx);
+        m45 = vmmlaq_s32(m45, s8(vzip1q_s32(wq[t].hi, wq[t + 1].hi)), xx);
+        m67 = vmmlaq_s32(m67, s8(vzip2q_s32(wq[t].hi, wq[t + 1].hi)), xx);
+      }
+      ya = __m256i{vuzp1q_s32(m01, m23), vuzp1q_s32(m45, m67)};
+      yc = __m256i{vuzp2q_s32(m01, m23), vuzp2q_s32(m45, m67)};
+    };
+    __m256i pre[2][R];  // every row's sums over the block's quads (pre[0]), or over each half
+    auto prepare = [&](int parts) {
+      for (int part = 0; part < parts; ++part) {
+        const int j0 = part * kQuads / parts, j1 = (part + 1) * kQuads / parts;
+        int r = 0;
+        for (; r + 1 < R; r += 2)
+          dot2(x + r * stride + b * kBlock, x + (r + 1) * stride + b * kBlock, j0, j1, pre[part][r], pre[part][r + 1]);
+        for (; r < R; ++r) pre[part][r] = dot(x + r * stride + b * kBlock, j0, j1);
+      }
+    };
+    auto row_sum = [&](int r, int part, int, int) { return pre[part][r]; };
+#else
+    auto prepare = [](int) {};
+    auto row_sum = [&](int r, int, int j0, int j1) { return dot(x + r * stride + b * kBlock, j0, j1); };
+#endif
     const __m256 mins = mp ? load(mp + b * kLanes, min_base) : _mm256_setzero_ps();
     if constexpr (HALVES) {
       const __m256 ws0 = load(sp + 2 * b * kLanes, scale_base), ws1 = load(sp + (2 * b + 1) * kLanes, scale_base);
+      prepare(2);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xb = x + r * stride + b * kBlock;
         const int32_t* xir = xi + (r * xblocks + b) * 2;
-        __m256i s0 = dot(xb, 0, kQuads / 2), s1 = dot(xb, kQuads / 2, kQuads);
+        __m256i s0 = row_sum(r, 0, 0, kQuads / 2), s1 = row_sum(r, 1, kQuads / 2, kQuads);
         if constexpr (kOffset != 0) {
           s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(kOffset * xir[0]));
           s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(kOffset * xir[1]));
@@ -295,10 +326,10 @@ void half_q8(const Packed& w, int64_t panel, int h, const int8_t* x, const float
       continue;
     }
     const __m256 ws = load(sp + b * kLanes, scale_base);
+    prepare(1);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = x + r * stride + b * kBlock;
       const int32_t* xir = xi + (r * xblocks + b) * 2;
-      __m256i sum = dot(xb, 0, kQuads);
+      __m256i sum = row_sum(r, 0, 0, kQuads);
       if constexpr (kOffset != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(kOffset * (xir[0] + xir[1])));
       const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xs[r * xblocks + b]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc[r]);
