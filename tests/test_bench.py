@@ -341,3 +341,25 @@ def test_a_rounds_time_counts_the_verifiers_own_drafting_as_compute_not_network(
     asked = roundtime.split(round_ns=20 * ms, draft_ns=2 * ms, draft_call_ns=5 * ms, verify_ns=6 * ms,
                             verify_call_ns=10 * ms)
     assert asked == roundtime.RoundTime(8.0, 7.0, 5.0)
+
+
+def test_tracing_overhead_runs_two_stacks_request_by_request_and_exports_from_the_traced_one(models, capsys):
+    """`bench --tracing-overhead`: the same spec-on requests against a stack with tracing off and one
+    exporting OTLP-JSON to a file, alternating; every pair timed, and the traced stack wrote spans."""
+    import re
+
+    from specsplit.bench.bench import tracing_overhead
+    from specsplit.bench.workload import Prompt
+    from specsplit.launcher import StackConfig
+
+    prompts = [Prompt("t", "one two three one two three one two"), Prompt("t", "a b a b a b a b")]
+    config = StackConfig(target_model=str(models["target"]), draft_model=str(models["draft"]), dtype="float32")
+    assert tracing_overhead(prompts, config, max_new_tokens=8, repeats=2) == 0
+    out = capsys.readouterr().out
+    found = re.search(r"tracing overhead: (\d+) request pairs, (\d+) tokens; median ms/token tracing off ([\d.]+), "
+                      r"on ([\d.]+); median per-request ratio on/off ([\d.]+) .*; (\d+) export batches written", out)
+    assert found, out
+    pairs, tokens, off, on, ratio, batches = found.groups()
+    assert int(pairs) == len(prompts) * 2 and int(tokens) == 2 * int(pairs) * 8  # every request, both stacks
+    assert float(off) > 0 and float(on) > 0 and float(ratio) > 0  # measured, not judged: the bench prints figures
+    assert int(batches) > 0  # the traced stack exported; a stack that traced nothing writes none
