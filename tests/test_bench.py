@@ -363,3 +363,31 @@ def test_tracing_overhead_runs_two_stacks_request_by_request_and_exports_from_th
     assert int(pairs) == len(prompts) * 2 and int(tokens) == 2 * int(pairs) * 8  # every request, both stacks
     assert float(off) > 0 and float(on) > 0 and float(ratio) > 0  # measured, not judged: the bench prints figures
     assert int(batches) > 0  # the traced stack exported; a stack that traced nothing writes none
+
+
+def test_the_bench_command_runs_every_prompt_off_and_on_and_writes_its_table_and_json(models, tmp_path):
+    """`specsplit bench` as users run it (the README's `run.sh bench`: --anchor), on the tiny model:
+    each prompt spec-off and spec-on for each drafter and the default request, checked identical,
+    transformers' own generate beside it, the summary and every record in --json-out."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import write_prompts
+
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "specsplit.cli", "bench", "--target-model", str(models["target"]), "--draft-model",
+         str(models["draft"]), "--dtype", "float32", "--draft-dtype", "float32", "--prompts",
+         str(write_prompts(tmp_path / "p.jsonl")), "--limit", "1", "--drafters", "ngram,default",
+         "--max-new-tokens", "8", "--anchor", "--json-out", str(out), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    kinds = {r["task_type"] for r in result["records"]}
+    assert {(r["task_type"], r["drafter"]) for r in result["records"]} == {(k, d) for k in kinds
+                                                                          for d in ("ngram", "default")}
+    assert all(r["identical"] and r["off_tokens"] == r["on_tokens"] == 8 for r in result["records"])
+    assert "exact numerics" in result["header"] and "specsplit bench:" in done.stdout
+    assert {row["drafter"] for row in result["summary"]} >= {"ngram", "default"}
+    assert "transformers" in done.stdout  # the anchor's table: what users would otherwise run
