@@ -52,9 +52,13 @@ def segments() -> set[str]:
 
 
 async def _client(stub, prompts: list[Prompt], references: dict[str, list[int]], max_new_tokens: int,
-                  deadline: float, tally: Tally, offset: int, drafter: str = "") -> None:
+                  deadline: float, tally: Tally, offset: int, drafter: str = "",
+                  done: asyncio.Event | None = None) -> None:
+    """Requests one after another until the deadline, or (`done`) until one that started after the
+    chaos had done its count and the services served again has been answered."""
     i = offset
     while time.monotonic() < deadline:
+        last = done is not None and done.is_set()
         p = prompts[i % len(prompts)]
         i += 1
         start = time.monotonic()
@@ -70,16 +74,20 @@ async def _client(stub, prompts: list[Prompt], references: dict[str, list[int]],
         tally.resumed += out.stats.resumes > 0
         if list(out.token_ids) != references[p.prompt]:
             tally.mismatches += 1
+        if last:
+            return
 
 
-async def _chaos(stack: Stack, kind: str, every_s: float, deadline: float, tally: Tally) -> None:
+async def _chaos(stack: Stack, kind: str, every_s: float, deadline: float, tally: Tally, faults: int = 0,
+                 done: asyncio.Event | None = None) -> None:
     """Every ~every_s: SIGKILL the draft service (kill) or a verify replica (kill-verify), SIGTERM a
     verify replica (term-verify: it drains and exits, and is restarted), or SIGSTOP the draft
-    service for STALL_S (stop)."""
+    service for STALL_S (stop). With `faults`, that many events, then `done` once every service
+    serves again."""
     rng = random.Random(0)
     service, sig = CHAOS[kind]
     names = stack.verify_names if service == "verify" else [service]
-    while time.monotonic() + every_s < deadline:
+    while time.monotonic() + every_s < deadline and not (faults and tally.faults >= faults):
         await asyncio.sleep(every_s * rng.uniform(0.5, 1.5))
         if not all([await _serving(stack.addresses[name]) for name in names]):
             continue  # one is still being restarted: one at a time, as a rolling restart goes
@@ -89,6 +97,10 @@ async def _chaos(stack: Stack, kind: str, every_s: float, deadline: float, tally
         if sig == signal.SIGSTOP:
             await asyncio.sleep(STALL_S)
             proc.send_signal(signal.SIGCONT)
+    if done is not None:
+        for name in names:
+            await asyncio.to_thread(wait_serving, stack.addresses[name], max(1.0, deadline - time.monotonic()))
+        done.set()
 
 
 async def _serving(address: str) -> bool:
@@ -128,7 +140,9 @@ async def _left(stack: Stack, before: set[str]) -> tuple[tuple[int, int], int]:
 
 
 async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float, max_new_tokens: int,
-               chaos: str = "", chaos_every_s: float = 10.0, drafter: str = "") -> dict:
+               chaos: str = "", chaos_every_s: float = 10.0, drafter: str = "", faults: int = 0) -> dict:
+    """`clients` clients for `minutes`; with `chaos` and `faults`, until that many chaos events have
+    happened and every client has been answered after the services recovered (minutes: the bound)."""
     before = segments()
     tally = Tally()
     async with grpc.aio.insecure_channel(stack.addresses["gateway"]) as channel:
@@ -142,9 +156,11 @@ async def soak(stack: Stack, prompts: list[Prompt], clients: int, minutes: float
         supervisor = asyncio.ensure_future(_supervise(stack, stop))
         deadline = time.monotonic() + minutes * 60
         started = time.monotonic()
-        work = [_client(stub, prompts, references, max_new_tokens, deadline, tally, k, drafter) for k in range(clients)]
+        counted = asyncio.Event() if chaos and faults else None
+        work = [_client(stub, prompts, references, max_new_tokens, deadline, tally, k, drafter, counted)
+                for k in range(clients)]
         if chaos:
-            work.append(_chaos(stack, chaos, chaos_every_s, deadline, tally))
+            work.append(_chaos(stack, chaos, chaos_every_s, deadline, tally, faults, counted))
         await asyncio.gather(*work)
         elapsed = time.monotonic() - started
         # A kill just before the end: the supervisor goes on until every service serves again (a
@@ -195,6 +211,6 @@ def main(args, config: StackConfig, prompts: list[Prompt]) -> int:
         print(f"starting verify, draft and gateway over {config.transport} ...", file=sys.stderr, flush=True)
         stack.start()
         result = asyncio.run(soak(stack, prompts, args.clients, args.minutes, args.max_new_tokens, args.chaos,
-                                  args.chaos_every, args.request_drafter))
+                                  args.chaos_every, args.request_drafter, args.faults))
     print(report(result, args.chaos), flush=True)
     return 0 if healthy(result) else 1

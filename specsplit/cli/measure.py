@@ -108,6 +108,9 @@ def add(sub) -> None:
                            "restarted); term-verify: SIGTERM one (it drains; a rolling restart); "
                            "requests must complete and match spec-off all the same")
     soak.add_argument("--chaos-every", type=float, default=10.0, help="seconds between chaos events, on average")
+    soak.add_argument("--faults", type=int, default=0,
+                      help="with --chaos: end after this many chaos events, once the services serve again and "
+                           "every client has been answered after that (0: run --minutes, which bounds it anyway)")
     soak.add_argument("--request-drafter", default="",
                       help="the drafter the (AUTO) requests name (default: none, the default request's choice; "
                            "n-gram drafts are the verifier's own, so the draft service's faults touch only others)")
