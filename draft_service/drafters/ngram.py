@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from draft_service.drafters.base import DrafterDescription, DraftSession
 from specsplit.speculation.drafting import Proposal, tree_proposal
-from specsplit.speculation.lookup import CANDIDATES, OutputIndex
+from specsplit.speculation.lookup import CANDIDATES, OutputIndex, first
 from specsplit.speculation.tokentree import Tree
 
 # How often the target follows a copied continuation, per token, by the length of the match it
@@ -64,8 +64,7 @@ class NgramDrafter:
 
     def match(self, session: DraftSession, gamma: int) -> tuple[list[int], int]:
         """(drafts, n agreed): the first of continuations()."""
-        follows, n = self.continuations(session, gamma, 1)
-        return (follows[0], n) if follows else ([], 0)
+        return first(self.continuations(session, gamma, 1))
 
     def tree(self, session: DraftSession, depth: int, tree: Tree | None = None,
              reliability: dict | None = None) -> tuple[Tree, int]:

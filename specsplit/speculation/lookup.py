@@ -30,6 +30,12 @@ def _best(at: list[int], agreement, depth: int, limit: int, min_n: int, follow) 
     return (follows, n) if follows else ([], 0)
 
 
+def first(found: tuple[list[list[int]], int]) -> tuple[list[int], int]:
+    """The first continuation of a continuations() answer and its agreement; ([], 0) where none."""
+    follows, n = found
+    return (follows[0], n) if follows else ([], 0)
+
+
 class SequenceIndex:
     """Indexes a growing sequence (pass the same list each time: each call indexes what was
     appended since the last); a drafter whose sequence is rolled back calls truncate first."""
@@ -80,8 +86,7 @@ class SequenceIndex:
 
     def match(self, tokens: list[int], k: int, min_n: int = 2, max_n: int = MATCH) -> tuple[list[int], int]:
         """The first of continuations(): up to k tokens, and how many tokens agree; ([], 0) where none."""
-        follows, n = self.continuations(tokens, k, 1, min_n, max_n)
-        return (follows[0], n) if follows else ([], 0)
+        return first(self.continuations(tokens, k, 1, min_n, max_n))
 
     def follows(self, tokens: list[int], k: int) -> list[int]:
         return self.match(tokens, k)[0]
@@ -160,8 +165,7 @@ class OutputIndex:
             return _best(at, agreement, depth, limit, min_n, follow)
 
     def match(self, tokens: list[int], k: int, min_n: int = 2, max_n: int = MATCH) -> tuple[list[int], int]:
-        follows, n = self.continuations(tokens, k, 1, min_n, max_n)
-        return (follows[0], n) if follows else ([], 0)
+        return first(self.continuations(tokens, k, 1, min_n, max_n))
 
 
 class Agreement:
