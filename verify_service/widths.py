@@ -20,13 +20,16 @@ if TYPE_CHECKING:
     from specsplit.model.modeling import LoadedModel
     from verify_service.engine import Target
 
-WARMUP_ROWS = 17  # Info.forward_ms_by_rows measures every width of 1..17 rows (verifies of 0..16 drafts)
-# and these (a batch of several sessions' rounds), linear in between: past a few rows a forward's
-# cost is linear in its rows (each row is its own pass of multiply-adds over the weights), so two
-# points place the line; 24 and 48 were 23 % of every warm-up pass (393 of 1,739 ms on the default
-# model, 2 cores, beside a training run) for no figure of their own
-WIDE_ROWS = (32, 64)
+WARMUP_ROWS = 17  # Info.forward_ms_by_rows covers every width of 1..17 rows (verifies of 0..16 drafts)
+# and up to the last of WIDE_ROWS (a batch of several sessions' rounds). Past a few rows a forward's
+# cost is linear in its rows (each row is its own pass of multiply-adds over the weights), so the
+# warm-up times the narrow widths a round uses most one by one and places the rest on lines between
+# measured points: widths 10..17 and 32 were 57 % of a pass's rows, and the 64-row forward alone a
+# third of its time (bf16 on AVX2: 307 of 990 ms), for no figure a line does not give
+MEASURED_ROWS = (*range(1, 10), 12, WARMUP_ROWS)  # timed in every pass
+WIDE_ROWS = (64,)  # timed in the first WIDE_PASSES passes only (only batches reach them)
 MIN_PASSES, MAX_PASSES, STABLE = 3, 8, 0.05  # warm-up passes over every width, until none improves by 5 %
+WIDE_PASSES = 2
 DECAY = 0.9  # per forward
 SPIKE = 3.0  # a forward this many times the session's step was preempted, not wide: not a sample
 
@@ -57,7 +60,8 @@ class Widths:
 
 def measure_rows(target: Target, token: int) -> list[float]:
     """Each width's cost in ms (InfoResponse.forward_ms_by_rows), on a 32-token session of `token`:
-    the fastest of its forwards over passes that visit every width in turn, so that a slow spell (a
+    the fastest of its forwards over passes that visit every measured width in turn (the rest on
+    lines between them), so that a slow spell (a
     co-located service warming up at the same moment: measured, widths 1..6 at 180-200 ms against
     8-15 ms) costs each width one sample, not all of them; passes go on until one improves no width
     by more than STABLE (at most MAX_PASSES). Costs never fall with width (noise aside, a wider
@@ -71,22 +75,20 @@ def measure_rows(target: Target, token: int) -> list[float]:
         del session.tokens[length:]
         return ms
 
-    widths = [*range(1, WARMUP_ROWS + 1), *(WIDE_ROWS if target.batches else ())]
-    best = {w: math.inf for w in widths}
+    wide = WIDE_ROWS if target.batches else ()
+    best = {w: math.inf for w in (*MEASURED_ROWS, *wide)}
     for n in range(MAX_PASSES):
         moved = False
-        for w in widths:
+        for w in (*MEASURED_ROWS, *wide) if n < WIDE_PASSES else MEASURED_ROWS:
             ms = cost(w)
             moved |= ms < best[w] * (1 - STABLE)
             best[w] = min(best[w], ms)
         if n + 1 >= MIN_PASSES and not moved:
             break
-    costs = [best[w] for w in range(1, WARMUP_ROWS + 1)]
-    last = WARMUP_ROWS
-    for rows in WIDE_ROWS if target.batches else ():  # beyond one call's width only batches reach
-        end = best[rows]
-        costs += [costs[-1] + (end - costs[-1]) * (r - last) / (rows - last) for r in range(last + 1, rows + 1)]
-        last = rows
+    costs = [best[1]]
+    for rows in sorted(best)[1:]:  # each measured width, and a line from the one before
+        last, start = len(costs), costs[-1]
+        costs += [start + (best[rows] - start) * (r - last) / (rows - last) for r in range(last + 1, rows + 1)]
     return list(itertools.accumulate(costs, max))
 
 
