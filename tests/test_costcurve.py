@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from verify_service import widths
 import pytest
 
+from verify_service import widths
 from verify_service.widths import MEASURED_ROWS, WARMUP_ROWS, WIDE_PASSES, WIDE_ROWS, measure_rows
 
 
@@ -48,7 +48,8 @@ def test_costs_never_fall_with_width_and_noise_keeps_passes_going(monkeypatch):
     monkeypatch.setattr(widths, "MAX_PASSES", 5)
     # 9 rows measure faster than 8 (noise, or a kernel's sweet spot): a tree cut must not read
     # "one more row is cheaper". And a width that keeps improving keeps the passes going, to the cap.
-    target = ScriptedTarget(lambda rows, call: 10 - (2 if rows == 9 else 0) + (1000 / call if rows == WARMUP_ROWS else 0))
+    target = ScriptedTarget(lambda rows, call: 10 - (2 if rows == 9 else 0)
+                            + (1000 / call if rows == WARMUP_ROWS else 0))
     costs = measure_rows(target, token=0)
     assert costs[7] == costs[8] == 10 and all(a <= b for a, b in zip(costs, costs[1:]))
     assert len(target.calls) == 5 * len(MEASURED_ROWS) + WIDE_PASSES * len(WIDE_ROWS)
