@@ -13,9 +13,10 @@ from conftest import write_prompts
 
 
 @pytest.mark.parametrize("chaos, replicas", [("kill", 1), ("kill-verify", 2)])
-def test_soak_with_a_service_killed_now_and_then_loses_nothing(models, tmp_path, chaos, replicas):
+def test_soak_with_a_service_killed_now_and_then_loses_nothing(models, tmp_path, shm_dir, chaos, replicas):
     """The draft service SIGKILLed now and then (requests lose drafts, never answers), or one of two
-    verify replicas (requests resume on the other, or on the killed one once restarted)."""
+    verify replicas (requests resume on the other, or on the killed one once restarted). Its own
+    shared-memory directory: the segments it counts at the end are its stack's, whatever runs beside."""
     done = subprocess.run(
         # A draft model: n-gram drafts are the verifier's own, and a draft service's death would not touch them.
         [sys.executable, "-m", "specsplit.cli", "soak", "--target-model", str(models["long"]), "--self-head", "none",
