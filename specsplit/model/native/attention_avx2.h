@@ -55,26 +55,38 @@ void attend_rows_team(const AttendShape& a, const float* qkv, int64_t ld, const 
   constexpr int64_t kChunks = 4;  // P V: 32 dims at a time
   constexpr int64_t kKeys = 4;  // Q K: four keys' chains at a time, so that they overlap
   constexpr int64_t kBlockKeys = 64;  // keys widened at a time (16 KB of fp32 at d = 64)
+  constexpr int64_t kRunRows = 16;  // rows sharing a task's reads at most (its scores: kRunRows * group * keys)
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<int64_t> run_start;  // every thread the same runs
+  std::vector<int64_t> run_start;  // every thread the same runs: rows of one sequence, at most kRunRows
   int64_t longest = 0, widest = 0;
   for (int64_t r = 0; r < n; ++r) {
     longest = std::max(longest, rows[r].keys());
-    if (r == 0 || rows[r].kv != rows[r - 1].kv || rows[r].base != rows[r - 1].base) run_start.push_back(r);
+    if (r == 0 || rows[r].kv != rows[r - 1].kv || rows[r].base != rows[r - 1].base || r - run_start.back() == kRunRows)
+      run_start.push_back(r);
   }
   run_start.push_back(n);
   for (size_t i = 0; i + 1 < run_start.size(); ++i) widest = std::max(widest, run_start[i + 1] - run_start[i]);
   const int64_t room = (std::max(longest, kBlockKeys) + kHalf - 1) / kHalf * kHalf;
   // this thread's: scores [query][key] (query = row of the run * group + head), P V's partial sums
-  // [query][dim], a block of keys or values, the prefix's slots
+  // [query][dim], a block of keys or values, its slots
   std::vector<float> scores(widest * group * room), sums(widest * group * d), block(kBlockKeys * d), inv(widest * group);
-  std::vector<int64_t> slots(room);
+  std::vector<int64_t> slots(kBlockKeys);
   const int64_t tasks = static_cast<int64_t>(run_start.size() - 1) * a.kv_heads;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t run = task / a.kv_heads, g = task % a.kv_heads, r0 = run_start[run], count = run_start[run + 1] - r0;
     const AttendRow& first = rows[r0];
     const int64_t base = first.base;
+    // A chain (a prefill's rows, a chain's verify): every row's path a prefix of the longest's (a
+    // path ends at its own slot, which only its own ancestors' paths pass through), so every block
+    // of the longest row's keys is read once for all the rows that reach it.
+    const std::vector<int64_t>* chain = rows[r0].path;
+    for (int64_t i = 1; i < count; ++i)
+      if (rows[r0 + i].path->size() > chain->size()) chain = rows[r0 + i].path;
+    for (int64_t i = 0; i < count && chain; ++i) {
+      const std::vector<int64_t>& path = *rows[r0 + i].path;
+      if (!path.empty() && path.back() != (*chain)[path.size() - 1]) chain = nullptr;
+    }
     auto query = [&](int64_t i, int64_t h) { return qkv + (r0 + i) * ld + (g * group + h) * d; };
     // Each score is one chain of FMAs over its dims, in dim order; KEYS keys' chains at a time. The
     // block's keys t0.. are keys j0.. of query q's list.
@@ -118,14 +130,20 @@ void attend_rows_team(const AttendShape& a, const float* qkv, int64_t ld, const 
         for (; c0 < chunks; ++c0) weigh(std::integral_constant<int64_t, 1>{}, i * group + h, c0, j0, nk);
       }
     };
-    // the prefix [0, base), shared, then each row's own path (its ancestors, then itself)
+    // a chain's keys block by block, each row to its own length; else the prefix [0, base), shared,
+    // then each row's own path (its ancestors, then itself)
     auto each_block = [&](int64_t plane, auto&& use) {
-      for (int64_t j0 = 0; j0 < base; j0 += kBlockKeys) {
-        const int64_t nk = std::min(kBlockKeys, base - j0);
-        for (int64_t j = j0; j < j0 + nk; ++j) slots[j - j0] = j;
+      const int64_t shared = chain ? base + static_cast<int64_t>(chain->size()) : base;
+      for (int64_t j0 = 0; j0 < shared; j0 += kBlockKeys) {
+        const int64_t nk = std::min(kBlockKeys, shared - j0);
+        for (int64_t j = j0; j < j0 + nk; ++j) slots[j - j0] = j < base ? j : (*chain)[j - base];
         widen_block(a, first.kv, slots.data(), nk, g, plane, block.data());
-        for (int64_t i = 0; i < count; ++i) use(i, j0, nk);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t reach = std::min(nk, rows[r0 + i].keys() - j0);
+          if (reach > 0) use(i, j0, reach);
+        }
       }
+      if (chain) return;
       for (int64_t i = 0; i < count; ++i) {
         const std::vector<int64_t>& path = *rows[r0 + i].path;
         for (size_t p0 = 0; p0 < path.size(); p0 += kBlockKeys) {
