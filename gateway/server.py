@@ -141,7 +141,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         prompt_ids = self._prompt_ids(request) if prompt_ids is None else prompt_ids
         sampling, stops = self._validated(request, prompt_ids)
         mode = MODES.get(request.speculation, AUTO)
-        drafter = request.drafter or self._default_drafter(request.task_type, mode)
+        drafter = request.drafter or self._default_drafter(request.task_type, mode, sampling.temperature <= 0)
         decision, own = self._decided(request, drafter, mode, sampling)
         speculate = decision.speculate
         gamma = decision.gamma or request.gamma or b.settings.controller.gamma_start
@@ -212,13 +212,20 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             raise Failure(grpc.StatusCode.FAILED_PRECONDITION, problem)
         return decision, own
 
-    def _default_drafter(self, task_type: str, mode: str) -> str:
+    def _default_drafter(self, task_type: str, mode: str, greedy: bool) -> str:
         """A request that names no drafter gets the draft service's default; an AUTO one, that or the
         service's n-gram drafter, as the controller measured them on its task type (a head that
-        costs more than it earns on this target loses to n-gram alone: docs/controller.md)."""
+        costs more than it earns on this target loses to n-gram alone: docs/controller.md), unless
+        the verifier drafts the default itself with its head: then the default is n-gram's own
+        lookup plus the head where the lookup finds nothing, each head token drafted only where it
+        pays at its measured price (verify_service.headdraft), and trying n-gram alone could only
+        cost traffic."""
         b = self._backends
         default = b.default_drafter
         if mode != AUTO or not b.copiers or default not in b.drafters or default in b.copiers:
+            return default
+        own = b.own_drafts(default, greedy)
+        if own.in_verifier and own.head:
             return default
         return self.controller.drafter(task_type, default, b.copiers[0])
 

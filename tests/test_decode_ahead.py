@@ -157,7 +157,7 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
     # No store of earlier outputs: each request drafts from its own context (a store would copy the
     # first request's answer into the next ones whole, and the head would have nothing to draft).
     async with running_stack(tmp_path, "unix", target, None, verify_kw={"self_head": "default", "store_tokens": 0},
-                             draft_kw=draft_kw) as stack:
+                             draft_kw=draft_kw, default_drafter="hybrid") as stack:
         async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'verify.sock'}") as ch:
             v = vpb_grpc.VerifierStub(ch)
             first = await v.Prefill(vpb.PrefillRequest(session_id="one", prompt_token_ids=prompt))
@@ -204,4 +204,9 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
             rounds = sampled.stats.round_records
             assert all(r.draft_source == "self" and r.feature_bytes > 0 for r in rounds if r.drafted)
             assert any(r.drafted for r in rounds) and not any(r.head_steps for r in rounds)
+            # AUTO requests that name no drafter: the default (hybrid) is drafted here, n-gram's lookup
+            # and the head, so n-gram alone is not tried beside it (Arms would alternate them)
+            for _ in range(3):
+                auto = await gw.Generate(request(text, pb.SPECULATION_AUTO, max_new_tokens=24))
+                assert auto.stats.drafter == "hybrid" and list(auto.token_ids) == list(off.token_ids)[:24]
         assert await wait_released(stack) == (0, 0)

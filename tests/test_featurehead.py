@@ -218,3 +218,34 @@ def test_a_native_round_grows_the_tree_the_step_by_step_drafter_grows(kernel_pat
     assert got[0] == expected.tokens and got[1] == expected.parents
     assert got[2] == pytest.approx(expected.scores, abs=1e-4)
     assert cache.length == session.cache.length and MIN_EXPAND > 0
+
+
+def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel_path):
+    """VerifierHead prices its rounds (Price: a fixed part and a part per drafted token, fitted over
+    its rounds, one cut to nothing included) and drafts as deep as Agreement.depth says pays at that
+    price: free, it drafts its whole gamma where rows cost nothing; priced above what a round can
+    earn, it drafts nothing and runs no round at all."""
+    from specsplit.model.headserving import NativeHead
+    from verify_service.headdraft import Price, VerifierHead
+
+    price = Price()
+    assert price.parts == (0.0, 0.0)  # nothing measured: drafting is free
+    price.add(0.3, 1)
+    assert price.parts == pytest.approx((0.3, 0.0))  # one size seen: all of it the round's
+    for ms, n in ((0.5, 3), (0.2, 0), (0.6, 4), (0.4, 2)):  # 0.2 ms a round + 0.1 a token, exactly
+        price.add(ms, n)
+    price.add(0.3, 1)
+    assert price.parts == pytest.approx((0.2, 0.1))
+
+    head = random_head(4, head_dim=16)
+    verifier = VerifierHead(NativeHead(head, 64, torch.float32), "random", gamma=3, min_confidence=0.0)
+    feats, tokens = torch.randn(6, 32), torch.randint(0, 50, (7,)).tolist()
+    flat = [3.0] * 8  # a forward costs the same at every width
+    state = verifier.start(tokens[:6])
+    verifier.prefilled(state, tokens, feats)
+    assert len(verifier.draft(state, tokens, 8, flat)) == 3  # its gamma, the room allowing
+    assert verifier.price.w > 0  # the round was priced
+    verifier.price = Price()
+    verifier.price.add(2.7, 1)  # dearer than its gamma of 3 tokens earn at an even rate and 3 ms (2.625)
+    assert verifier.draft(state, tokens, 8, flat) == []
+    assert verifier.price.w == 1  # no round ran

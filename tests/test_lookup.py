@@ -42,6 +42,13 @@ def test_lookups_draft_what_pays_at_their_rate_and_the_forwards_cost_by_width():
         odds.add(6, 6)  # a span being copied: every lookup accepted whole
     assert odds.rate > 0.9 and odds.depth(8, flat_then_dear) == 8
     assert odds.depth(3, flat_then_dear) == 3  # never past the room it is given
+    # A drafter whose tokens cost time (a head: its price a round and a token, measured) drafts as
+    # deep as pays in all: at an even rate the tokens earn 1.5, 0.75, 0.375 ... ms
+    even = Agreement()
+    assert even.depth(8, flat_then_dear, token_ms=0.5) == 2  # 1.0 + 0.25; a third: -0.125
+    assert even.depth(8, flat_then_dear, token_ms=1.0) == 1
+    assert even.depth(8, flat_then_dear, round_ms=1.6) == 2  # one token does not pay for the round, two do
+    assert even.depth(8, flat_then_dear, round_ms=2.3) == 0  # more than any depth earns (2.25 at two)
     for _ in range(40):  # (120 tokens accepted fade at 0.9 a lookup)
         odds.add(2, 0)  # the copy ended: rejected at once
     assert odds.rate < 0.1 and odds.depth(8, flat_then_dear) == 2

@@ -191,19 +191,21 @@ class Agreement:
         self.accepted = self.accepted * self.DECAY + accepted
         self.stops = self.stops * self.DECAY + (accepted < drafted)
 
-    def depth(self, room: int, step_ms: list[float]) -> int:
-        """Draft tokens worth verifying, at most `room`: the k-th goes in while its chance of being
-        accepted (rate ** k) times a one-row step beats what its row adds to the forward
-        (`step_ms[r - 1]`: a forward of r rows); rows that cost nothing extra always go in."""
+    def depth(self, room: int, step_ms: list[float], round_ms: float = 0.0, token_ms: float = 0.0) -> int:
+        """Draft tokens worth verifying, at most `room`: the k whose expected gain is the largest,
+        each token's chance of being accepted (rate ** i) times a one-row step, less what its rows
+        add to the forward (`step_ms[r - 1]`: a forward of r rows) and what drafting them costs (a
+        copy nothing; a head `round_ms` a round plus `token_ms` a token, as measured where it runs);
+        free tokens always go in."""
         def cost(rows: int) -> float:
             return step_ms[min(rows, len(step_ms)) - 1]
 
-        k, chance = 0, 1.0
-        while k < room:
+        k, best, gain, chance = 0, 0.0, -round_ms, 1.0
+        for i in range(1, room + 1):
             chance *= self.rate
-            if chance * cost(1) < cost(k + 2) - cost(k + 1):
-                break
-            k += 1
+            gain += chance * cost(1) - (cost(i + 1) - cost(i)) - token_ms
+            if gain >= best:
+                k, best = i, gain
         if k or room < 1:
             self.idle = 0
             return k
