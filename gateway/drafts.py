@@ -12,10 +12,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
 from gateway import payloads
+from gateway.gate import Gate
+from gateway.payloads import Links
+from gateway.plan import Plan
 from gateway.replicas import Replica
 from gateway.upstream import Deadline, Upstream
 from specsplit.api.common.v1 import common_pb2 as cpb
@@ -23,6 +27,7 @@ from specsplit.api.draft.v1 import draft_pb2 as dpb
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.errors import Failure
 from specsplit.speculation import tokentree
+from specsplit.speculation.cursor import Cursor
 
 log = logging.getLogger("specsplit.gateway")
 now = time.perf_counter_ns
@@ -30,6 +35,23 @@ ROUND_OVERHEAD_MS = 0.5  # a round's link and gateway work beyond compute, co-lo
 # A draft replica that refused a StartSession outright (down, or its session table full): nothing
 # started there, so the session may start on another replica instead.
 _START_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class Rounds(Protocol):
+    rounds: list  # the request's rounds so far (gateway.state.Measured)
+
+
+class Drafting(Protocol):
+    """What a DraftSide reads of its request (gateway.state.Request, which owns all of it): the
+    plan, the round protocol's cursor, the gate's per-round verdict, how many rounds went before and
+    the links; DraftSide writes none of it, and closes only the drafter's own link when it loses it."""
+
+    plan: Plan
+    session_id: str
+    cursor: Cursor
+    gate: Gate
+    links: Links
+    measured: Rounds
 
 
 @dataclass
@@ -117,7 +139,7 @@ class DraftSide:
                 other.sessions += 1
                 self.replica = other
 
-    async def next(self, request, gamma: int) -> Draft:
+    async def next(self, request: Drafting, gamma: int) -> Draft:
         """This round's draft: the pre-draft that held, or a Propose where the gate asks for one (a
         forced request: every round), cut to what pays; an empty Draft when there is none."""
         plan = request.plan
@@ -143,7 +165,7 @@ class DraftSide:
         draft.probs, draft.probs_ref = payloads.for_verifier(request.links, proposal, keep)
         return draft
 
-    def predraft(self, request, draft: Draft) -> None:
+    def predraft(self, request: Drafting, draft: Draft) -> None:
         """Pre-drafting: the next block, drafted while this round's Verify is in flight, assuming
         every draft is accepted and the target's next token is the drafter's own guess."""
         cursor = request.cursor
@@ -156,7 +178,7 @@ class DraftSide:
         if self._ahead is not None:
             self._predraft = (await asyncio.gather(self._ahead, return_exceptions=True))[0]
 
-    def take_verdict(self, request, draft: Draft, verdict: vpb.VerifyResponse) -> Predraft:
+    def take_verdict(self, request: Drafting, draft: Draft, verdict: vpb.VerifyResponse) -> Predraft:
         """After the Verify: a pre-draft whose assumption held becomes the next round's draft, and
         the target features it returned are owed to the drafter. Returns what became of the
         pre-draft, for the round to count."""
@@ -189,7 +211,7 @@ class DraftSide:
         """The round a pre-draft assumed was lost (its verify replica died): the pre-draft is void."""
         self.ready = None
 
-    async def _propose(self, request, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:
+    async def _propose(self, request: Drafting, message: dpb.ProposeRequest) -> dpb.ProposeResponse | None:
         """A Propose within its budget (DraftWatch). None when the draft service failed or overran
         it: the request loses its drafter."""
         kind = "next" if request.measured.rounds else "first"  # a first Propose may carry the prompt's features
@@ -199,7 +221,7 @@ class DraftSide:
             self.lose(request, str(e))
             return None
 
-    def lose(self, request, why: str) -> None:
+    def lose(self, request: Drafting, why: str) -> None:
         if not self.drafting:
             return  # already lost (a pre-draft and a round's Propose can both fail)
         self.lost, self.lost_at, self.fallback = why, len(request.measured.rounds), "drafter-lost"
@@ -209,7 +231,7 @@ class DraftSide:
         self.replica.watch.lost(why)
         log.warning("session %s goes on without drafts: %s", request.session_id, why)
 
-    def _message(self, request, gamma: int, ahead: list[int] = ()) -> dpb.ProposeRequest:
+    def _message(self, request: Drafting, gamma: int, ahead: list[int] = ()) -> dpb.ProposeRequest:
         """Tells the drafter what was committed since it last heard (for a pre-draft, also the block
         under verification and the guess after it: `ahead`) and the features it lacks; they count
         as delivered: a Propose that fails fails the request."""
@@ -220,7 +242,7 @@ class DraftSide:
         self.features = None
         return message
 
-    def _cut(self, request, proposal: dpb.ProposeResponse, gamma: int,
+    def _cut(self, request: Drafting, proposal: dpb.ProposeResponse, gamma: int,
              draft_ms: float) -> tuple[list[int], list[int], float]:
         """A proposed token tree cut to what pays: its best-first prefix whose expected tokens per
         millisecond are highest at the verifier's measured cost per width (this round's drafting
@@ -244,7 +266,7 @@ class DraftSide:
         keep, parents = tokentree.prune(list(proposal.draft_parents)[:len(proposal.draft_token_ids)], gamma, size)
         return keep, parents, sum(scores[i] for i in keep) if scores else 0.0
 
-    def end_session(self, request) -> dpb.EndSessionRequest | None:
+    def end_session(self, request: Drafting) -> dpb.EndSessionRequest | None:
         """The release's EndSession (the drafter hears the last committed tokens), or None when the
         draft service holds no session of this request."""
         if not (self.drafting or self.lost or self.start_abandoned):  # a stalled drafter may hold it

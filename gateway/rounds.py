@@ -16,8 +16,9 @@ from gateway import payloads
 from gateway.drafts import Draft, DraftSide
 from gateway.gate import Gate, Prior
 from gateway.instruments import Instruments
+from gateway.plan import Plan
 from gateway.replicas import Replica
-from gateway.state import Plan, Request, Round
+from gateway.state import Request, Round
 from gateway.textstream import TextAssembler
 from gateway.upstream import Deadline, Upstream
 from gateway.verifypin import GONE, VerifierGone, VerifyPin, prefill_request

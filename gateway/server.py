@@ -16,9 +16,9 @@ from gateway.backends import Backends
 from gateway.controller import AUTO, OFF, ON, Decision
 from gateway.instruments import GatewayMetrics, Instruments
 from gateway.load import InFlight
+from gateway.plan import Plan
 from gateway.replicas import Replica
 from gateway.rounds import RoundLoop
-from gateway.state import Plan
 from specsplit.api.common.v1 import common_pb2 as cpb
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
