@@ -676,3 +676,27 @@ async def test_bearer_token_and_per_client_cap(models, tmp_path):
                 except grpc.RpcError as e:
                     assert e.code() == code, e
         assert await wait_released(stack) == (0, 0)
+
+
+def test_a_freed_sequence_gives_its_kv_budget_back_while_still_referred_to(models):
+    """FastSequence.free (what a Release calls): the bytes go back to the pool at once, not when
+    the last reference goes (one kept by a decode winding down held a budget of 1 MiB beside a busy
+    neighbour, and the next request was refused); the sequence is empty and usable after."""
+    from specsplit.model.modeling import load_model
+
+    native = load_model(models["target"], "bfloat16").native
+    if native is None:
+        pytest.skip("the KV budget bounds the native forward's caches")
+    before = native.pool.used_bytes
+    kept = native.sequence()
+    kept.reserve(100)
+    assert native.pool.used_bytes > before
+    kept.free()
+    assert native.pool.used_bytes == before and kept.length == 0 and kept.capacity == 0
+    kept.reserve(10)  # usable again, and accounted again
+    assert native.pool.used_bytes > before
+    del kept
+    import gc
+
+    gc.collect()
+    assert native.pool.used_bytes == before  # given back once, not twice

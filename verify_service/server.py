@@ -334,6 +334,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _release(self, session_id: str) -> pb.ReleaseResponse:
         """On the worker thread, so it runs after any round of the session still queued there."""
         session = self._sessions.pop(session_id)
+        if session is not None:
+            session.kv.free()  # its KV budget back now, whatever still refers to the session
         if session is not None and self._outputs is not None:
             self._outputs.add(session.tokens[session.output_start:])
         if session is not None and session.segment is not None:

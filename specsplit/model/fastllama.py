@@ -270,6 +270,16 @@ class KVBuffer:
     def capacity(self) -> int:
         return self.kv.shape[2]
 
+    def free(self) -> None:
+        """Gives its bytes back to the pool now, not when the buffer is collected (a reference kept
+        a little longer, by a decode still winding down or a cycle, held the budget beside a busy
+        neighbour: a released session's 1 MiB refused the next request); empty after, as if new."""
+        if self._pool is not None:
+            self._pool.give(self._held[0])
+            self._held[0] = 0
+        self.kv = self.kv.new_zeros(*self.kv.shape[:2], 0, *self.kv.shape[3:])
+        self.length = 0
+
     def truncate(self, length: int) -> None:
         """specsplit.speculation.rollback's contract."""
         rollback.check(self.length, length)
@@ -323,6 +333,10 @@ class FastSequence:
 
     def truncate(self, length: int) -> None:
         self._buffer.truncate(length)
+
+    def free(self) -> None:
+        """The sequence is done: its cache's bytes back to the budget now (KVBuffer.free)."""
+        self._buffer.free()
 
     def keep(self, start: int, rows: list[int]) -> None:
         self._buffer.keep(start, rows)

@@ -322,6 +322,9 @@ class Sequence(Rollback, Protocol):
     def forward_with_features(self, token_ids: list[int],
                               last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def free(self) -> None:
+        """The sequence is done: what its cache holds goes back now."""
+
 
 def KVSequence(lm: LoadedModel) -> Sequence:
     """A new KV-cached sequence on a loaded model: on the native kernels when load_model prepared
@@ -347,6 +350,12 @@ class HFSequence:
         rollback.check(self.length, length)
         if length < self.length:
             self._cache.crop(length - self.length)  # a negative count: drop that many
+
+    def free(self) -> None:
+        """No budget to give back (transformers' cache is not accounted); its tensors go now."""
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=self._model.config)
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
