@@ -334,13 +334,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _release(self, session_id: str) -> pb.ReleaseResponse:
         """On the worker thread, so it runs after any round of the session still queued there."""
         session = self._sessions.pop(session_id)
-        if session is not None:
-            session.kv.free()  # its KV budget back now, whatever still refers to the session
-        if session is not None and self._outputs is not None:
+        if session is None:
+            return pb.ReleaseResponse(released=False)
+        session.kv.free()  # its KV budget back now, whatever still refers to the session
+        if self._outputs is not None:
             self._outputs.add(session.tokens[session.output_start:])
-        if session is not None and session.segment is not None:
+        if session.segment is not None:
             session.segment.close()
-        return pb.ReleaseResponse(released=session is not None)
+        return pb.ReleaseResponse(released=True)
 
     async def warmup(self) -> None:
         """A prefill and verifies of every width up to WARMUP_ROWS, so the first request does not pay
