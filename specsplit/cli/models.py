@@ -55,6 +55,9 @@ def add(sub) -> None:
     dist.add_argument("--levels", type=int, default=3, help="drafting steps unrolled in training")
     dist.add_argument("--lr", type=float, default=6e-4)
     dist.add_argument("--batch-tokens", type=int, default=1024, help="tokens per training step")
+    dist.add_argument("--train-precision", choices=["auto", "float32", "bfloat16"], default="auto",
+                      help="the training matmuls (weights and optimizer stay float32): auto takes bfloat16 "
+                           "where the CPU multiplies it natively (AVX-512 BF16, AMX, Arm BF16)")
     dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
     dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
     threads_flag(dist)
@@ -86,7 +89,7 @@ def run_distill(a: argparse.Namespace) -> int:
                             lr=a.lr, dtype=a.dtype, device=a.device,
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
                             prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
-                            target_prompts=a.target_prompts, quantize=a.quantize,
+                            target_prompts=a.target_prompts, quantize=a.quantize, train_precision=a.train_precision,
                             init_head=str(resolve_head(a.init_head)) if a.init_head else None,
                             eval_heads=tuple(str(resolve_head(h)) for h in a.eval_heads)))
     return 0

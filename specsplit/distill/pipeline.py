@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from specsplit.distill import gen
 from specsplit.distill.prompts import load_prompts, target_written
 from specsplit.distill.standalone import export_standalone, train_standalone
-from specsplit.distill.train import TrainSettings, compare, load_examples, train
+from specsplit.distill.train import TrainSettings, compare, load_examples, train, train_precision
 from specsplit.model import catalog, weightchoice
 from specsplit.model.featurehead import HeadConfig
 from specsplit.model.headfile import HEAD_FORMAT, target_tensors
@@ -50,6 +50,7 @@ class DistillSettings:
     eval_heads: tuple[str, ...] = ()  # the eval stage: these head directories (else OUT/head) on the held-out split
     target_prompts: int = 0  # also this many user turns the target writes itself (prompts.target_written)
     quantize: str = "auto"  # the target's weights, as the verifier's --quantize: the data is what it serves
+    train_precision: str = "auto"  # of the training matmuls (train.train_precision)
 
 
 def distill(s: DistillSettings, log=print) -> Path:
@@ -77,7 +78,8 @@ def distill(s: DistillSettings, log=print) -> Path:
     work = dirs[fractions[-1]]
     settings = TrainSettings(budget_s=s.train_minutes * 60, max_steps=s.train_steps, draft_vocab=s.draft_vocab,
                              intermediate=s.head_intermediate,
-                             levels=s.levels, lr=s.lr, batch_tokens=s.batch_tokens)
+                             levels=s.levels, lr=s.lr, batch_tokens=s.batch_tokens,
+                             precision=train_precision(s.train_precision))
     result, examples = None, None
     if "eval" in s.stages and s.kind != "self":
         raise ValueError("the eval stage compares feature heads (--kind self)")

@@ -72,8 +72,8 @@ class ModelStudent:
         base = getattr(self.module, self.module.base_model_prefix)
         hidden = base(input_ids=ids).last_hidden_state[mask]  # right padding: causal attention ignores it
         rows = self.module.get_output_embeddings().weight[self.vocab]
-        logp = F.log_softmax(hidden @ rows.T, dim=-1)
-        with torch.no_grad():
+        logp = F.log_softmax((hidden @ rows.T).float(), dim=-1)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             teacher_logp = F.log_softmax(feats[mask] @ self._rows.T, dim=-1)
         kl = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1).mean()
         acc = float((logp.argmax(-1) == teacher_logp.argmax(-1)).float().mean())
