@@ -19,6 +19,7 @@ from specsplit.distill.train import (
     load_head,
     split,
     train,
+    train_precision,
 )
 from specsplit.distill.train import features as train_features
 from specsplit.model.headfile import target_tensors
@@ -79,6 +80,26 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(data, models):
                   log=lambda *_: None)
     assert len(again["losses"]) == 10 and again["metrics"]["steps"] == 50  # continued, not restarted
     assert torch.equal(again["head"].vocab_ids, first["head"].vocab_ids)
+
+
+def test_bf16_matmuls_train_the_same_fp32_head(data, models, tmp_path, monkeypatch):
+    lm, work = data
+    embed, head = target_tensors(models["target"], tied=False)
+    settings = TrainSettings(budget_s=600, max_steps=40, draft_vocab=128, batch_tokens=256, lr=3e-3,
+                             precision="bfloat16")
+    result = train(lm, embed, head, load_examples(work / "data", lm, log=lambda *_: None), tmp_path, settings,
+                   log=lambda *_: None)
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert {p.dtype for p in result["head"].parameters()} == {torch.float32}  # autocast, not a bf16 head
+    # auto: bf16 only where the CPU multiplies it natively
+    import specsplit.model.native as native
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert train_precision("auto") == "float32"
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert train_precision("auto") == "bfloat16" == train_precision("bfloat16")
+    with pytest.raises(ValueError, match="unknown training precision 'fp8'"):
+        train_precision("fp8")
 
 
 def test_draft_vocabulary_maps_back_to_target_ids(data):
