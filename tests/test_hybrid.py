@@ -1,8 +1,11 @@
 """The hybrid's choice: before it has learnt anything, a long n-gram match, then the head, then a
 short match; then by the accepted drafts each source earned in the session."""
 
-import time
+from types import SimpleNamespace
 
+from conftest import Clock
+
+from draft_service.drafters import hybrid as hybrid_module
 from draft_service.drafters.base import DrafterDescription, DraftSession
 from draft_service.drafters.hybrid import HybridDrafter
 from draft_service.drafters.ngram import NgramDrafter
@@ -30,11 +33,16 @@ HEAD_S, VERIFY_S = 0.001, 0.004  # a head costing about a quarter of the rest of
 
 
 class SlowHead(Head):
-    """A head whose drafting takes time, so that its measured cost is a real share of a round
-    (an instant stand-in would make drafting look free, and any acceptance worth it)."""
+    """A head whose drafting takes HEAD_S on `clock` (the hybrid's clock in the test), so that its
+    measured cost is a real share of a round (an instant stand-in would make drafting look free, and
+    any acceptance worth it) and this machine's load cannot change the verdict."""
+
+    def __init__(self, answer, clock):
+        super().__init__(answer)
+        self.clock = clock
 
     def propose(self, session, gamma, budget=0):
-        time.sleep(HEAD_S)
+        self.clock.now += HEAD_S
         return super().propose(session, gamma, budget)
 
 
@@ -66,9 +74,7 @@ def test_the_source_that_keeps_getting_accepted_wins():
         last = session.tokens[-1]
         following = [(last + i) % 4 + 1 for i in range(4)]  # the cycle continues
         proposal = hybrid.propose(session, 3)
-        accepted = 0
-        while accepted < len(proposal.tokens) and proposal.tokens[accepted] == following[accepted]:
-            accepted += 1
+        accepted = next((i for i, t in enumerate(proposal.tokens) if t != following[i]), len(proposal.tokens))
         session.sync(len(session.tokens), following[:accepted + 1])
         sources.append(proposal.source)
     assert sources[0] == "self" and sources[-1] == "ngram", sources
@@ -96,11 +102,13 @@ def test_with_a_budget_the_hybrid_proposes_the_union_of_match_and_head():
     assert proposal.tokens[0] == 7 and {(8, 7), (9, 7)} <= paths
 
 
-def test_a_task_type_starts_from_what_its_earlier_sessions_learnt():
+def test_a_task_type_starts_from_what_its_earlier_sessions_learnt(monkeypatch):
     """The head is always wrong on "rewrite": a later rewrite session starts without it (nothing
     matched, nothing drafted), a session of another type still starts with it, and every 8th
     rewrite session starts from the default priors again (re-measuring the head)."""
-    hybrid = HybridDrafter(NgramDrafter(), SlowHead([42, 43]), min_match=2)
+    clock = Clock()
+    monkeypatch.setattr(hybrid_module, "time", SimpleNamespace(perf_counter=clock))
+    hybrid = HybridDrafter(NgramDrafter(), SlowHead([42, 43], clock), min_match=2)
 
     def session(task: str):
         s = hybrid.start([1, 2, 3])
@@ -111,7 +119,7 @@ def test_a_task_type_starts_from_what_its_earlier_sessions_learnt():
     sources = []
     for i in range(12):  # the head drafts, the target never agrees (and nothing repeats)
         sources.append(hybrid.propose(first, 2).source)
-        time.sleep(VERIFY_S)  # the rest of a round: the head's cost is measured against it
+        clock.now += VERIFY_S  # the rest of a round: the head's cost is measured against it
         first.sync(len(first.tokens), [100 + i])
     assert sources[0] == "self" and sources[-1] == ""  # it learnt within the session
     assert hybrid.propose(session("rewrite"), 2) == Proposal([], "")
@@ -137,12 +145,6 @@ class CountingHead(Head):
 def test_a_head_that_drafts_nothing_is_soon_left_idle(monkeypatch):
     """Running an unsure head costs its time and earns nothing: the hybrid learns that as it learns a
     rejected draft (such runs were once not counted, and the head ran every round for nothing)."""
-    from types import SimpleNamespace
-
-    from conftest import Clock
-
-    from draft_service.drafters import hybrid as hybrid_module
-
     clock = Clock()
     monkeypatch.setattr(hybrid_module, "time", SimpleNamespace(perf_counter=clock))
     head = CountingHead(clock)
