@@ -35,8 +35,11 @@ class Entry:
     segment: shm.Segment | None = None  # the gateway's shared-memory segment, when mapped
 
     def close(self) -> None:
+        """Ended (EndSession, or evicted idle), on the worker thread: the drafter's session and the
+        segment go."""
         if self.segment is not None:
             self.segment.close()
+        self.drafter.end(self.session)
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
@@ -53,6 +56,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self._proposal_top_k = proposal_top_k
         self._shared_memory = shared_memory  # map the gateway's segments when offered
         self._ns_per_token: dict[str, int] = {}  # measured in warmup
+        sessions.when_evicted(lambda session_id, entry: worker.submit(entry.close))
         self.rounds = Rounds(worker, self.propose_all, pb.ProposeRequest, lambda response: response.draft_ns)
 
     async def Info(self, request, context):
@@ -190,7 +194,6 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 except ValueError as e:
                     log.warning("EndSession %s: final sync skipped: %s", request.session_id, e)
             entry.close()
-            entry.drafter.end(entry.session)
         return pb.EndSessionResponse(ended=entry is not None)
 
     async def warmup(self) -> None:

@@ -571,6 +571,31 @@ async def test_verifier_refuses_sessions_past_its_kv_budget_and_frees_them_on_re
             assert (await stub.Info(vpb.InfoRequest())).active_sessions == 0
 
 
+async def test_sessions_evicted_idle_give_their_kv_budget_back(models, tmp_path):
+    """A gateway that dies leaves its sessions open: the verifier evicts them once idle and their
+    caches' budget comes back (ended as a Release ends them), so new sessions fit again."""
+    from specsplit.model.modeling import load_model
+
+    native = load_model(models["target"], "bfloat16").native
+    if native is None:
+        pytest.skip("the KV budget bounds the native forward's caches")
+    fits = (1 << 20) // (256 * native.token_bytes)
+    async with running_stack(tmp_path, "unix", models["target"], None,
+                             verify_kw={"kv_cache_mib": 1, "idle_timeout_s": 0.5}) as stack:
+        async with grpc.aio.insecure_channel(stack.verify) as ch:
+            stub = vpb_grpc.VerifierStub(ch)
+            for i in range(fits):
+                await stub.Prefill(vpb.PrefillRequest(session_id=f"s{i}", prompt_token_ids=[1, 2, 3]))
+
+            async def evicted() -> bool:
+                return (await stub.Info(vpb.InfoRequest())).active_sessions == 0
+
+            await until(evicted, "the idle sessions evicted", 30, every_s=0.05)
+            for i in range(fits):  # the whole budget is back
+                await stub.Prefill(vpb.PrefillRequest(session_id=f"new{i}", prompt_token_ids=[1, 2, 3]))
+            assert not (await stub.Release(vpb.ReleaseRequest(session_id="s0"))).released  # already ended
+
+
 async def test_concurrent_requests_past_the_kv_budget_are_refused_clearly_and_the_rest_answer(
         models, tmp_path, slow_forwards):
     from specsplit.model.modeling import load_model

@@ -29,6 +29,27 @@ def test_full_table_evicts_only_idle_sessions():
     assert "a" not in table and "b" in table and "c" in table
 
 
+def test_evicted_states_go_to_their_owners_callback_and_released_ones_do_not():
+    """An evicted session's state must be ended as a release ends it (its KV budget, its segment,
+    its drafter's session): the table hands each one to the callback, once; pop leaves it to the
+    caller."""
+    clock = Clock()
+    table = SessionTable[str](max_sessions=2, idle_timeout_s=10, clock=clock)
+    ended = []
+    table.when_evicted(lambda sid, state: ended.append((sid, state)))
+    table.put("a", "A")
+    table.put("b", "B")
+    assert table.pop("b") == "B" and ended == []
+    table.put("b", "B2")
+    clock.now = 11
+    table.get("b")
+    table.put("c", "C")  # room needed: "a" idle for 11 s goes
+    assert ended == [("a", "A")]
+    clock.now = 30
+    assert table.evict_idle() == ["b", "c"] and ended == [("a", "A"), ("b", "B2"), ("c", "C")]
+    assert table.evict_idle() == [] and len(ended) == 3
+
+
 def test_use_refreshes_idle_time():
     clock = Clock()
     table = SessionTable[str](max_sessions=4, idle_timeout_s=10, clock=clock)

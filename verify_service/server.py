@@ -59,6 +59,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         # Verify calls decoding ahead (VerifyRequest.decode_ahead), by session, between their steps.
         self._ahead: dict[str, Decoding] = {}
         self._widths = Widths()  # a wider forward's cost now, for the decode-ahead's lookup depth
+        sessions.when_evicted(lambda session_id, session: worker.submit(self._end, session_id, session))
         self.rounds = Rounds(worker, self.run_calls, pb.VerifyRequest, lambda response: response.forward_ns,
                              rows=lambda request: 1 + len(request.draft_token_ids))
         self._forward = meter().create_histogram(
@@ -336,12 +337,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         session = self._sessions.pop(session_id)
         if session is None:
             return pb.ReleaseResponse(released=False)
-        session.kv.free()  # its KV budget back now, whatever still refers to the session
         if self._outputs is not None:
             self._outputs.add(session.tokens[session.output_start:])
+        self._end(session_id, session)
+        return pb.ReleaseResponse(released=True)
+
+    def _end(self, session_id: str, session: TargetSession) -> None:
+        """A session out of the table (released, or evicted idle), on the worker thread: its KV
+        budget back now, whatever still refers to it, its segment unmapped, its decode-ahead gone."""
+        session.kv.free()
         if session.segment is not None:
             session.segment.close()
-        return pb.ReleaseResponse(released=True)
+        self._ahead.pop(session_id, None)
 
     async def warmup(self) -> None:
         """A prefill and verifies of every width up to WARMUP_ROWS, so the first request does not pay

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("specsplit")
@@ -39,7 +39,9 @@ ENDED_MEMORY = 4096  # ids of sessions ended before they started, remembered so 
 
 class SessionTable(Generic[T]):
     """Sessions by id. A session idle for longer than `idle_timeout_s` is evicted when room is
-    needed or on `evict_idle()`, so a crashed gateway cannot leak caches forever."""
+    needed or on `evict_idle()`, so a crashed gateway cannot leak caches forever: each evicted
+    state goes to the callback its owner gave `when_evicted` (which ends it as a release would:
+    its cache budget, its shared-memory segment, its drafter's session)."""
 
     def __init__(self, max_sessions: int, idle_timeout_s: float, clock=time.monotonic):
         self.max_sessions = max_sessions
@@ -49,6 +51,12 @@ class SessionTable(Generic[T]):
         self._ended: OrderedDict[str, None] = OrderedDict()  # ended before they started, oldest first
         self._lock = threading.Lock()
         self.draining = False  # set on shutdown: new sessions are refused (Draining), held ones go on
+        self._evicted: Callable[[str, T], None] | None = None
+
+    def when_evicted(self, callback: Callable[[str, T], None]) -> None:
+        """callback(session_id, state) for each session evicted from now on, after it left the
+        table, on the thread that evicted it (a service hands it to its worker thread)."""
+        self._evicted = callback
 
     def __len__(self) -> int:
         return len(self._items)
@@ -58,9 +66,10 @@ class SessionTable(Generic[T]):
 
     def put(self, session_id: str, state: T) -> None:
         with self._lock:
-            self._put(session_id, state)
+            evicted = self._put(session_id, state)
+        self._end(evicted)
 
-    def _put(self, session_id: str, state: T) -> None:
+    def _put(self, session_id: str, state: T) -> list[tuple[str, T]]:
         if self.draining:
             raise Draining("draining before it stops: start the session on another replica")
         if session_id in self._ended:
@@ -68,11 +77,11 @@ class SessionTable(Generic[T]):
             raise SessionEnded(session_id)
         if session_id in self._items:
             raise SessionExists(session_id)
-        if len(self._items) >= self.max_sessions:
-            self._evict_idle()
-        if len(self._items) >= self.max_sessions:
+        evicted = self._evict_idle() if len(self._items) >= self.max_sessions else []
+        if len(self._items) >= self.max_sessions:  # (nothing was evicted)
             raise TableFull(f"all {self.max_sessions} sessions are in use")
         self._items[session_id] = (state, self._clock())
+        return evicted
 
     def get(self, session_id: str) -> T:
         with self._lock:
@@ -108,14 +117,19 @@ class SessionTable(Generic[T]):
 
     def evict_idle(self) -> list[str]:
         with self._lock:
-            return self._evict_idle()
+            evicted = self._evict_idle()
+        self._end(evicted)
+        return [sid for sid, _ in evicted]
 
-    def _evict_idle(self) -> list[str]:
+    def _evict_idle(self) -> list[tuple[str, T]]:
         deadline = self._clock() - self.idle_timeout_s
         stale = [sid for sid, (_, used) in self._items.items() if used < deadline]
-        for sid in stale:
-            del self._items[sid]
-        return stale
+        return [(sid, self._items.pop(sid)[0]) for sid in stale]
+
+    def _end(self, evicted: list[tuple[str, T]]) -> None:
+        if self._evicted is not None:
+            for sid, state in evicted:
+                self._evicted(sid, state)
 
     async def sweep(self, interval_s: float) -> None:
         """Evicts idle sessions every interval_s until cancelled."""
