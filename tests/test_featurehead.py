@@ -243,9 +243,10 @@ def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel
     flat = [3.0] * 8  # a forward costs the same at every width
     state = verifier.start(tokens[:6])
     verifier.prefilled(state, tokens, feats)
-    assert len(verifier.draft(state, tokens, 8, flat)) == 3  # its gamma, the room allowing
-    assert verifier.price.w > 0  # the round was priced
+    drafted = verifier.draft(state, tokens, 8, flat)
+    assert len(drafted.tokens) == 3 and drafted.ns > 0  # its gamma, the room allowing; timed
+    assert verifier.price.w == 1 and verifier.price.ms == pytest.approx(drafted.ns / 1e6)  # priced at that time
     verifier.price = Price()
     verifier.price.add(2.7, 1)  # dearer than its gamma of 3 tokens earn at an even rate and 3 ms (2.625)
-    assert verifier.draft(state, tokens, 8, flat) == []
+    assert verifier.draft(state, tokens, 8, flat) == ([], 0)
     assert verifier.price.w == 1  # no round ran

@@ -6,7 +6,6 @@ the context's end; then one answer for them all (docs/protocol.md#session-life-c
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -69,9 +68,8 @@ class Decoding:
         self.looked, self.head_looked = len(draft), 0
         if not draft and request.head_gamma and head is not None and session.head is not None:
             room = min(request.head_gamma, request.decode_ahead - self.committed)
-            started = time.perf_counter_ns()
-            draft = head.draft(session.head, session.tokens, room, step_ms)
-            self.head_ns += time.perf_counter_ns() - started
+            draft, ns = head.draft(session.head, session.tokens, room, step_ms)
+            self.head_ns += ns
             self.head_looked = len(draft)
         return draft
 

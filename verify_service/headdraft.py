@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -61,6 +62,11 @@ class HeadState:
     looked: int = 0
 
 
+class HeadDraft(NamedTuple):
+    tokens: list[int]
+    ns: int  # what drafting them took (0: no round ran)
+
+
 class VerifierHead:
     """A feature head on the native kernels drafting for the verify service's own steps."""
 
@@ -88,16 +94,18 @@ class VerifierHead:
         state.track.cut(length)
         state.track.put_features(length - 1, features, len(tokens))
 
-    def draft(self, state: HeadState, tokens: list[int], room: int, step_ms: list[float]) -> list[int]:
+    def draft(self, state: HeadState, tokens: list[int], room: int, step_ms: list[float]) -> HeadDraft:
         """As many head tokens as pay at the rate the target has followed this session's head drafts,
         the forward's cost by width and the head's own price per token (Agreement.depth), at most
-        `room` and gamma: a chain, one native call."""
+        `room` and gamma: a chain, one native call, timed once (its price here, and what the
+        decode-ahead reports)."""
         depth = state.trust.depth(min(room, self.gamma), step_ms, *self.price.parts) if room > 0 else 0
         if not depth:
-            return []
-        started = time.perf_counter()
+            return HeadDraft([], 0)
+        started = time.perf_counter_ns()
         drafted = self.runner.run([state.track.round(tokens, depth, self.min_confidence, 0, MIN_EXPAND)])[0]
-        self.price.add((time.perf_counter() - started) * 1e3, len(drafted.chain.tokens))
+        ns = time.perf_counter_ns() - started
+        self.price.add(ns / 1e6, len(drafted.chain.tokens))
         state.track.took(drafted)
         state.looked = len(drafted.chain.tokens)
-        return drafted.chain.tokens
+        return HeadDraft(drafted.chain.tokens, ns)
