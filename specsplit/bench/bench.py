@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -251,6 +251,17 @@ def main(args, config: StackConfig) -> int:
     prompts = load_prompts(args.prompts, args.limit)
     REQUEST.update(temperature=args.temperature, seed=args.seed,
                    predraft={"off": pb.PREDRAFT_OFF, "on": pb.PREDRAFT_ON, "auto": pb.PREDRAFT_DEFAULT}[args.predraft])
+    code = _other_mode(args, config, prompts)
+    if code is not None:
+        return code
+    anchors = _anchors(args, config, prompts)
+    run = _run(args, config, prompts, anchors.anchor)
+    _report(args, config, prompts, anchors, run)
+    return 0
+
+
+def _other_mode(args, config: StackConfig, prompts: list[Prompt]) -> int | None:
+    """The modes with drivers of their own; None: the side-by-side bench."""
     if args.round_overhead:
         from specsplit.bench import roundoverhead
 
@@ -263,86 +274,129 @@ def main(args, config: StackConfig) -> int:
     if args.topology:
         from specsplit.bench import topology
 
-        rtts = args.rtts or topology.RTTS_MS
-        topology.run(prompts, config, args.max_new_tokens, args.repeats, rtts, args.plot)
+        topology.run(prompts, config, args.max_new_tokens, args.repeats, args.rtts or topology.RTTS_MS, args.plot)
         return 0
     if args.traffic:
         from specsplit.bench import traffic
 
         return traffic.main(args, config)
-    if args.controlled:
+    if args.controlled or args.long_context or args.concurrency:
         with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
-            code = controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
-            if args.neighbour:
-                busy_spell(stub, prompts, args.max_new_tokens, args.neighbour)
-            return code
+            return _against_gateway(args, config, prompts, stub)
+    return None
+
+
+def _against_gateway(args, config: StackConfig, prompts: list[Prompt], stub) -> int:
+    """--controlled, --long-context, --concurrency: drivers of one gateway."""
+    if args.controlled:
+        code = controlled(stub, prompts, args.max_new_tokens, args.repeats, args.controlled)
+        if args.neighbour:
+            busy_spell(stub, prompts, args.max_new_tokens, args.neighbour)
+        return code
     if args.long_context:
         from specsplit.bench import longcontext
         from specsplit.model import catalog
         from specsplit.model.fastllama import kernel_name
         from specsplit.model.modeling import parse_dtype
 
-        with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
-            return longcontext.run(stub, str(catalog.resolve(config.target_model)), config.dtype, args.max_new_tokens,
-                                   kernel_name(config.quantize, parse_dtype(config.dtype)))
-    if args.concurrency:
-        from specsplit.bench import concurrency
+        return longcontext.run(stub, str(catalog.resolve(config.target_model)), config.dtype, args.max_new_tokens,
+                               kernel_name(config.quantize, parse_dtype(config.dtype)))
+    from specsplit.bench import concurrency
 
-        with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, _):
-            variant = Variant(args.drafters[0] if args.drafters else "")
-            stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
-            return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant,
-                                   args.requests)
-    anchor, anchored, profile, llama, lookups, served = None, [], None, None, None, None
-    if args.anchor_llama_cpp or args.anchor and args.temperature <= 0:
-        from specsplit.bench import anchor as anchoring
-        from specsplit.model import catalog
+    variant = Variant(args.drafters[0] if args.drafters else "")
+    stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, variant), timeout=600)
+    return concurrency.run(stub, prompts, list(args.concurrency), args.max_new_tokens, variant, args.requests)
 
-        model_dir = str(catalog.resolve(config.target_model))
+
+@dataclass
+class Anchors:
+    """What the bench compares against, measured before the stack starts: the target's bare step,
+    llama.cpp's decode, llama-lookup and llama-server on the same GGUF file (where built), and
+    transformers' own model run beside each prompt (--anchor)."""
+
+    profile: dict | None = None
+    llama: float | None = None
+    lookups: dict | None = None
+    served: list | None = None
+    anchor: object = None
+
+
+def _anchors(args, config: StackConfig, prompts: list[Prompt]) -> Anchors:
+    found = Anchors()
+    if not (args.anchor_llama_cpp or args.anchor):
+        return found
+    from specsplit.bench import anchor as anchoring
+    from specsplit.model import catalog
+
+    model_dir = str(catalog.resolve(config.target_model))
+    if args.anchor_llama_cpp or args.temperature <= 0:
         print("measuring the target step ...", file=sys.stderr, flush=True)
-        profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
+        found.profile = anchoring.step_profile(model_dir, config.dtype, config.quantize)
     if args.anchor_llama_cpp:
-        from transformers import AutoTokenizer
-
-        from specsplit.bench import llamacpp, llamaserver
-        from specsplit.model.chat import chat_prompt_ids
-
-        gguf = Path(model_dir) / "model.gguf"
-        print("running llama.cpp's llama-bench (and llama-lookup, llama-server where built) on the same GGUF file ...",
-              file=sys.stderr, flush=True)
-        llama = llamacpp.decode_tok_s(args.anchor_llama_cpp, gguf)
-        built = Path(args.anchor_llama_cpp) / "bin"
-        if (built / "llama-lookup").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-            chat = lambda text: tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))  # noqa: E731
-            lookups = llamacpp.lookup_by_task(args.anchor_llama_cpp, gguf, prompts, chat, args.max_new_tokens)
-        if (built / "llama-server").is_file():
-            draft_gguf = Path(catalog.resolve(config.draft_model)) / "model.gguf" if config.draft_model else None
-            served = llamaserver.run(args.anchor_llama_cpp, gguf,
-                                     draft_gguf if draft_gguf is not None and draft_gguf.is_file() else None,
-                                     prompts, args.max_new_tokens)
+        _llama_cpp(args, config, prompts, model_dir, found)
     if args.anchor and args.temperature > 0:
         print("--anchor compares greedy decoding: not run at temperature > 0", file=sys.stderr)
     elif args.anchor:
         print("loading transformers' own model ...", file=sys.stderr, flush=True)
         draft_dir = str(catalog.resolve(config.draft_model)) if config.draft_model else None
-        anchor = anchoring.Anchor(model_dir, config.dtype, draft_dir)
-        anchor.warmup(prompts[0].prompt)
+        found.anchor = anchoring.Anchor(model_dir, config.dtype, draft_dir)
+        found.anchor.warmup(prompts[0].prompt)
+    return found
+
+
+def _llama_cpp(args, config: StackConfig, prompts: list[Prompt], model_dir: str, found: Anchors) -> None:
+    from transformers import AutoTokenizer
+
+    from specsplit.bench import llamacpp, llamaserver
+    from specsplit.model import catalog
+    from specsplit.model.chat import chat_prompt_ids
+
+    gguf = Path(model_dir) / "model.gguf"
+    print("running llama.cpp's llama-bench (and llama-lookup, llama-server where built) on the same GGUF file ...",
+          file=sys.stderr, flush=True)
+    found.llama = llamacpp.decode_tok_s(args.anchor_llama_cpp, gguf)
+    built = Path(args.anchor_llama_cpp) / "bin"
+    if (built / "llama-lookup").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        chat = lambda text: tokenizer.decode(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))  # noqa: E731
+        found.lookups = llamacpp.lookup_by_task(args.anchor_llama_cpp, gguf, prompts, chat, args.max_new_tokens)
+    if (built / "llama-server").is_file():
+        draft_gguf = Path(catalog.resolve(config.draft_model)) / "model.gguf" if config.draft_model else None
+        found.served = llamaserver.run(args.anchor_llama_cpp, gguf,
+                                       draft_gguf if draft_gguf is not None and draft_gguf.is_file() else None,
+                                       prompts, args.max_new_tokens)
+
+
+@dataclass
+class Run:
+    """The side-by-side run's records and what the stack said about itself after it."""
+
+    records: list[Record]
+    anchored: list
+    info: object  # the last GenerateResponse's stats: gamma, exact numerics
+    memory: dict | None
+    verify_rss: float
+    local: bool  # the stack was started here (else --gateway)
+
+
+def _run(args, config: StackConfig, prompts: list[Prompt], anchor) -> Run:
+    """Every prompt off and on with each drafter variant, back to back (and beside the neighbours)."""
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         names = list(args.drafters)
         if not names:  # every drafter the stack hosts and the default request; else the gateway's default
             names = [*_draft_memory(stack.addresses["draft"]), DEFAULT_REQUEST] if stack else [""]
         methods = list(args.methods) if args.temperature > 0 else [""]
-        trees = list(args.tree_budgets) or [0]
-        drafters = [Variant(n, m, t) for n in names for m in methods for t in trees]
+        drafters = [Variant(n, m, t) for n in names for m in methods for t in (list(args.tree_budgets) or [0])]
         for d in drafters:
             stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 16, d), timeout=600)
-        records = []
+        records, anchored = [], []
         neighbours = Neighbours(args.neighbour) if args.neighbour else None
         try:
             for i, p in enumerate(prompts, 1):
                 also = lambda: None  # noqa: E731
                 if anchor is not None:
+                    from specsplit.bench import anchor as anchoring
+
                     anchored.append(anchoring.AnchorRecord(p.task_type))
                     also = lambda: anchor.run(anchored[-1], p.prompt, args.max_new_tokens)  # noqa: E731
                 fresh = run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters, also)
@@ -352,22 +406,52 @@ def main(args, config: StackConfig) -> int:
                                   for r in run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters)]
                 records += fresh
                 for r in fresh:
-                    print(f"[{i}/{len(prompts)}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
-                          f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
-                          f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
-                          f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
-                          file=sys.stderr, flush=True)
+                    _progress(i, len(prompts), p, r)
         finally:
             if neighbours:
                 neighbours.close()
         info = stub.Generate(request(warmup(prompts), pb.SPECULATION_ON, 1, drafters[0]), timeout=600).stats
-        memory = _draft_memory(stack.addresses["draft"]) if stack else None
-        verify_rss = stack.rss_mib("verify") if stack else 0.0
-    rows = summarise(records)
+        return Run(records, anchored, info, _draft_memory(stack.addresses["draft"]) if stack else None,
+                   stack.rss_mib("verify") if stack else 0.0, stack is not None)
+
+
+def _progress(i: int, n: int, p: Prompt, r: Record) -> None:
+    print(f"[{i}/{n}] {p.task_type:<10} {r.drafter:<16} off {r.off_tokens / r.off_s:5.1f} "
+          f"tok/s  on {r.on_tokens / r.on_s:5.1f} tok/s  "
+          f"acc.len {(r.accepted + r.rounds) / max(1, r.rounds):.2f}"
+          f"  {'identical' if r.identical else f'DIVERGES at {r.first_divergence}'}",
+          file=sys.stderr, flush=True)
+
+
+def _report(args, config: StackConfig, prompts: list[Prompt], anchors: Anchors, run: Run) -> None:
+    rows = summarise(run.records)
+    header = _header(args, config, prompts, anchors, run)
+    print_table(rows, header, run.memory)
+    if anchors.lookups:
+        from specsplit.bench import llamacpp
+
+        llamacpp.print_lookup(anchors.lookups, rows)
+    if anchors.served:
+        from specsplit.bench import llamaserver
+
+        llamaserver.print_table(anchors.served, rows)
+    if args.neighbour:
+        print_neighbour(rows, args.neighbour)
+    if anchors.anchor is not None:
+        from specsplit.bench import anchor as anchoring
+
+        anchoring.print_table(anchors.anchor, run.anchored, rows, run.records)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,
+                                                   "records": [asdict(r) for r in run.records]}, indent=1))
+
+
+def _header(args, config: StackConfig, prompts: list[Prompt], anchors: Anchors, run: Run) -> str:
+    info, profile = run.info, anchors.profile
     exact = "exact numerics" if info.exact else "INEXACT numerics (spec on may differ from off)"
     weights = f"{config.dtype} with {config.quantize} weights" if config.quantize else config.dtype
     where = (f"transport={config.transport}, target {weights}, output store={config.store_tokens} tokens"
-             if stack else f"gateway={args.gateway}")
+             if run.local else f"gateway={args.gateway}")
     sampling = f"temperature={args.temperature}, seed={args.seed}" if args.temperature > 0 else "greedy"
     header = (f"specsplit bench: {len(prompts)} prompts, max_new_tokens={args.max_new_tokens}, "
               f"repeats={args.repeats}, gamma={info.gamma}, {sampling}, {where}, {exact}")
@@ -375,23 +459,11 @@ def main(args, config: StackConfig) -> int:
         header += (f"\ntarget forward ({profile['kernels']}): 1-row step {profile['rows1_ms']:.2f} ms, "
                    f"5-row verify {profile['rows5_ms']:.2f} ms ({profile['rows5_ms'] / profile['rows1_ms']:.2f}x), "
                    "128-token context")
-    if verify_rss:
-        header += f"\nverify service RSS after the run: {verify_rss:.0f} MiB (weights, KV pool, prefix cache)"
-    if llama:
-        ours = 1e3 / profile["rows1_ms"]
+    if run.verify_rss:
+        header += f"\nverify service RSS after the run: {run.verify_rss:.0f} MiB (weights, KV pool, prefix cache)"
+    if anchors.llama:
+        ours, llama = 1e3 / profile["rows1_ms"], anchors.llama
         header += (f"\nllama.cpp (llama-bench -t 2 -p 0 -n 96, the same GGUF file, run before the stack): decode "
                    f"{llama:.1f} tok/s; ours {ours:.1f} tok/s from the 1-row step ({ours / llama:.2f}x); "
                    f"end-to-end rows below include prefill")
-    print_table(rows, header, memory)
-    if lookups:
-        llamacpp.print_lookup(lookups, rows)
-    if served:
-        llamaserver.print_table(served, rows)
-    if args.neighbour:
-        print_neighbour(rows, args.neighbour)
-    if anchor is not None:
-        anchoring.print_table(anchor, anchored, rows, records)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"header": header, "summary": rows,
-                                                   "records": [asdict(r) for r in records]}, indent=1))
-    return 0
+    return header
