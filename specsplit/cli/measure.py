@@ -34,6 +34,11 @@ MODES = (
 
 
 def add(sub) -> None:
+    for add_command in (_add_bench, _add_soak, _add_calibrate, _add_validate, _add_trace_report):
+        add_command(sub)
+
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="speculation on vs off per task type, through the real services")
     bench.set_defaults(run=run_bench)
     stack_flags(bench)
@@ -91,6 +96,8 @@ def add(sub) -> None:
                             "default request (AUTO, no drafter named) as users send it (default: every drafter "
                             "of the started stack and the default request; with --gateway, its default drafter)")
 
+
+def _add_soak(sub) -> None:
     soak = sub.add_parser("soak", help="N clients for M minutes against a stack started here (optionally with "
                                        "chaos); errors, latency, memory drift and what was left behind")
     soak.set_defaults(run=run_soak)
@@ -115,6 +122,8 @@ def add(sub) -> None:
                       help="the drafter the (AUTO) requests name (default: none, the default request's choice; "
                            "n-gram drafts are the verifier's own, so the draft service's faults touch only others)")
 
+
+def _add_calibrate(sub) -> None:
     cal = sub.add_parser("calibrate", help="measure per task type whether speculation pays; write a policy file")
     cal.set_defaults(run=run_calibrate)
     stack_flags(cal)
@@ -125,6 +134,8 @@ def add(sub) -> None:
     _measured_gateway_flags(cal, "calibrate a running gateway (its default drafter) instead of a new stack")
     cal.add_argument("--policy-out", default="specsplit-policy.json", help="where to write the policy")
 
+
+def _add_validate(sub) -> None:
     val = sub.add_parser("validate", help="before turning speculation on: measure your prompts per task type "
                                           "(acceptance, P50/P95 on vs off, consistency, drift, quantization) and "
                                           "write report.md and policy.json")
@@ -142,6 +153,8 @@ def add(sub) -> None:
                      help="skip the matrix of 8- and 4-bit weights x speculation off / on (two more stacks)")
     _measured_gateway_flags(val, "validate a running gateway (no quantization matrix) instead of a new stack")
 
+
+def _add_trace_report(sub) -> None:
     rep = sub.add_parser("trace-report", help="time shares, speedup and break-even RTT from Generate traces")
     rep.set_defaults(run=run_trace_report)
     rep.add_argument("--file", action="append", help="OTLP-JSON lines (e.g. from --trace-file); repeatable")
