@@ -225,33 +225,9 @@ async def serve(
     # Undecodable outermost: the interceptors inside it (tracing reads the request's size) get messages.
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[Undecodable(), *interceptors])
     register(server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-
-    async def set_status(status: int) -> None:
-        for name in ("", service_name):
-            await health_servicer.set(name, status)
-
-    async def report(name: str, serving: bool) -> None:
-        """A health monitor's verdict: "" is the server as a whole (and its own service)."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await (set_status(status) if name == "" else health_servicer.set(name, status))
-
-    await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
-    listen = settings.listen
-    sock = unix_path(listen)
-    if sock is not None:
-        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new directory: only this user's
-        if sock.exists():
-            sock.unlink()  # a socket left by a killed predecessor; bind would fail on it
-    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
-    if sock is None and port == 0:
-        raise RuntimeError(f"could not bind {listen}")
-    bound = listen if sock is not None else f"{listen.rsplit(':', 1)[0]}:{port}"
-    await server.start()
-    if sock is not None:
-        os.chmod(sock, 0o600)  # only this user may connect, whatever the umask
+    checks = Health(server, service_name)
+    await checks.report("", False)
+    bound, sock = await _bind(server, settings.listen, credentials)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
@@ -262,18 +238,18 @@ async def serve(
     try:
         if warmup is not None and not await _unless_stopped(warmup(), stop):
             return
-        await set_status(health_pb2.HealthCheckResponse.SERVING)
+        await checks.report("", True)
         if settings.address_file:
             tmp = Path(f"{settings.address_file}.tmp")
             tmp.write_text(bound + "\n")
             os.replace(tmp, settings.address_file)
         log.info("%s serving on %s", service_name, bound)
-        monitor = asyncio.ensure_future(health_monitor(report)) if health_monitor is not None else None
+        monitor = asyncio.ensure_future(health_monitor(checks.report)) if health_monitor is not None else None
         await stop.wait()
     finally:
         if monitor is not None:
             monitor.cancel()
-        await set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await checks.report("", False)
         if sessions is not None:
             await _drain(sessions, settings.drain_s, service_name)
         await server.stop(settings.grace_s)
@@ -288,6 +264,41 @@ async def serve(
         for sig in signals:
             loop.remove_signal_handler(sig)
         log.info("%s stopped", service_name)
+
+
+class Health:
+    """The server's health service: "" (the server as a whole) and its own service move together;
+    a health monitor may report other names (the gateway: its backends)."""
+
+    def __init__(self, server: grpc.aio.Server, service_name: str):
+        self.servicer = health.aio.HealthServicer()
+        self.service_name = service_name
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection([service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+    async def report(self, name: str, serving: bool) -> None:
+        """A verdict: "" is the server as a whole (and its own service with it)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for each in ("", self.service_name) if name == "" else (name,):
+            await self.servicer.set(each, status)
+
+
+async def _bind(server: grpc.aio.Server, listen: str, credentials) -> tuple[str, Path | None]:
+    """Binds and starts the server: (the address bound, port 0 resolved; its UNIX socket or None).
+    A UNIX socket's directory is made only this user's, a socket a killed predecessor left is
+    removed first (bind would fail on it), and the socket is made 0600 whatever the umask."""
+    sock = unix_path(listen)
+    if sock is not None:
+        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if sock.exists():
+            sock.unlink()
+    port = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    if sock is None and port == 0:
+        raise RuntimeError(f"could not bind {listen}")
+    await server.start()
+    if sock is not None:
+        os.chmod(sock, 0o600)
+    return (listen if sock is not None else f"{listen.rsplit(':', 1)[0]}:{port}"), sock
 
 
 DRAIN_IDLE_S = 2.0  # a session not called for this long while draining has no caller left to finish it
