@@ -61,6 +61,27 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
             raise invalid(f"{key}={body[key]!r} is not supported: specsplit does not penalise (and never ignores "
                           "a sampling parameter); send 0 or leave it out", key)
     request = pb.GenerateRequest()
+    _input(body, chat, request)
+    request.logprobs.CopyFrom(_logprobs(body, chat))
+    _length_and_stops(body, chat, max_new_tokens_default, request)
+    # OpenAI's defaults: temperature 1, top_p 1.
+    request.sampling.temperature = _number(body.get("temperature", 1.0), "temperature")
+    if body.get("top_p") is not None:
+        request.sampling.top_p = _number(body["top_p"], "top_p")
+    if body.get("seed") is not None:
+        request.sampling.seed = _int(body["seed"], "seed", 0, UINT64)
+    _extension(body.get("specsplit") or {}, request)
+    if body.get("response_format") is not None:
+        _response_format(body["response_format"], request.constraint)
+    if body.get("grammar") is not None:  # llama-server's field: a GBNF grammar
+        if not isinstance(body["grammar"], str) or request.HasField("constraint"):
+            raise invalid("grammar must be a GBNF string, and not beside a json response_format", "grammar")
+        request.constraint.gbnf = body["grammar"]
+    return request
+
+
+def _input(body: dict, chat: bool, request: pb.GenerateRequest) -> None:
+    """The chat's messages, or the completion's prompt (a string, or a list of one string)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -69,16 +90,18 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
             if not isinstance(message, dict):
                 raise invalid(f"messages[{i}] must be an object", "messages")
             request.chat.messages.add(role=str(message.get("role", "")), content=_content(message.get("content"), i))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise invalid("prompt must be a string (or a list of one string)", "prompt")
-        request.text = prompt
-    request.logprobs.CopyFrom(_logprobs(body, chat))
+        return
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid("prompt must be a string (or a list of one string)", "prompt")
+    request.text = prompt
+
+
+def _length_and_stops(body: dict, chat: bool, default: int, request: pb.GenerateRequest) -> None:
     tokens = asked_tokens(body)
-    request.max_new_tokens = _int(tokens, "max_tokens", 0) if tokens is not None else max_new_tokens_default
+    request.max_new_tokens = _int(tokens, "max_tokens", 0) if tokens is not None else default
     if request.max_new_tokens == 0:  # lm-eval's log-likelihood: the prompt's logprobs, nothing generated
         if chat or not body.get("echo"):
             raise invalid("max_tokens=0 needs echo=true on /v1/completions (the prompt's log-probabilities)",
@@ -89,14 +112,11 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise invalid("stop must be a string or a list of strings", "stop")
     request.stop.stop_strings.extend(stops)
-    # OpenAI's defaults: temperature 1, top_p 1.
-    temperature = _number(body.get("temperature", 1.0), "temperature")
-    request.sampling.temperature = temperature
-    if body.get("top_p") is not None:
-        request.sampling.top_p = _number(body["top_p"], "top_p")
-    if body.get("seed") is not None:
-        request.sampling.seed = _int(body["seed"], "seed", 0, UINT64)
-    extension = body.get("specsplit") or {}
+
+
+def _extension(extension, request: pb.GenerateRequest) -> None:
+    """The body's `specsplit` object: speculation, verify_method, gamma, tree_budget, top_k, drafter,
+    task_type, ignore_eos."""
     if not isinstance(extension, dict):
         raise invalid("specsplit must be an object", "specsplit")
     unknown = set(extension) - EXTENSION
@@ -120,13 +140,6 @@ def generate_request(body: dict, chat: bool, max_new_tokens_default: int) -> pb.
             setattr(request, key, extension[key])
     if extension.get("ignore_eos"):
         request.stop.ignore_eos = True
-    if body.get("response_format") is not None:
-        _response_format(body["response_format"], request.constraint)
-    if body.get("grammar") is not None:  # llama-server's field: a GBNF grammar
-        if not isinstance(body["grammar"], str) or request.HasField("constraint"):
-            raise invalid("grammar must be a GBNF string, and not beside a json response_format", "grammar")
-        request.constraint.gbnf = body["grammar"]
-    return request
 
 
 def _response_format(value, constraint: cpb.Constraint) -> None:
