@@ -17,23 +17,21 @@ def add(sub) -> None:
     models = sub.add_parser("models", help="list the catalog: names, source, size, digest, licence, whether fetched")
     models.set_defaults(run=run_models)
     fm.set_defaults(run=run_fetch_model)
-
     dist = sub.add_parser("distill", help="make a self-draft head for a target from its own continuations")
     dist.set_defaults(run=run_distill)
     dist.add_argument("--target-model", default=ENV("SPECSPLIT_TARGET_MODEL", "default"))
     dist.add_argument("--out", required=True, help="work directory: data shards, checkpoint, head/ (resumable)")
+    _data_flags(dist)
+    _train_flags(dist)
+
+
+def _data_flags(dist: argparse.ArgumentParser) -> None:
+    """distill's generate stage: which prompts, how the target answers them."""
     dist.add_argument("--prompts", help="JSONL of {prompt, task_type} (default: the built-in distillation set)")
     dist.add_argument("--prompt-seeds", default="0", type=list_of(int, "integers"),
                       help="built-in set: comma-separated seeds, each adding ~1,000 new prompts (new template "
                            "combinations and rewrite passages) after those of the seeds before it, so that a "
                            "resumed run with more seeds keeps its shards and generates more")
-    dist.add_argument("--data-fractions", default="1", type=list_of(float, "numbers"),
-                      help="comma-separated shares of the training data, e.g. 0.25,0.5,1: each trains its own "
-                           "head with the same budget and the held-out accuracy of each is printed (a data-size "
-                           "curve, kept in the card); the largest is exported")
-    dist.add_argument("--init-head", help="--kind self: start from this exported head (its weights and draft "
-                                          "vocabulary) instead of the target's last layer, to continue it on "
-                                          "more data")
     dist.add_argument("--target-prompts", type=int, default=0,
                       help="also this many user turns the target writes itself from its chat template (sampled, "
                            "seeded, deduplicated): prompts in its own users' words for any target; kept in "
@@ -42,12 +40,28 @@ def add(sub) -> None:
                       help="the target's weights while generating and for the features, as the verifier's "
                            "--quantize (auto: what it serves)")
     dist.add_argument("--gen-minutes", type=float, default=30.0, help="budget for generating data")
+    dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
+    dist.add_argument("--batch", type=int, default=8, help="prompts generated together")
+    dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
+    dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
+    threads_flag(dist)
+    dist.add_argument("--stages", default="generate,train,export", type=list_of(str, "stage names"),
+                      help="comma-separated subset of generate, train, export, eval to run")
+
+
+def _train_flags(dist: argparse.ArgumentParser) -> None:
+    """distill's train, export and eval stages: the head's shape and its training."""
+    dist.add_argument("--data-fractions", default="1", type=list_of(float, "numbers"),
+                      help="comma-separated shares of the training data, e.g. 0.25,0.5,1: each trains its own "
+                           "head with the same budget and the held-out accuracy of each is printed (a data-size "
+                           "curve, kept in the card); the largest is exported")
+    dist.add_argument("--init-head", help="--kind self: start from this exported head (its weights and draft "
+                                          "vocabulary) instead of the target's last layer, to continue it on "
+                                          "more data")
     dist.add_argument("--train-minutes", type=float, default=30.0, help="total training budget (resume adds to it)")
     dist.add_argument("--train-steps", type=int, default=0,
                       help="also stop training at this many steps (0: the time budget alone); a machine's "
                            "load does not change what a step-bounded run learns")
-    dist.add_argument("--max-new-tokens", type=int, default=192, help="continuation length per prompt")
-    dist.add_argument("--batch", type=int, default=8, help="prompts generated together")
     dist.add_argument("--draft-vocab", type=int, default=8192, help="size of the frequency-ranked draft vocabulary")
     dist.add_argument("--head-intermediate", type=int, default=0,
                       help="the head's MLP width (0: the target's; a big target's head is cheaper to run and "
@@ -58,11 +72,6 @@ def add(sub) -> None:
     dist.add_argument("--train-precision", choices=["auto", "float32", "bfloat16"], default="auto",
                       help="the training matmuls (weights and optimizer stay float32): auto takes bfloat16 "
                            "where the CPU multiplies it natively (AVX-512 BF16, AMX, Arm BF16)")
-    dist.add_argument("--dtype", default=ENV("SPECSPLIT_DTYPE", "bfloat16"), help="target dtype while generating")
-    dist.add_argument("--device", default=ENV("SPECSPLIT_DEVICE", "cpu"))
-    threads_flag(dist)
-    dist.add_argument("--stages", default="generate,train,export", type=list_of(str, "stage names"),
-                      help="comma-separated subset of generate, train, export, eval to run")
     dist.add_argument("--eval-heads", default="", type=list_of(str, "head directories"),
                       help="the eval stage: comma-separated heads (directories, or `default` for the shipped one) "
                            "to compare on the held-out split, per task type (default: OUT/head)")
