@@ -80,31 +80,14 @@ def distill(s: DistillSettings, log=print) -> Path:
                              intermediate=s.head_intermediate,
                              levels=s.levels, lr=s.lr, batch_tokens=s.batch_tokens,
                              precision=train_precision(s.train_precision))
-    result, examples = None, None
+    result, examples, embed, lm_head = None, None, None, None
     if "eval" in s.stages and s.kind != "self":
         raise ValueError("the eval stage compares feature heads (--kind self)")
     if s.kind == "self" and {"train", "eval"} & set(s.stages):  # the very tensors the drafter reads
         embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
     if "train" in s.stages:
         examples = load_examples(data_dir, lm, log)
-        curve = []
-        for fraction, fdir in dirs.items():
-            fdir.mkdir(exist_ok=True)
-            fsettings = replace(settings, data_fraction=fraction)
-            if s.kind == "self":
-                result = train(lm, embed, lm_head, examples, fdir, fsettings, log, init=s.init_head)
-            else:
-                result = train_standalone(lm, examples, fdir, s.layers, fsettings, log)
-            curve.append({"data_fraction": fraction, **result["metrics"]})
-        if s.kind == "model":
-            _note(work, "layers", result["layers"])
-        if s.init_head and "init_head" in result:
-            _note(work, "init_head", result["init_head"])
-        _note(work, "metrics", result["metrics"])
-        _note(work, "train_settings", asdict(replace(settings, data_fraction=fractions[-1])))
-        if len(curve) > 1:  # about the data, not one head: kept beside the data
-            _note(out, "data_curve", curve)
-            log(curve_table(curve))
+        result = _train_stage(s, lm, embed, lm_head, examples, dirs, settings, out, log)
     if "export" in s.stages:
         work = _export(s, lm, target_dir, out, work, result, log)
     if "eval" in s.stages:
@@ -114,6 +97,32 @@ def distill(s: DistillSettings, log=print) -> Path:
         log(eval_table(rows))
         _note(out, "head_comparison", rows)
     return work
+
+
+def _train_stage(s: DistillSettings, lm, embed, lm_head, examples: list[dict], dirs: dict[float, Path],
+                 settings: TrainSettings, out: Path, log) -> dict:
+    """Trains one head (or draft model) per data fraction, each in its own directory with the same
+    budget; the notes of the largest (the one exported) and the data-size curve, if several."""
+    curve, result = [], None
+    for fraction, fdir in dirs.items():
+        fdir.mkdir(exist_ok=True)
+        fsettings = replace(settings, data_fraction=fraction)
+        if s.kind == "self":
+            result = train(lm, embed, lm_head, examples, fdir, fsettings, log, init=s.init_head)
+        else:
+            result = train_standalone(lm, examples, fdir, s.layers, fsettings, log)
+        curve.append({"data_fraction": fraction, **result["metrics"]})
+    work = dirs[max(dirs)]
+    if s.kind == "model":
+        _note(work, "layers", result["layers"])
+    if s.init_head and "init_head" in result:
+        _note(work, "init_head", result["init_head"])
+    _note(work, "metrics", result["metrics"])
+    _note(work, "train_settings", asdict(replace(settings, data_fraction=max(dirs))))
+    if len(curve) > 1:  # about the data, not one head: kept beside the data
+        _note(out, "data_curve", curve)
+        log(curve_table(curve))
+    return result
 
 
 def _export(s: DistillSettings, lm, target_dir: Path, out: Path, work: Path, result, log) -> Path:

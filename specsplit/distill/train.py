@@ -274,19 +274,9 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
             if done():
                 break
             t0 = time.monotonic()
-            frac = elapsed / settings.budget_s  # cosine schedule over the budget, short warm-up
-            if settings.max_steps:
-                frac = max(frac, step / settings.max_steps)
-            for group in opt.param_groups:
-                group["lr"] = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
-                loss, accs, _ = student.losses(batch)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            loss, accs = _step(student, opt, params, batch, settings, step, elapsed)
             step += 1
-            losses.append(float(loss.detach()))
+            losses.append(loss)
             elapsed += time.monotonic() - t0
             bar.update(min(round(elapsed), round(settings.budget_s)) - bar.n)
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
@@ -305,6 +295,25 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
                "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
     log(json.dumps(metrics))
     return {"module": module, "metrics": metrics, "losses": losses}
+
+
+def _step(student, opt, params: list, batch: list[dict], settings: TrainSettings, step: int,
+          elapsed: float) -> tuple[float, list[float]]:
+    """One optimizer step: the learning rate on its cosine schedule over the budget (or the step
+    bound) after a short warm-up, the loss (bf16 matmuls where settings say), a clipped update.
+    Returns (loss, per-step accuracies)."""
+    frac = elapsed / settings.budget_s
+    if settings.max_steps:
+        frac = max(frac, step / settings.max_steps)
+    for group in opt.param_groups:
+        group["lr"] = settings.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bfloat16"):
+        loss, accs, _ = student.losses(batch)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return float(loss.detach()), accs
 
 
 def load_head(target, embed: torch.Tensor, lm_head: torch.Tensor, head_dir: Path,
