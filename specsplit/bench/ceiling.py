@@ -101,13 +101,10 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
 def main(args, config) -> int:
     from transformers import AutoTokenizer
 
-    from draft_service.main import build_drafters
-    from specsplit.bench.workload import load_prompts
     from specsplit.model import catalog
     from specsplit.model.chat import chat_prompt_ids
-    from specsplit.model.headfile import head_setting
     from specsplit.model.modeling import load_model
-    from specsplit.serving.settings import ControllerSettings, DraftSettings, ModelSettings, ServerSettings
+    from specsplit.serving.settings import ControllerSettings
     from verify_service.engine import Target
     from verify_service.widths import Widths, first_id, measure_rows
 
@@ -118,24 +115,10 @@ def main(args, config) -> int:
     target = Target(lm)
     curve = measure_rows(target, first_id(lm))
     widths = Widths()
-    drafter, languages = None, None
     if args.structured:  # each prompt with its schema, then without: the verifier's own drafting only
-        from specsplit.api.common.v1 import common_pb2 as cpb
-        from specsplit.bench import structured
-        from specsplit.serving.grammar import Language
-
-        rows = structured.load(args.prompts)
-        prompts = [Prompt(r["task_type"], r["prompt"]) for r in rows]
-        languages = [Language(cpb.Constraint(json_schema=json.dumps(r["schema"])), tokenizer, lm.vocab_size)
-                     for r in rows]
+        prompts, languages, drafter = *_structured(args.prompts, tokenizer, lm.vocab_size), None
     else:
-        prompts = load_prompts(args.prompts or "general", args.limit)
-        draft_model = ModelSettings(config.draft_model, config.draft_dtype, config.device, exact=False,
-                                    quantize=config.draft_quantize) if config.draft_model else None
-        drafters = build_drafters(DraftSettings(ServerSettings(""), draft_model, draft_vocab=config.draft_vocab,
-                                                self_head=head_setting(config.self_head, config.target_model),
-                                                target_model=config.target_model, device=config.device))
-        drafter = drafters.get("self") or drafters.get("model")  # the hybrid's neural drafter
+        prompts, languages, drafter = _general(args, config), None, _neural_drafter(config)
     modes = MODES if drafter is not None else MODES[:2]
     print(f"ceiling: {lm.model_id} ({lm.kernels}), {len(prompts)} prompts, {args.max_new_tokens} tokens, greedy, "
           f"{args.repeats} repeat(s); decode only, in this process; a forward by rows 1..{min(9, len(curve))}: "
@@ -156,7 +139,44 @@ def main(args, config) -> int:
                                                   ControllerSettings.gamma_max, widths, language))
     if languages is None:
         print_table(prompts, free, modes)
-        return 0
+    else:
+        _print_structured(prompts, constrained, free, modes)
+    return 0
+
+
+def _structured(path: str | None, tokenizer, vocab_size: int) -> tuple[list[Prompt], list]:
+    """The structured workload's prompts and each one's schema as a language."""
+    from specsplit.api.common.v1 import common_pb2 as cpb
+    from specsplit.bench import structured
+    from specsplit.serving.grammar import Language
+
+    rows = structured.load(path)
+    return ([Prompt(r["task_type"], r["prompt"]) for r in rows],
+            [Language(cpb.Constraint(json_schema=json.dumps(r["schema"])), tokenizer, vocab_size) for r in rows])
+
+
+def _general(args, config) -> list[Prompt]:
+    from specsplit.bench.workload import load_prompts
+
+    return load_prompts(args.prompts or "general", args.limit)
+
+
+def _neural_drafter(config):
+    """The hybrid's neural drafter as the draft service would build it (the head, else the draft
+    model), or None."""
+    from draft_service.main import build_drafters
+    from specsplit.model.headfile import head_setting
+    from specsplit.serving.settings import DraftSettings, ModelSettings, ServerSettings
+
+    draft_model = ModelSettings(config.draft_model, config.draft_dtype, config.device, exact=False,
+                                quantize=config.draft_quantize) if config.draft_model else None
+    drafters = build_drafters(DraftSettings(ServerSettings(""), draft_model, draft_vocab=config.draft_vocab,
+                                            self_head=head_setting(config.self_head, config.target_model),
+                                            target_model=config.target_model, device=config.device))
+    return drafters.get("self") or drafters.get("model")
+
+
+def _print_structured(prompts: list[Prompt], constrained: dict, free: dict, modes: tuple[str, ...]) -> None:
     print("with each prompt's schema (the lookup's steps also draft what the schema forces):")
     print_table(prompts, constrained, modes)
     print("the same prompts without it:")
@@ -168,7 +188,6 @@ def main(args, config) -> int:
     tokens = sum(len(runs[0].tokens) for (i, m), runs in constrained.items() if m == "lookup")
     print(f"constrained gain {gains[0]:.2f}x against the unconstrained {gains[1]:.2f}x ({gains[0] / gains[1]:.2f} "
           f"of it); the schema forced {forced} of {tokens} tokens")
-    return 0
 
 
 def print_table(prompts: list[Prompt], runs: dict, modes: tuple[str, ...], out=sys.stdout) -> None:
