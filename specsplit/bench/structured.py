@@ -78,29 +78,16 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
     seconds = {m: 0.0 for m in MODES}
     tokens = {m: 0 for m in MODES}
     decoding = {m: [0.0, 0] for m in MODES}  # ms after the first token, tokens after the first
-    per, outputs, checks = {}, {}, {"valid": 0, "complete": 0, "identical": 0, "n": 0}
-    forced = generated = 0
+    per, outputs, checks = {}, {}, {"valid": 0, "complete": 0, "identical": 0, "n": 0, "forced": 0, "generated": 0}
     for row in rows:
-        got = {}
-        for mode, (speculation, constrained) in MODES.items():
-            walls = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                reply = stub.Generate(request(row, speculation, constrained, max_new_tokens), timeout=600)
-                walls.append(time.perf_counter() - start)
-            got[mode] = (reply, statistics.median(walls))
-            seconds[mode] += got[mode][1]
+        got = {mode: _median_reply(stub, row, speculation, constrained, max_new_tokens, repeats)
+               for mode, (speculation, constrained) in MODES.items()}
+        for mode, (reply, wall) in got.items():
+            seconds[mode] += wall
             tokens[mode] += len(reply.token_ids)
             decoding[mode][0] += reply.stats.decode_ms
             decoding[mode][1] += max(0, len(reply.token_ids) - 1)
-        for mode in ("off", "default", "on"):
-            reply = got[mode][0]
-            checks["n"] += 1
-            checks["valid"] += valid(reply.text, row["schema"])
-            checks["complete"] += reply.stats.constraint_complete
-            checks["identical"] += reply.text == got["off"][0].text
-        forced += got["default"][0].stats.forced_tokens
-        generated += len(got["default"][0].token_ids)
+        _check(row, got, checks)
         outputs[row["task_type"]] = list(got["off"][0].token_ids)
         rate = {m: len(r.token_ids) / s for m, (r, s) in got.items()}
         per[row["task_type"]] = rate
@@ -108,19 +95,61 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
               f"({rate['default'] / rate['off']:.2f}x) tok/s, forced {got['default'][0].stats.forced_tokens}/"
               f"{len(got['default'][0].token_ids)}", file=sys.stderr, flush=True)
     total = {m: tokens[m] / seconds[m] for m in MODES}
-    gain = total["default"] / total["off"]
-    free_gain = total["free default"] / total["free off"]
     rate_after = {m: n / ms if ms else 0.0 for m, (ms, n) in decoding.items()}
-    decode_gain = rate_after["default"] / rate_after["off"] if rate_after["off"] else 0.0
-    free_decode_gain = rate_after["free default"] / rate_after["free off"] if rate_after["free off"] else 0.0
     print(f"specsplit bench --structured: {len(rows)} prompts with a JSON schema, greedy, max_new_tokens="
           f"{max_new_tokens}, repeats={repeats}; tok/s = tokens / wall time incl. a cold prefill", file=out)
+    _table(per, total, out)
+    summary = _summary(per, total, rate_after, checks, out)
+    if model_dir:
+        us = mask_cost_us(model_dir, rows, outputs)
+        summary["mask_us"] = us
+        line = (f"mask per token: {us:.0f} us median (llguidance, along the spec-off outputs; greedy rows whose "
+                "own choice is allowed skip it)")
+        if step_ms:
+            line += f" = {us / 1e3 / step_ms:.1%} of the 1-row step ({step_ms:.2f} ms)"
+            summary["mask_share_of_step"] = us / 1e3 / step_ms
+        print(line, file=out)
+    return summary
+
+
+def _median_reply(stub, row: dict, speculation, constrained: bool, max_new_tokens: int, repeats: int):
+    """(the last reply, the median wall time of `repeats` runs)."""
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        reply = stub.Generate(request(row, speculation, constrained, max_new_tokens), timeout=600)
+        walls.append(time.perf_counter() - start)
+    return reply, statistics.median(walls)
+
+
+def _check(row: dict, got: dict, checks: dict) -> None:
+    """The constrained modes' outputs: valid against the schema, complete, identical to spec-off;
+    the tokens the schema forced in the default request's."""
+    for mode in ("off", "default", "on"):
+        reply = got[mode][0]
+        checks["n"] += 1
+        checks["valid"] += valid(reply.text, row["schema"])
+        checks["complete"] += reply.stats.constraint_complete
+        checks["identical"] += reply.text == got["off"][0].text
+    checks["forced"] += got["default"][0].stats.forced_tokens
+    checks["generated"] += len(got["default"][0].token_ids)
+
+
+def _table(per: dict, total: dict, out) -> None:
     print(f"{'prompt':<10}{'off':>8}{'default':>9}{'def/off':>8}{'on':>8}{'on/off':>7}{'free off':>9}"
           f"{'free def':>9}{'free gain':>10}", file=out)
     for name, rate in [*per.items(), ("ALL", total)]:
         print(f"{name:<10}{rate['off']:>8.1f}{rate['default']:>9.1f}{rate['default'] / rate['off']:>7.2f}x"
               f"{rate['on']:>8.1f}{rate['on'] / rate['off']:>6.2f}x{rate['free off']:>9.1f}{rate['free default']:>9.1f}"
               f"{rate['free default'] / rate['free off']:>9.2f}x", file=out)
+
+
+def _summary(per: dict, total: dict, rate_after: dict, checks: dict, out) -> dict:
+    gain = total["default"] / total["off"]
+    free_gain = total["free default"] / total["free off"]
+    decode_gain = rate_after["default"] / rate_after["off"] if rate_after["off"] else 0.0
+    free_decode_gain = rate_after["free default"] / rate_after["free off"] if rate_after["free off"] else 0.0
+    forced, generated = checks.pop("forced"), checks.pop("generated")
     summary = {"per_prompt": per, "all": total, "default_vs_off": gain, "free_default_vs_off": free_gain,
                "gain_vs_free_gain": gain / free_gain, "forced_share": forced / max(1, generated),
                "decode_default_vs_off": decode_gain, "decode_free_default_vs_off": free_decode_gain, **checks}
@@ -131,15 +160,6 @@ def run(stub, rows: list[dict], max_new_tokens: int, repeats: int, model_dir: st
           f"({gain / free_gain:.2f}x)", file=out)
     print(f"decode only (tokens after the first / time after prefill): default/off {decode_gain:.2f}x constrained, "
           f"{free_decode_gain:.2f}x unconstrained", file=out)
-    if model_dir:
-        us = mask_cost_us(model_dir, rows, outputs)
-        summary["mask_us"] = us
-        line = (f"mask per token: {us:.0f} us median (llguidance, along the spec-off outputs; greedy rows whose "
-                "own choice is allowed skip it)")
-        if step_ms:
-            line += f" = {us / 1e3 / step_ms:.1%} of the 1-row step ({step_ms:.2f} ms)"
-            summary["mask_share_of_step"] = us / 1e3 / step_ms
-        print(line, file=out)
     return summary
 
 
