@@ -118,47 +118,18 @@ def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out
     hf = HFForward(model_dir, dtype)
     hf.seconds(chat_prompt_ids(tokenizer, _messages(docs[0][1][:sizes[0]], QUESTIONS[0])), 1)  # warm-up
     timed(stub, _request(_messages("warm-up", QUESTIONS[0]), 4, True))
-    rows, differ = [], 0
+    rows = []
     for name, doc in docs:
         print(f"{name}: cold, warm, transformers ...", file=sys.stderr, flush=True)
-        first = _messages(doc, QUESTIONS[0])
-        ids = chat_prompt_ids(tokenizer, first)
-        cold = [timed(stub, _request(first, max_new_tokens, True)) for _ in range(COLD_REPEATS)]
-        forward = hf.seconds(ids)
-        warm, same, spec = [], 0, []
-        for q in QUESTIONS[1:]:
-            messages = _messages(doc, q)
-            w = timed(stub, _request(messages, max_new_tokens, False))
-            c = timed(stub, _request(messages, max_new_tokens, True))
-            on = timed(stub, _request(messages, max_new_tokens, False, pb.SPECULATION_ON))
-            warm.append(w)
-            cold.append(c)
-            same += w.tokens == c.tokens == on.tokens
-            spec.append((w.stats, on.stats))
-        differ += len(warm) - same
-        cold_s = [c.ttft for c in cold]
-        warm_s = [w.ttft for w in warm]
-        off_rate = sum(s.generated_tokens for s, _ in spec) / sum(s.decode_ms for s, _ in spec) * 1e3
-        on_rate = sum(s.generated_tokens for _, s in spec) / sum(s.decode_ms for _, s in spec) * 1e3
-        acc = statistics.mean(s.mean_acceptance_length for _, s in spec)
-        rows.append((name, cold[0].stats.prompt_tokens, statistics.median(cold_s), p95(cold_s), forward,
-                     statistics.median(warm_s), statistics.median(w.stats.prefix_cached_tokens for w in warm),
-                     same, len(warm), off_rate, on_rate, acc, statistics.median(c.stats.prefill_chunks for c in cold)))
+        rows.append(_document(stub, tokenizer, hf, name, doc, max_new_tokens))
     print(f"stall: a stream decoding beside a cold prefill of {sizes[-1]} tokens ...", file=sys.stderr, flush=True)
     stall = _stall(stub, docs[-1][1], max_new_tokens)
     print("chat: turns that resend the conversation ...", file=sys.stderr, flush=True)
     chat = _chat(stub, docs[0][1], max_new_tokens)
-
     print(f"\nspecsplit bench --long-context: documents = Python standard library sources, greedy, "
           f"max_new_tokens={max_new_tokens}; target forward: {kernels}; transformers {dtype} forward in this "
           f"process (logits of the last position), same token ids", file=out)
-    print(f"{'document':<20}{'tokens':>7}{'cold TTFT P50/P95 s':>21}{'chunks':>7}{'HF fwd s':>9}{'cold/HF':>8}"
-          f"{'warm TTFT s':>12}{'warm/cold':>10}{'cached':>7}{'identical':>10}{'off tok/s':>10}{'on tok/s':>9}"
-          f"{'acc.len':>8}", file=out)
-    for (name, tokens, c50, c95, fwd, w50, cached, same, n, off, on, acc, chunks) in rows:
-        print(f"{name:<20}{tokens:>7}{c50:>12.3f} /{c95:>6.3f}{chunks:>7.0f}{fwd:>9.3f}{c50 / fwd:>7.2f}x"
-              f"{w50:>12.3f}{w50 / c50:>9.2f}x{cached:>7.0f}{f'{same}/{n}':>10}{off:>10.1f}{on:>9.1f}{acc:>8.2f}",
-              file=out)
+    _print_documents(rows, out)
     gaps, beside, tokens, ttft, chunks = stall
     med, during = statistics.median(gaps), max(beside, default=0.0)
     print(f"\nstall: a spec-off stream's median gap between chunks {med * 1e3:.1f} ms alone; while a {tokens}-token "
@@ -169,9 +140,47 @@ def run(stub, model_dir: str, dtype: str, max_new_tokens: int, kernels: str, out
     print(f"{'turn':>5}{'prompt tokens':>15}{'cached':>8}{'TTFT s':>9}", file=out)
     for i, (tokens, cached, ttft) in enumerate(chat, 1):
         print(f"{i:>5}{tokens:>15}{cached:>8}{ttft:>9.3f}", file=out)
+    differ = sum(row[8] - row[7] for row in rows)
     if differ:
         print(f"\n{differ} warm answers differ from their cold or spec-on runs", file=out)
     return 1 if differ else 0
+
+
+def _document(stub, tokenizer, hf, name: str, doc: str, max_new_tokens: int) -> tuple:
+    """One document: cold (its first question, several times), transformers' forward of it, then
+    each later question warm (the prefix cache), cold and spec-on; a table row."""
+    from specsplit.model.chat import chat_prompt_ids
+
+    first = _messages(doc, QUESTIONS[0])
+    cold = [timed(stub, _request(first, max_new_tokens, True)) for _ in range(COLD_REPEATS)]
+    forward = hf.seconds(chat_prompt_ids(tokenizer, first))
+    warm, same, spec = [], 0, []
+    for q in QUESTIONS[1:]:
+        messages = _messages(doc, q)
+        w = timed(stub, _request(messages, max_new_tokens, False))
+        c = timed(stub, _request(messages, max_new_tokens, True))
+        on = timed(stub, _request(messages, max_new_tokens, False, pb.SPECULATION_ON))
+        warm.append(w)
+        cold.append(c)
+        same += w.tokens == c.tokens == on.tokens
+        spec.append((w.stats, on.stats))
+    cold_s = [c.ttft for c in cold]
+    off_rate = sum(s.generated_tokens for s, _ in spec) / sum(s.decode_ms for s, _ in spec) * 1e3
+    on_rate = sum(s.generated_tokens for _, s in spec) / sum(s.decode_ms for _, s in spec) * 1e3
+    return (name, cold[0].stats.prompt_tokens, statistics.median(cold_s), p95(cold_s), forward,
+            statistics.median(w.ttft for w in warm), statistics.median(w.stats.prefix_cached_tokens for w in warm),
+            same, len(warm), off_rate, on_rate, statistics.mean(s.mean_acceptance_length for _, s in spec),
+            statistics.median(c.stats.prefill_chunks for c in cold))
+
+
+def _print_documents(rows: list[tuple], out) -> None:
+    print(f"{'document':<20}{'tokens':>7}{'cold TTFT P50/P95 s':>21}{'chunks':>7}{'HF fwd s':>9}{'cold/HF':>8}"
+          f"{'warm TTFT s':>12}{'warm/cold':>10}{'cached':>7}{'identical':>10}{'off tok/s':>10}{'on tok/s':>9}"
+          f"{'acc.len':>8}", file=out)
+    for (name, tokens, c50, c95, fwd, w50, cached, same, n, off, on, acc, chunks) in rows:
+        print(f"{name:<20}{tokens:>7}{c50:>12.3f} /{c95:>6.3f}{chunks:>7.0f}{fwd:>9.3f}{c50 / fwd:>7.2f}x"
+              f"{w50:>12.3f}{w50 / c50:>9.2f}x{cached:>7.0f}{f'{same}/{n}':>10}{off:>10.1f}{on:>9.1f}{acc:>8.2f}",
+              file=out)
 
 
 def _stall(stub, doc: str, max_new_tokens: int):
