@@ -46,22 +46,7 @@ def write_report(out: Path, verdicts, formats, first, args, draft_memory: dict[s
         *(f"| {v.task_type} | " + " | ".join(_at(v, start) for start in _starts(verdicts)) + " |" for v in verdicts),
     ]
     if formats:
-        base = formats[0]
-        lines += [
-            "",
-            "## Quantization and speculation",
-            "",
-            f"Each format's greedy spec-off output compared with the {base.name} weights' (its quality cost), and "
-            "its perplexity on a fixed text (the first paragraph of A Tale of Two Cities and the Gettysburg "
-            "Address: specsplit/data/perplexity.txt).",
-            "",
-            "| weights | off tok/s | on tok/s | on/off | vs " + base.name + " off | identical outputs | "
-            "mean common prefix | perplexity |",
-            "|---|---|---|---|---|---|---|---|",
-            *(f"| {f.name} | {f.off_tps:.1f} | {f.on_tps:.1f} | {f.on_tps / f.off_tps:.2f}x | "
-              f"{f.on_tps / base.off_tps:.2f}x | {f.identical}/{f.n} | {f.common_prefix:.1f} tokens | "
-              f"{f.perplexity:.2f} |" for f in formats),
-        ]
+        lines += _quantization(formats)
     if plots:
         lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
     elif not _can_plot():
@@ -69,6 +54,25 @@ def write_report(out: Path, verdicts, formats, first, args, draft_memory: dict[s
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     return [report, *plots]
+
+
+def _quantization(formats) -> list[str]:
+    base = formats[0]
+    return [
+        "",
+        "## Quantization and speculation",
+        "",
+        f"Each format's greedy spec-off output compared with the {base.name} weights' (its quality cost), and "
+        "its perplexity on a fixed text (the first paragraph of A Tale of Two Cities and the Gettysburg "
+        "Address: specsplit/data/perplexity.txt).",
+        "",
+        "| weights | off tok/s | on tok/s | on/off | vs " + base.name + " off | identical outputs | "
+        "mean common prefix | perplexity |",
+        "|---|---|---|---|---|---|---|---|",
+        *(f"| {f.name} | {f.off_tps:.1f} | {f.on_tps:.1f} | {f.on_tps / f.off_tps:.2f}x | "
+          f"{f.on_tps / base.off_tps:.2f}x | {f.identical}/{f.n} | {f.common_prefix:.1f} tokens | "
+          f"{f.perplexity:.2f} |" for f in formats),
+    ]
 
 
 def _starts(verdicts) -> list[int]:
