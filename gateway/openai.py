@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import time
+from typing import NamedTuple
 
 import grpc
 from aiohttp import web
@@ -105,6 +106,27 @@ class OpenAIFront:
                                   "created": created, "model": self._model, "choices": answers,
                                   "usage": shape.usage(lasts), "specsplit": _stats(lasts[0].stats)})
 
+    async def _first(self, http: web.Request, chunks, iterator) -> _Start:
+        """Waits for the stream's first chunk; while a long prompt is prefilled, comment lines keep
+        the connection alive (opening the response). A failure before any byte went out raises (an
+        ordinary error response), after one it is returned to be sent as an error event."""
+        pending = asyncio.ensure_future(anext(iterator, None))
+        response = None
+        try:
+            while not (await asyncio.wait({pending}, timeout=self.keepalive_s))[0]:
+                if response is None:
+                    response = await _open_stream(http)
+                await response.write(b": prefilling\n\n")
+            return _Start(response, pending.result())  # a refusal or an early failure raises here
+        except BaseException as e:
+            pending.cancel()
+            if response is None or not isinstance(e, Failure):
+                await chunks.__aexit__(None, None, None)
+                if isinstance(e, ConnectionResetError):
+                    return _Start(response, None, gone=True)
+                raise
+            return _Start(response, None, e)  # headers are out: it becomes an error event
+
     async def _sse(self, http: web.Request, merged, shape: _Shape, ident: str, created: int,
                    include_usage: bool) -> web.StreamResponse:
         """Server-sent events: one `data:` line per chunk of any choice, then `data: [DONE]`. A failure
@@ -113,24 +135,11 @@ class OpenAIFront:
         connection alive (a failure after one is an error event too)."""
         chunks = contextlib.aclosing(merged)
         iterator = await chunks.__aenter__()
-        pending = asyncio.ensure_future(anext(iterator, None))
-        response = early = None
-        try:  # a long prompt's prefill: comment lines keep the connection alive until the first token
-            while not (await asyncio.wait({pending}, timeout=self.keepalive_s))[0]:
-                if response is None:
-                    response = await _open_stream(http)
-                await response.write(b": prefilling\n\n")
-            first = pending.result()  # a refusal or an early failure raises here
-        except BaseException as e:
-            pending.cancel()
-            if response is None or not isinstance(e, Failure):
-                await chunks.__aexit__(None, None, None)
-                if isinstance(e, ConnectionResetError):
-                    return response
-                raise
-            first, early = None, e  # headers are out: it becomes an error event
-        if response is None:
-            response = await _open_stream(http)
+        start = await self._first(http, chunks, iterator)
+        if start.gone:
+            return start.response
+        first, early = start.first, start.early
+        response = start.response or await _open_stream(http)
         kind = "chat.completion.chunk" if shape.chat else "text_completion"
 
         async def send(payload: dict) -> None:
@@ -166,6 +175,16 @@ class OpenAIFront:
             await chunks.__aexit__(None, None, None)
         await response.write_eof()
         return response
+
+
+class _Start(NamedTuple):
+    """How a stream began: its response if keep-alive comments opened it, the first (index, chunk)
+    (None: it ended or failed), a failure after the headers went out, or the client gone."""
+
+    response: web.StreamResponse | None
+    first: tuple | None
+    early: Failure | None = None
+    gone: bool = False
 
 
 def _json(raw: bytes):

@@ -240,9 +240,7 @@ async def serve(
             return
         await checks.report("", True)
         if settings.address_file:
-            tmp = Path(f"{settings.address_file}.tmp")
-            tmp.write_text(bound + "\n")
-            os.replace(tmp, settings.address_file)
+            _publish(settings.address_file, bound)
         log.info("%s serving on %s", service_name, bound)
         monitor = asyncio.ensure_future(health_monitor(checks.report)) if health_monitor is not None else None
         await stop.wait()
@@ -255,15 +253,27 @@ async def serve(
         await server.stop(settings.grace_s)
         if sweeper is not None:
             sweeper.cancel()
-        if fast_path is not None:
-            fast_path.close()
-        if worker is not None:
-            worker.shutdown()
-        if sock is not None and sock.exists():
-            sock.unlink()
+        _close(fast_path, worker, sock)
         for sig in signals:
             loop.remove_signal_handler(sig)
         log.info("%s stopped", service_name)
+
+
+def _publish(address_file: str, bound: str) -> None:
+    """The bound address, written whole (a reader never sees half of it)."""
+    tmp = Path(f"{address_file}.tmp")
+    tmp.write_text(bound + "\n")
+    os.replace(tmp, address_file)
+
+
+def _close(fast_path: fastpath.FastPathServer | None, worker: ModelWorker | None, sock: Path | None) -> None:
+    """After the server stopped: its fast-path socket, its worker thread, its UNIX socket."""
+    if fast_path is not None:
+        fast_path.close()
+    if worker is not None:
+        worker.shutdown()
+    if sock is not None and sock.exists():
+        sock.unlink()
 
 
 class Health:
