@@ -39,9 +39,13 @@ async def test_worker_runs_every_job_on_its_one_thread_in_order():
     assert worker.submit(int).cancelled()  # after shutdown nothing runs
 
 
+SLOW_RUNNING = threading.Event()  # set when a "slow" call starts on the worker
+
+
 def _handler(body: bytes) -> bytes:
     request = vpb.VerifyRequest.FromString(body)
     if request.session_id == "slow":
+        SLOW_RUNNING.set()
         time.sleep(0.3)
     if request.session_id == "refused":
         raise Failure(grpc.StatusCode.FAILED_PRECONDITION, "length mismatch")
@@ -82,9 +86,10 @@ async def test_calls_errors_and_late_answers(shm_dir):
         assert after.length == 8
         # A stopping service finishes the request it is running, then its connections close: the
         # link knows, and a call fails as UNAVAILABLE at once.
+        SLOW_RUNNING.clear()
         pending = asyncio.ensure_future(link.call(vpb.VerifyRequest(session_id="slow", length=1),
                                                   vpb.VerifyResponse, 5.0))
-        await asyncio.sleep(0.05)
+        await until(SLOW_RUNNING.is_set, "the slow call running on the worker", 30, every_s=0.005)
         await asyncio.to_thread(worker.shutdown)
         assert (await pending).length == 2
         await until(lambda: link.closed, "the link closing after its server stopped", 30, every_s=0.01)

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import native_model, prefill_all
+from conftest import native_model, prefill_all, until
 
 from specsplit.model.fastllama import CacheFull
 from specsplit.model.modeling import load_model
@@ -229,7 +229,7 @@ async def test_a_long_prefill_runs_in_chunks_beside_a_decoding_session_and_chang
                     length = r.length
 
             decoding = asyncio.create_task(decode())
-            await asyncio.sleep(0.05)
+            await until(lambda: rounds, "session a decoding before b's prefill starts", 60, every_s=0.01)
             b = await v.Prefill(vpb.PrefillRequest(session_id="b", prompt_token_ids=long))
             done.set()
             await decoding
@@ -264,12 +264,11 @@ async def test_a_client_deadline_shorter_than_a_prefill_stops_it_and_leaves_noth
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await gw.Generate(request, timeout=0.1)
             assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(200):  # the gateway's Release stops the prefill at its next chunk
+            async def stopped() -> bool:  # the gateway's Release stops the prefill at its next chunk
                 info = await v.Info(vpb.InfoRequest())
-                if info.active_prefills == info.active_sessions == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert (info.active_prefills, info.active_sessions) == (0, 0)
+                return info.active_prefills == info.active_sessions == 0
+
+            await until(stopped, "the released prefill stopping", 30, every_s=0.05)
             # It stopped before its end: the prefix cache holds the blocks of its chunks before the
             # stop, not all of them; the same prompt then computes the rest.
             first = await gw.Generate(request)
