@@ -30,12 +30,13 @@ class Workload:
     def run(self, speculate: bool, gamma: int, gate: Gate | None = None) -> pb.GenerationStats:
         """`gate`: the request's (gateway.gate), asked before each round; None: every round drafts."""
         rounds, generated, total = [], 1, 60.0 * self.slow  # prefill
-        while generated < self.tokens:
+        for _ in range(self.tokens):  # a round commits at least one token
+            if generated >= self.tokens:
+                break
             asked = speculate and (gate is None or gate.ask())
             drafted = min(gamma, self.tokens - generated - 1) if asked else 0
-            accepted = 0
-            while accepted < drafted and self.rng.random() < self.alpha:
-                accepted += 1
+            # geometric acceptance: each draft accepted with probability alpha until one is not
+            accepted = next((i for i in range(drafted) if self.rng.random() >= self.alpha), drafted)
             record = pb.RoundRecord(drafted=drafted, accepted=accepted,
                                     draft_ms=self._jitter(3.0 * drafted * self.draft_slow),
                                     verify_ms=self._jitter(50 + 1.5 * drafted),

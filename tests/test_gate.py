@@ -12,7 +12,9 @@ ASK = 3.0  # ms of a round that asks (the Propose, wider verify)
 def drive(gate: Gate, accepted_if_asked, tokens: int) -> list[bool]:
     """Rounds until `tokens` are committed; accepted_if_asked(i): drafts accepted when round i asks."""
     asks, committed = [], 0
-    while committed < tokens:
+    for _ in range(tokens):  # a round commits at least one token
+        if committed >= tokens:
+            break
         asked = gate.ask()
         n = 1 + (accepted_if_asked(len(asks)) if asked else 0)
         gate.record(asked, n, ASK if asked else STEP)
@@ -155,7 +157,9 @@ def test_a_few_unlucky_rounds_do_not_overturn_what_the_type_measured_but_a_run_o
     own evidence outweighing the type's."""
     gate = Gate(Prior(situations={False: (3.5, 80.0)}, unasked={False: 37.5}))
     asked = 0
-    while gate.ask() and asked < 30:
+    for _ in range(30):
+        if not gate.ask():
+            break
         gate.record(True, 2, 100.0)
         asked += 1
     assert 3 < asked < 30, asked
