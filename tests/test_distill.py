@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
-from conftest import write_prompts
+from conftest import DISTILL_PROMPTS, write_prompts
 
 from draft_service.drafters.selfdraft import SelfDrafter
 from specsplit.distill import gen
@@ -144,7 +145,18 @@ def test_held_out_split_stays_put_as_the_data_grows():
 def test_exported_head_records_its_target_and_loads(self_head, models):
     card = json.loads((self_head / "head.json").read_text())
     assert card["target"]["model_fingerprint"] == weights_fingerprint(models["target"])
-    assert card["metrics"]["steps"] > 0 and card["recipe"]["command"] == "specsplit distill"
+    assert card["metrics"]["steps"] > 0
+    # The one command that makes it again: the settings it was made with, whatever ran the stages.
+    command = shlex.split(card["recipe"]["command"])
+    assert command[:2] == ["specsplit", "distill"] and "--stages" not in command
+    flags = dict(zip(command[2::2], command[3::2]))
+    assert flags["--target-model"] == str(models["target"]) and flags["--out"] == str(self_head.parent)
+    assert (flags["--data-fractions"], flags["--head-intermediate"], flags["--draft-vocab"]) == ("0.5,1", "96", "128")
+    assert flags["--train-minutes"] == "0.1" and "--lr" not in flags  # defaults left out
+    # The data it was made from, by task type (every prompt of the file is "test").
+    data = card["recipe"]["data"]
+    assert list(data) == ["test"] and data["test"]["sequences"] == len(DISTILL_PROMPTS)
+    assert data["test"]["continuation_tokens"] >= card["metrics"]["continuation_tokens"]  # held-out too
     assert card["config"]["intermediate"] == 96  # --head-intermediate, narrower than the target's 128
     # Made with --data-fractions 0.5,1: both heads trained on their share, same held-out set.
     curve = card["metrics"]["data_curve"]

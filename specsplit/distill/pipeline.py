@@ -7,8 +7,9 @@ Each stage has its own budget; rerunning the same command resumes where it stopp
 from __future__ import annotations
 
 import json
+import shlex
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -203,12 +204,40 @@ def _notes(work: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def command(s: DistillSettings) -> str:
+    """The one command that makes this draft again from the kept data (its stages all run; a stage
+    whose work is done resumes as a no-op): every setting that differs from its default, as flags."""
+    defaults = DistillSettings(target_model=s.target_model, out=s.out)
+    parts = ["specsplit", "distill", "--target-model", s.target_model, "--out", s.out]
+    for f in fields(DistillSettings):
+        value = getattr(s, f.name)
+        if f.name in ("target_model", "out", "stages", "eval_heads") or value == getattr(defaults, f.name):
+            continue
+        parts += [f"--{f.name.replace('_', '-')}",
+                  ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+                  if isinstance(value, tuple) else str(value)]
+    return shlex.join(parts)
+
+
+def data_made(data_dir: Path) -> dict:
+    """The generated data by task type: sequences and continuation tokens (held-out included)."""
+    by_type: dict[str, list[int]] = {}
+    for path in gen.shard_paths(data_dir):
+        for ex in torch.load(path, weights_only=True):
+            counts = by_type.setdefault(ex.get("task_type") or "unlabelled", [0, 0])
+            counts[0] += 1
+            counts[1] += len(ex["ids"]) - ex["prompt_len"]
+    return {kind: {"sequences": n, "continuation_tokens": t} for kind, (n, t) in sorted(by_type.items())}
+
+
 def _card(work: Path, lm, s: DistillSettings) -> dict:
-    """What a made draft records: the target it was made for, the recipe, the held-out metrics."""
+    """What a made draft records: the target it was made for, the recipe (the command that makes it
+    again, the data it was made from), the held-out metrics."""
     notes = _notes(work)
     return {"target": {"model_id": lm.model_id, "model_fingerprint": lm.model_fingerprint,
                        "tokenizer_fingerprint": lm.fingerprint},
-            "recipe": {"command": "specsplit distill", "kind": s.kind, "prompts": s.prompts or "built-in",
+            "recipe": {"command": command(s), "data": data_made(work.parent / "data"),
+                       "kind": s.kind, "prompts": s.prompts or "built-in",
                        "max_new_tokens": s.max_new_tokens, "generate_dtype": s.dtype,
                        "target_prompts": s.target_prompts, "weights": lm.native.kernel if lm.native else "transformers",
                        "train": notes.get("train_settings", {}), **({"target_layers": notes["layers"]}
