@@ -57,8 +57,9 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
         model = replace(settings.model, quantize=draft_quantization(settings.model))
         drafters["model"] = ModelDrafter(runtime.load(model, head_ids=vocab), "model", vocab)
     if settings.self_head is not None:
-        drafters["self"] = SelfDrafter(resolve_head(settings.self_head), catalog.resolve(settings.target_model),
-                                       settings.device, min_confidence=settings.self_min_confidence)
+        drafters["self"] = SelfDrafter(resolve_head(settings.self_head, settings.target_model),
+                                       catalog.resolve(settings.target_model), settings.device,
+                                       min_confidence=settings.self_min_confidence)
     # Retrieval where it matches, a neural drafter elsewhere: the self head when one is loaded
     # (trained for this target), else the draft model.
     neural = drafters.get("self") or drafters.get("model")

@@ -174,6 +174,17 @@ def test_exported_head_records_its_target_and_loads(self_head, models):
     assert drafter.propose(session, 4) == Proposal([], "")
 
 
+def test_default_names_the_head_shipped_for_the_target_given():
+    from specsplit.errors import UsageError
+    from specsplit.model.headfile import resolve_head, shipped_head
+
+    assert resolve_head("default").name == "smollm2-135m-instruct-self"  # the embedded default's
+    qwen = resolve_head("default", "qwen2.5-coder-1.5b-instruct")
+    assert qwen == shipped_head("qwen2.5-coder-1.5b-instruct") and (qwen / "head.json").is_file()
+    with pytest.raises(UsageError, match="no head is shipped for target qwen2.5-coder-0.5b-instruct"):
+        resolve_head("default", "qwen2.5-coder-0.5b-instruct")
+
+
 def test_a_head_for_other_weights_is_refused(self_head, models):
     # "draft" shares the target's tokenizer but not its weights.
     with pytest.raises(ValueError, match="was trained for target .* retrain it"):

@@ -61,7 +61,7 @@ def _head(settings: VerifySettings) -> VerifierHead | None:
     the native kernels, where a round is one call."""
     if settings.self_head is None:
         return None
-    head_dir = resolve_head(settings.self_head)
+    head_dir = resolve_head(settings.self_head, settings.model.path)
     target_dir = catalog.resolve(settings.model.path)
     head, _ = load_head(head_dir, target_dir, settings.model.device)
     runner = head_runner(head, torch.device(settings.model.device), max_context(target_dir))

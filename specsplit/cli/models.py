@@ -73,8 +73,8 @@ def _train_flags(dist: argparse.ArgumentParser) -> None:
                       help="the training matmuls (weights and optimizer stay float32): auto takes bfloat16 "
                            "where the CPU multiplies it natively (AVX-512 BF16, AMX, Arm BF16)")
     dist.add_argument("--eval-heads", default="", type=list_of(str, "head directories"),
-                      help="the eval stage: comma-separated heads (directories, or `default` for the shipped one) "
-                           "to compare on the held-out split, per task type (default: OUT/head)")
+                      help="the eval stage: comma-separated heads (directories, or `default` for the one shipped "
+                           "for the target) to compare on the held-out split, per task type (default: OUT/head)")
     dist.add_argument("--kind", choices=["self", "model"], default="self",
                       help="self: a feature head (--drafter self/hybrid); model: a standalone draft model of "
                            "--layers target layers (--draft-model DIR/model)")
@@ -99,8 +99,8 @@ def run_distill(a: argparse.Namespace) -> int:
                             stages=stages, kind=a.kind, layers=a.layers, batch_tokens=a.batch_tokens,
                             prompt_seeds=a.prompt_seeds, data_fractions=a.data_fractions,
                             target_prompts=a.target_prompts, quantize=a.quantize, train_precision=a.train_precision,
-                            init_head=str(resolve_head(a.init_head)) if a.init_head else None,
-                            eval_heads=tuple(str(resolve_head(h)) for h in a.eval_heads)))
+                            init_head=str(resolve_head(a.init_head, a.target_model)) if a.init_head else None,
+                            eval_heads=tuple(str(resolve_head(h, a.target_model)) for h in a.eval_heads)))
     return 0
 
 

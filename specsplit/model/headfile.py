@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specsplit.errors import UsageError
 from specsplit.model.catalog import DEFAULT
 
 if TYPE_CHECKING:
@@ -26,10 +27,14 @@ def shipped_head(target_model: str) -> Path:
     return PACKAGED / f"{'smollm2-135m-instruct' if target_model == DEFAULT else target_model}-self"
 
 
-def resolve_head(path: str) -> Path:
-    """A head directory, or `default` for the one shipped for the embedded default target."""
+def resolve_head(path: str, target_model: str = DEFAULT) -> Path:
+    """A head directory, or `default` for the one shipped for `target_model` (a catalog name; the
+    embedded default's unless said)."""
     if path == "default":
-        return shipped_head(DEFAULT)
+        shipped = shipped_head(target_model)
+        if not (shipped / "head.json").is_file():
+            raise UsageError(f"no head is shipped for target {target_model}: give a head directory, not `default`")
+        return shipped
     return Path(path).expanduser()
 
 
