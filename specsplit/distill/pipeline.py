@@ -213,9 +213,9 @@ def command(s: DistillSettings) -> str:
         value = getattr(s, f.name)
         if f.name in ("target_model", "out", "stages", "eval_heads") or value == getattr(defaults, f.name):
             continue
+        shown = (lambda v: f"{v:g}" if isinstance(v, float) else str(v))  # noqa: E731
         parts += [f"--{f.name.replace('_', '-')}",
-                  ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-                  if isinstance(value, tuple) else str(value)]
+                  ",".join(shown(v) for v in value) if isinstance(value, tuple) else shown(value)]
     return shlex.join(parts)
 
 
