@@ -82,3 +82,12 @@ async def test_generate_prints_the_text_then_a_summary_plain_streamed_or_as_json
     assert plain[2].rstrip().endswith(f"drafter={as_json['stats']['drafter']} gamma={as_json['stats']['gamma']}")
     assert off[2].rstrip().endswith("speculation off")
     assert refused[0] == 1 and refused[2].startswith("INVALID_ARGUMENT: ")
+
+
+def test_the_heads_stop_reads_one_variable_in_both_services(monkeypatch):
+    """SPECSPLIT_SELF_MIN_CONFIDENCE sets the chain stop of the head wherever it drafts (the verify
+    service's own head read only its flag, so an `up` that set the variable changed one of two)."""
+    from specsplit.cli import parser
+
+    monkeypatch.setenv("SPECSPLIT_SELF_MIN_CONFIDENCE", "0.2")
+    assert [parser().parse_args(["serve", kind]).self_min_confidence for kind in ("verify", "draft")] == [0.2, 0.2]

@@ -81,8 +81,9 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
                    help="the target's feature head drafting in this service (greedy self and hybrid requests, "
                         "and where an AUTO request's decode-ahead finds no copy: no process crossing a head round); "
                         "'auto': the head shipped for --target-model if it has one; 'none': no head here")
-    setting(v, "--self-min-confidence", s, "self_min_confidence", "the head here stops drafting below this chain "
-                                                                  "probability")
+    v.add_argument("--self-min-confidence", type=float,
+                   default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", str(s.self_min_confidence))),
+                   help="the head here stops drafting below this chain probability (as the draft service's head)")
     setting(v, "--batch-rows", s, "batch_rows",
             "most rows of concurrent sessions' calls batched into one forward (1: no batching)")
     setting(v, "--batch-wait-ms", s, "batch_wait_ms", "how long a call may wait for other sessions' calls to join "
