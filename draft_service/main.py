@@ -59,7 +59,7 @@ def build_drafters(settings: DraftSettings) -> dict[str, Drafter]:
     if settings.self_head is not None:
         drafters["self"] = SelfDrafter(resolve_head(settings.self_head, settings.target_model),
                                        catalog.resolve(settings.target_model), settings.device,
-                                       min_confidence=settings.self_min_confidence)
+                                       min_confidence=settings.self_min_confidence, vocab=settings.head_vocab)
     # Retrieval where it matches, a neural drafter elsewhere: the self head when one is loaded
     # (trained for this target), else the draft model.
     neural = drafters.get("self") or drafters.get("model")

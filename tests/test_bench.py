@@ -264,7 +264,7 @@ async def test_controlled_learns_then_reports_each_task_type_and_every_auto_deci
     from conftest import running_stack
 
     from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
-    from specsplit.bench.bench import controlled
+    from specsplit.bench.controlled import controlled
     from specsplit.bench.workload import Prompt
 
     prompts = [Prompt("code", "def add(a, b):"), Prompt("code", "def sub(a, b):"), Prompt("story", "Once upon a time")]
@@ -290,7 +290,7 @@ def test_busy_spell_counts_what_auto_decided_beside_the_neighbours_and_after_and
     neighbours are real processes, running only during the spell and gone after it."""
     from types import SimpleNamespace
 
-    from specsplit.bench import bench
+    from specsplit.bench import controlled as bench
     from specsplit.bench.workload import Prompt
 
     made = []

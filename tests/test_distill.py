@@ -181,8 +181,30 @@ def test_default_names_the_head_shipped_for_the_target_given():
     assert resolve_head("default").name == "smollm2-135m-instruct-self"  # the embedded default's
     qwen = resolve_head("default", "qwen2.5-coder-1.5b-instruct")
     assert qwen == shipped_head("qwen2.5-coder-1.5b-instruct") and (qwen / "head.json").is_file()
+    from specsplit.model import catalog  # a target named by its directory in the catalog's cache
+
+    assert resolve_head("default", str(catalog.resolve(catalog.DEFAULT))) == resolve_head("default")
     with pytest.raises(UsageError, match="no head is shipped for target qwen2.5-coder-0.5b-instruct"):
         resolve_head("default", "qwen2.5-coder-0.5b-instruct")
+
+
+def test_a_head_loaded_with_fewer_output_rows_keeps_its_most_frequent_and_drafts_only_those(self_head, models):
+    """--head-vocab N: the first N rows of the frequency-ranked draft vocabulary (fewer bytes a step)."""
+    from specsplit.model.headfile import load_head
+
+    whole, card = load_head(self_head, models["target"])
+    trimmed, _ = load_head(self_head, models["target"], vocab=64)
+    assert len(whole.vocab_ids) == card["config"]["draft_vocab"] == 128
+    assert torch.equal(trimmed.vocab_ids, whole.vocab_ids[:64]) and trimmed.vocab_weight.shape[0] == 64
+    assert torch.equal(trimmed.vocab_weight, whole.vocab_weight[:64])
+    assert load_head(self_head, models["target"], vocab=1000)[0].vocab_ids.numel() == 128  # no more than it has
+    drafter = SelfDrafter(self_head, models["target"], vocab=64)
+    allowed = set(whole.vocab_ids[:64].tolist())
+    session = drafter.start([5, 6, 7])
+    session.sync(3, [8])
+    session.add_features(0, torch.randn(3, card["config"]["hidden"]))
+    proposal = drafter.propose(session, 4)
+    assert proposal.tokens and set(proposal.tokens) <= allowed
 
 
 def test_a_head_for_other_weights_is_refused(self_head, models):

@@ -63,7 +63,7 @@ def _head(settings: VerifySettings) -> VerifierHead | None:
         return None
     head_dir = resolve_head(settings.self_head, settings.model.path)
     target_dir = catalog.resolve(settings.model.path)
-    head, _ = load_head(head_dir, target_dir, settings.model.device)
+    head, _ = load_head(head_dir, target_dir, settings.model.device, settings.head_vocab)
     runner = head_runner(head, torch.device(settings.model.device), max_context(target_dir))
     if not isinstance(runner, NativeHead):
         log.info("feature head %s: not drafting here (no native kernels: a round would be a call a step)",

@@ -36,8 +36,8 @@ class SelfSession(DraftSession, HeadTrack):
 class SelfDrafter:
 
     def __init__(self, head_dir: Path, target_dir: Path, device: str = "cpu", name: str = "self",
-                 min_confidence: float = 0.0):
-        self.head, card = load_head(head_dir, target_dir, device)
+                 min_confidence: float = 0.0, vocab: int = 0):
+        self.head, card = load_head(head_dir, target_dir, device, vocab)
         self.device = torch.device(device)
         self.runner = head_runner(self.head, self.device, max_context(target_dir))
         self.card = card

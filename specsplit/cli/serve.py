@@ -62,6 +62,12 @@ def add(sub) -> None:
     hp.add_argument("--tls-server-name", help="the name its certificate carries, when it is not the address's host")
 
 
+def head_vocab_flag(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--head-vocab", type=int, default=int(ENV("SPECSPLIT_HEAD_VOCAB", str(default))),
+                   help="the feature head's output rows: the first N of its frequency-ranked draft vocabulary "
+                        "(0: all of it; fewer rows, fewer bytes a drafting step)")
+
+
 def _verify_flags(v: argparse.ArgumentParser) -> None:
     server_flags(v, "127.0.0.1:50051")
     target_flags(v, "int8: weight-only int8 target GEMMs on the native kernels; q8_0: int8 weights per block of 32 "
@@ -84,6 +90,7 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
     v.add_argument("--self-min-confidence", type=float,
                    default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", str(s.self_min_confidence))),
                    help="the head here stops drafting below this chain probability (as the draft service's head)")
+    head_vocab_flag(v, s.head_vocab)
     setting(v, "--batch-rows", s, "batch_rows",
             "most rows of concurrent sessions' calls batched into one forward (1: no batching)")
     setting(v, "--batch-wait-ms", s, "batch_wait_ms", "how long a call may wait for other sessions' calls to join "
@@ -112,6 +119,7 @@ def _draft_flags(d: argparse.ArgumentParser) -> None:
                    default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", str(DraftSettings.self_min_confidence))),
                    help="the head stops drafting once its probability that the draft so far is right falls "
                         "below this (0: always draft gamma)")
+    head_vocab_flag(d, DraftSettings.head_vocab)
     d.add_argument("--proposal-top-k", type=int,
                    default=int(ENV("SPECSPLIT_PROPOSAL_TOP_K", str(DraftSettings.proposal_top_k))),
                    help="rejection sampling: a model drafter samples from its most likely K tokens "
@@ -193,7 +201,7 @@ def _settings(a: argparse.Namespace):
                               kv_cache_mib=a.kv_cache_mib, batch_rows=a.batch_rows,
                               batch_wait_ms=a.batch_wait_ms, prefix_cache=a.prefix_cache,
                               store_tokens=a.store_tokens, self_head=head_setting(a.self_head, a.target_model),
-                              self_min_confidence=a.self_min_confidence)
+                              self_min_confidence=a.self_min_confidence, head_vocab=a.head_vocab)
     if a.role == "draft":
         model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False,
                               quantize=a.draft_quantize) if a.draft_model else None
@@ -203,7 +211,8 @@ def _settings(a: argparse.Namespace):
                              idle_timeout_s=a.idle_timeout, store_tokens=a.store_tokens,
                              self_head=head_setting(a.self_head, a.target_model), target_model=a.target_model,
                              device=a.device, hybrid_min_match=a.hybrid_min_match,
-                             self_min_confidence=a.self_min_confidence, proposal_top_k=a.proposal_top_k,
+                             self_min_confidence=a.self_min_confidence, head_vocab=a.head_vocab,
+                             proposal_top_k=a.proposal_top_k,
                              batch_wait_ms=a.batch_wait_ms)
     from gateway.access import read_token
 

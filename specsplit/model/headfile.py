@@ -23,8 +23,10 @@ PACKAGED = Path(__file__).resolve().parent / "drafts"
 
 def shipped_head(target_model: str) -> Path:
     """Where the head shipped for a catalog target lives (specsplit/model/drafts/<name>-self; the
-    embedded default's name is its model's), whether or not one is there."""
-    return PACKAGED / f"{'smollm2-135m-instruct' if target_model == DEFAULT else target_model}-self"
+    embedded default's name is its model's), whether or not one is there. A target given as its
+    directory is named by it (the catalog's cache keeps each model under its name)."""
+    name = "smollm2-135m-instruct" if target_model == DEFAULT else Path(target_model).name.lower()
+    return PACKAGED / f"{name}-self"
 
 
 def resolve_head(path: str, target_model: str = DEFAULT) -> Path:
@@ -96,9 +98,10 @@ def target_layer(target_dir: Path, index: int) -> dict[str, torch.Tensor]:
     return found
 
 
-def load_head(head_dir: Path, target_dir: Path, device: str = "cpu") -> tuple[FeatureHead, dict]:
+def load_head(head_dir: Path, target_dir: Path, device: str = "cpu", vocab: int = 0) -> tuple[FeatureHead, dict]:
     """The head (float32, the target's embedding and output rows attached) and its card; refused,
-    saying so, when it was trained for other target weights."""
+    saying so, when it was trained for other target weights. vocab > 0: only the first `vocab`
+    rows of its draft vocabulary (the most frequent tokens; fewer bytes a step)."""
     import torch
 
     from specsplit.model.featurehead import FeatureHead, HeadConfig
@@ -118,6 +121,9 @@ def load_head(head_dir: Path, target_dir: Path, device: str = "cpu") -> tuple[Fe
     head = FeatureHead(HeadConfig(**card["config"])).float()
     head.load_state_dict({k: v.float() for k, v in load_file(str(head_dir / "head.safetensors")).items()})
     embed, lm_head = target_tensors(target_dir, card.get("tied_embeddings", True))
+    if 0 < vocab < head.cfg.draft_vocab:  # its most frequent rows: the vocabulary is frequency-ranked
+        head.vocab_ids = head.vocab_ids[:vocab].clone()
+        head.cfg = HeadConfig(**{**card["config"], "draft_vocab": vocab})
     head.attach(embed.to(torch.bfloat16), lm_head.float())
     head.to(device).eval().requires_grad_(False)
     return head, card

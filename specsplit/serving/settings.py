@@ -74,6 +74,11 @@ class VerifySettings:
     # process crossing a head round); None: none. Greedy sessions only; see DraftSettings for the stop.
     self_head: str | None = None
     self_min_confidence: float = 0.3
+    # The head's output rows: the first N of its frequency-ranked draft vocabulary (0: all of it).
+    # Measured on the default model (EPYC Zen 5, 2026-12-07): 4,096 of 8,192 rows keep 92 % of the
+    # target's tokens, the same acceptance, and a drafted token 15 % cheaper (the default request
+    # 1.50-1.55x against 1.41-1.47x spec-off, back to back).
+    head_vocab: int = 4096
     head_gamma: int = 8  # most tokens of one head draft
 
 
@@ -95,6 +100,7 @@ class DraftSettings:
     device: str = "cpu"
     hybrid_min_match: int = 2  # n-gram length from which the hybrid copies instead of using the head
     self_min_confidence: float = 0.3  # the head stops drafting below this chain probability
+    head_vocab: int = 4096  # the head's output rows (VerifySettings.head_vocab)
     proposal_top_k: int = 16  # rejection sampling: tokens kept (and sent) per draft distribution
     max_sessions: int = 64
     idle_timeout_s: float = 600.0
