@@ -273,6 +273,8 @@ class Run:
 
 def _run(args, config: StackConfig, prompts: list[Prompt], anchor) -> Run:
     """Every prompt off and on with each drafter variant, back to back (and beside the neighbours)."""
+    if anchor is not None:
+        from specsplit.bench.anchor import AnchorRecord
     with gateway_stub(args.gateway, config, args.auth_token_file) as (stub, stack):
         names = list(args.drafters)
         if not names:  # every drafter the stack hosts and the default request; else the gateway's default
@@ -287,9 +289,7 @@ def _run(args, config: StackConfig, prompts: list[Prompt], anchor) -> Run:
             for i, p in enumerate(prompts, 1):
                 also = lambda: None  # noqa: E731
                 if anchor is not None:
-                    from specsplit.bench import anchor as anchoring
-
-                    anchored.append(anchoring.AnchorRecord(p.task_type))
+                    anchored.append(AnchorRecord(p.task_type))
                     also = lambda: anchor.run(anchored[-1], p.prompt, args.max_new_tokens)  # noqa: E731
                 fresh = run_prompt(stub, p, args.max_new_tokens, args.repeats, drafters, also)
                 if neighbours:

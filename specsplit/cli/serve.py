@@ -62,8 +62,14 @@ def add(sub) -> None:
     hp.add_argument("--tls-server-name", help="the name its certificate carries, when it is not the address's host")
 
 
-def head_vocab_flag(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--head-vocab", type=int, default=int(ENV("SPECSPLIT_HEAD_VOCAB", str(default))),
+def head_flags(p: argparse.ArgumentParser, settings) -> None:
+    """How a feature head drafts, the same flags and variables in both services (`settings`: the
+    service's settings class, whose defaults they take)."""
+    p.add_argument("--self-min-confidence", type=float,
+                   default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", str(settings.self_min_confidence))),
+                   help="the head stops drafting once its probability that the draft so far is right falls "
+                        "below this (0: always draft gamma)")
+    p.add_argument("--head-vocab", type=int, default=int(ENV("SPECSPLIT_HEAD_VOCAB", str(settings.head_vocab))),
                    help="the feature head's output rows: the first N of its frequency-ranked draft vocabulary "
                         "(0: all of it; fewer rows, fewer bytes a drafting step)")
 
@@ -87,10 +93,7 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
                    help="the target's feature head drafting in this service (greedy self and hybrid requests, "
                         "and where an AUTO request's decode-ahead finds no copy: no process crossing a head round); "
                         "'auto': the head shipped for --target-model if it has one; 'none': no head here")
-    v.add_argument("--self-min-confidence", type=float,
-                   default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", str(s.self_min_confidence))),
-                   help="the head here stops drafting below this chain probability (as the draft service's head)")
-    head_vocab_flag(v, s.head_vocab)
+    head_flags(v, s)
     setting(v, "--batch-rows", s, "batch_rows",
             "most rows of concurrent sessions' calls batched into one forward (1: no batching)")
     setting(v, "--batch-wait-ms", s, "batch_wait_ms", "how long a call may wait for other sessions' calls to join "
@@ -115,11 +118,7 @@ def _draft_flags(d: argparse.ArgumentParser) -> None:
                    help="the target the head drafts for (its embeddings are read from here)")
     d.add_argument("--hybrid-min-match", type=int, default=DraftSettings.hybrid_min_match,
                    help="the hybrid copies an n-gram match of at least this length, else uses the head")
-    d.add_argument("--self-min-confidence", type=float,
-                   default=float(ENV("SPECSPLIT_SELF_MIN_CONFIDENCE", str(DraftSettings.self_min_confidence))),
-                   help="the head stops drafting once its probability that the draft so far is right falls "
-                        "below this (0: always draft gamma)")
-    head_vocab_flag(d, DraftSettings.head_vocab)
+    head_flags(d, DraftSettings)
     d.add_argument("--proposal-top-k", type=int,
                    default=int(ENV("SPECSPLIT_PROPOSAL_TOP_K", str(DraftSettings.proposal_top_k))),
                    help="rejection sampling: a model drafter samples from its most likely K tokens "

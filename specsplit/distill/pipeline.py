@@ -88,7 +88,7 @@ def distill(s: DistillSettings, log=print) -> Path:
         embed, lm_head = target_tensors(target_dir, bool(getattr(lm.model.config, "tie_word_embeddings", True)))
     if "train" in s.stages:
         examples = load_examples(data_dir, lm, log)
-        result = _train_stage(s, lm, embed, lm_head, examples, dirs, settings, out, log)
+        result = _train_stage(s, lm, embed, lm_head, examples, dirs, work, settings, out, log)
     if "export" in s.stages:
         work = _export(s, lm, target_dir, out, work, result, log)
     if "eval" in s.stages:
@@ -101,9 +101,9 @@ def distill(s: DistillSettings, log=print) -> Path:
 
 
 def _train_stage(s: DistillSettings, lm, embed, lm_head, examples: list[dict], dirs: dict[float, Path],
-                 settings: TrainSettings, out: Path, log) -> dict:
+                 work: Path, settings: TrainSettings, out: Path, log) -> dict:
     """Trains one head (or draft model) per data fraction, each in its own directory with the same
-    budget; the notes of the largest (the one exported) and the data-size curve, if several."""
+    budget; the notes of the largest (`work`, the one exported) and the data-size curve, if several."""
     curve, result = [], None
     for fraction, fdir in dirs.items():
         fdir.mkdir(exist_ok=True)
@@ -113,7 +113,6 @@ def _train_stage(s: DistillSettings, lm, embed, lm_head, examples: list[dict], d
         else:
             result = train_standalone(lm, examples, fdir, s.layers, fsettings, log)
         curve.append({"data_fraction": fraction, **result["metrics"]})
-    work = dirs[max(dirs)]
     if s.kind == "model":
         _note(work, "layers", result["layers"])
     if s.init_head and "init_head" in result:
@@ -209,11 +208,14 @@ def command(s: DistillSettings) -> str:
     whose work is done resumes as a no-op): every setting that differs from its default, as flags."""
     defaults = DistillSettings(target_model=s.target_model, out=s.out)
     parts = ["specsplit", "distill", "--target-model", s.target_model, "--out", s.out]
+
+    def shown(v) -> str:  # as the flag takes it: 60, not 60.0
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
     for f in fields(DistillSettings):
         value = getattr(s, f.name)
         if f.name in ("target_model", "out", "stages", "eval_heads") or value == getattr(defaults, f.name):
             continue
-        shown = (lambda v: f"{v:g}" if isinstance(v, float) else str(v))  # noqa: E731
         parts += [f"--{f.name.replace('_', '-')}",
                   ",".join(shown(v) for v in value) if isinstance(value, tuple) else shown(value)]
     return shlex.join(parts)

@@ -5,6 +5,7 @@ functions that load or run a head: the gateway reads the settings here and never
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -123,7 +124,7 @@ def load_head(head_dir: Path, target_dir: Path, device: str = "cpu", vocab: int 
     embed, lm_head = target_tensors(target_dir, card.get("tied_embeddings", True))
     if 0 < vocab < head.cfg.draft_vocab:  # its most frequent rows: the vocabulary is frequency-ranked
         head.vocab_ids = head.vocab_ids[:vocab].clone()
-        head.cfg = HeadConfig(**{**card["config"], "draft_vocab": vocab})
+        head.cfg = dataclasses.replace(head.cfg, draft_vocab=vocab)
     head.attach(embed.to(torch.bfloat16), lm_head.float())
     head.to(device).eval().requires_grad_(False)
     return head, card
