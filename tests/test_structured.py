@@ -22,6 +22,7 @@ from specsplit.api.gateway.v1 import gateway_pb2_grpc as pb_grpc
 from specsplit.api.verify.v1 import verify_pb2 as vpb
 from specsplit.api.verify.v1 import verify_pb2_grpc as vpb_grpc
 from specsplit.model import catalog
+from verify_service.widths import WARMUP_ROWS
 
 ON, OFF, AUTO = pb.SPECULATION_ON, pb.SPECULATION_OFF, pb.SPECULATION_AUTO
 REGEX = r"(yes|no|maybe)-[0-9]{2}( and (yes|no))*"
@@ -52,12 +53,17 @@ async def generate(stub, speculation: int, constraint: cpb.Constraint, prompt: s
 
 @pytest.fixture(scope="module")
 async def shared_tiny(models, tmp_path_factory):
-    """One stack for the module's tests: they only send requests (none stops or kills a service)."""
-    async with running_stack(tmp_path_factory.mktemp("structured"), "unix", models["target"], models["draft"],
-                             "float32") as stack:
-        channel = grpc.aio.insecure_channel(stack.gateway)
-        yield stack, pb_grpc.GatewayStub(channel)
-        await channel.close()
+    """One stack for the module's tests: they only send requests (none stops or kills a service).
+    Its verifier's cost by width is pinned flat: the gateway cuts a tree to what pays at the widths
+    the warm-up measured, and on a loaded machine (a parallel suite) a steep curve cut every tree to a
+    chain, so the tree test ran no tree. Flat, every scored node pays and trees reach the verifier."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("verify_service.server.measure_rows", lambda target, token: [5.0] * WARMUP_ROWS)
+        async with running_stack(tmp_path_factory.mktemp("structured"), "unix", models["target"], models["draft"],
+                                 "float32") as stack:
+            channel = grpc.aio.insecure_channel(stack.gateway)
+            yield stack, pb_grpc.GatewayStub(channel)
+            await channel.close()
 
 
 @pytest.fixture
