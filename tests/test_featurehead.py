@@ -220,6 +220,48 @@ def test_a_native_round_grows_the_tree_the_step_by_step_drafter_grows(kernel_pat
     assert cache.length == session.cache.length and MIN_EXPAND > 0
 
 
+@pytest.mark.parametrize("min_confidence", [0.0, 0.3])
+def test_a_sequence_held_in_the_kernels_drafts_what_the_python_track_drafts(kernel_path, min_confidence):
+    """The verifier's head state in the kernels (NativeHead.sequence: begin, follow, draft) drafts,
+    round after round, the chains HeadTrack and NativeHead.run draft from the same committed tokens
+    and features: steps that accept some of a draft, none, or all, a step that commits several
+    tokens at once, and a draft right after another with nothing committed between."""
+    from specsplit.model.headserving import HeadTrack, NativeHead
+
+    head = random_head(5, head_dim=16)
+    runner = NativeHead(head, 128, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50, (9,), generator=gen).tolist()  # a prompt of 8 and the first token
+    feats = torch.randn(8, 32, generator=gen)
+    sequence, track = runner.sequence(), HeadTrack(32, runner.new_cache(), len(tokens))
+    sequence.begin(tokens, feats)
+    track.put_features(0, feats, len(tokens))
+
+    def both(gamma):
+        drafted = runner.run([track.round(tokens, gamma, min_confidence, 0, 0.05)])[0]
+        track.took(drafted)
+        got = sequence.draft(gamma, min_confidence)
+        assert got == drafted.chain.tokens
+        return got
+
+    drafted_any = 0
+    for new in (1, 3, 0, 2, 4, 1, 0, 1):  # tokens a step commits after its draft's first ones
+        draft = both(4)
+        drafted_any += len(draft)
+        length = len(tokens)
+        if new == 0:  # nothing committed: the next draft follows from the same state
+            continue
+        tokens = tokens[:length] + draft[:new - 1] + torch.randint(0, 50, (new - len(draft[:new - 1]),),
+                                                                    generator=gen).tolist()
+        step_feats = torch.randn(len(tokens) - length, 32, generator=gen)
+        sequence.follow(length, tokens[length:], step_feats)
+        track.cut(length)
+        track.put_features(length - 1, step_feats, len(tokens))
+    assert drafted_any and sequence.length == len(tokens)
+    with pytest.raises(RuntimeError, match="the last committed token has no feature"):
+        sequence.follow(len(tokens), [7], torch.randn(2, 32))
+
+
 def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel_path):
     """VerifierHead prices its rounds (Price: a fixed part and a part per drafted token, fitted over
     its rounds, one cut to nothing included) and drafts as deep as Agreement.depth says pays at that
@@ -243,10 +285,10 @@ def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel
     flat = [3.0] * 8  # a forward costs the same at every width
     state = verifier.start(tokens[:6])
     verifier.prefilled(state, tokens, feats)
-    drafted = verifier.draft(state, tokens, 8, flat)
+    drafted = verifier.draft(state, 8, flat)
     assert len(drafted.tokens) == 3 and drafted.ns > 0  # its gamma, the room allowing; timed
     assert verifier.price.w == 1 and verifier.price.ms == pytest.approx(drafted.ns / 1e6)  # priced at that time
     verifier.price = Price()
     verifier.price.add(2.7, 1)  # dearer than its gamma of 3 tokens earn at an even rate and 3 ms (2.625)
-    assert verifier.draft(state, tokens, 8, flat) == ([], 0)
+    assert verifier.draft(state, 8, flat) == ([], 0)
     assert verifier.price.w == 1  # no round ran

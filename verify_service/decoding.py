@@ -68,7 +68,7 @@ class Decoding:
         self.looked, self.head_looked = len(draft), 0
         if not draft and request.head_gamma and head is not None and session.head is not None:
             room = min(request.head_gamma, request.decode_ahead - self.committed)
-            draft, ns = head.draft(session.head, session.tokens, room, step_ms)
+            draft, ns = head.draft(session.head, room, step_ms)
             self.head_ns += ns
             self.head_looked = len(draft)
         return draft

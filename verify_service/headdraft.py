@@ -14,10 +14,9 @@ from typing import NamedTuple
 
 import torch
 
-from specsplit.model.headserving import HeadTrack, NativeHead
+from specsplit.model.headserving import NativeHead
 from specsplit.speculation.lookup import Agreement
 
-MIN_EXPAND = 0.05  # unused by chains; a HeadRound carries it
 DECAY = 0.95  # per round, for the head's price
 
 
@@ -54,10 +53,10 @@ class Price:
 
 @dataclass
 class HeadState:
-    """One target session's head: its features and cache, how often the target follows its drafts,
-    and the size of the step in flight's head draft."""
+    """One target session's head: its tokens, features and cache (a native HeadSequence), how often
+    the target follows its drafts, and the size of the step in flight's head draft."""
 
-    track: HeadTrack
+    sequence: object
     trust: Agreement = field(default_factory=Agreement)
     looked: int = 0
 
@@ -78,11 +77,11 @@ class VerifierHead:
         self.price = Price()  # every session's rounds: the head and the machine are the service's
 
     def start(self, prompt: list[int]) -> HeadState:
-        return HeadState(HeadTrack(self.runner.head.cfg.hidden, self.runner.new_cache(), len(prompt)))
+        return HeadState(self.runner.sequence())
 
     def prefilled(self, state: HeadState, tokens: list[int], features: torch.Tensor) -> None:
         """The prompt is in (tokens: it and the first generated token), with its features."""
-        state.track.put_features(0, features, len(tokens))
+        state.sequence.begin(tokens, features)
 
     def follow(self, state: HeadState, length: int, tokens: list[int], features: torch.Tensor,
                accepted: int) -> None:
@@ -91,10 +90,9 @@ class VerifierHead:
         if state.looked:
             state.trust.add(state.looked, accepted)
             state.looked = 0
-        state.track.cut(length)
-        state.track.put_features(length - 1, features, len(tokens))
+        state.sequence.follow(length, tokens[length:], features)
 
-    def draft(self, state: HeadState, tokens: list[int], room: int, step_ms: list[float]) -> HeadDraft:
+    def draft(self, state: HeadState, room: int, step_ms: list[float]) -> HeadDraft:
         """As many head tokens as pay at the rate the target has followed this session's head drafts,
         the forward's cost by width and the head's own price per token (Agreement.depth), at most
         `room` and gamma: a chain, one native call, timed once (its price here, and what the
@@ -103,9 +101,8 @@ class VerifierHead:
         if not depth:
             return HeadDraft([], 0)
         started = time.perf_counter_ns()
-        drafted = self.runner.run([state.track.round(tokens, depth, self.min_confidence, 0, MIN_EXPAND)])[0]
+        drafted = state.sequence.draft(depth, self.min_confidence)
         ns = time.perf_counter_ns() - started
-        self.price.add(ns / 1e6, len(drafted.chain.tokens))
-        state.track.took(drafted)
-        state.looked = len(drafted.chain.tokens)
-        return HeadDraft(drafted.chain.tokens, ns)
+        self.price.add(ns / 1e6, len(drafted))
+        state.looked = len(drafted)
+        return HeadDraft(drafted, ns)

@@ -62,6 +62,13 @@ class NativeHead:
         cfg = self.head.cfg
         return KVBuffer(1, cfg.kv_heads, cfg.head_dim, self.dtype, self.max_positions)
 
+    def sequence(self):
+        """A sequence's head state held in the kernels (native HeadSequence: begin, follow, draft),
+        for a drafter that follows one sequence's committed tokens, chain by chain."""
+        from specsplit.model import native
+
+        return native.module().HeadSequence(self.drafting, self.max_positions, self.new_cache().kv)
+
     @torch.inference_mode()
     def step(self, cache, features: torch.Tensor, next_tokens: list[int]):
         """As head_step, plus the draft logits of the last row: (predicted features [n, d], logits [draft_vocab])."""

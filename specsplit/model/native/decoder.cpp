@@ -476,4 +476,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DraftHead>(m, "DraftHead")
       .def(pybind11::init<Decoder&, const Weight&, torch::Tensor, torch::Tensor>(), pybind11::keep_alive<1, 2>())
       .def("draft", &DraftHead::draft, pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<HeadSequence>(m, "HeadSequence")
+      .def(pybind11::init<DraftHead&, int64_t, torch::Tensor>(), pybind11::keep_alive<1, 2>())
+      .def("begin", &HeadSequence::begin, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("follow", &HeadSequence::follow, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("draft", &HeadSequence::draft, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("length", &HeadSequence::length);
 }
