@@ -130,21 +130,19 @@ def load_head(head_dir: Path, target_dir: Path, device: str = "cpu", vocab: int 
     return head, card
 
 
-def head_format(path: str | None) -> str:
-    """The feature head's weights on a kernel path: a step reads all of them (≈ 9.5 M values for the
-    default's head), so the fewer bytes the better while the drafts stay as good. The AVX2 code (on
-    x86, and on NEON): q4_0, as q8's signs cost two more instructions a quad without VNNI; a step
-    0.15 ms against q8_0's 0.25 on an EPYC, acceptance unchanged at the ceiling (561-564 of 947-949
-    drafts against 528-579 of 887-1,012). AVX-512 VNNI: q8_0 (a step 0.27 -> 0.19 ms from bfloat16)."""
-    from specsplit.model import native
-
-    return "q4_0" if path in native.AVX2_CODE else "q8_0"
+# The feature head's weights on the kernels: a step reads all of them (≈ 6.5 M values for the default's
+# head at 4,096 rows) and a round's first step reads them back into caches the target's forward
+# flushed, so the fewer bytes the better while the drafts stay as good. q4_0 on every path: on AVX2
+# (and NEON) q8's signs cost two more instructions a quad without VNNI (a step 0.15 ms against q8_0's
+# 0.25 on an EPYC, acceptance unchanged); on AVX-512 VNNI a drafted token cost 0.104-0.105 of a
+# target step against q8_0's 0.137-0.140 (forced self, `specsplit bench --drafters self,default`,
+# four runs alternating, EPYC Zen 5), acceptance length 1.49-1.59 against 1.47-1.56.
+HEAD_FORMAT = "q4_0"
 
 
 def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
-    """The native kernels when they run here, else torch. Weights in the block format whose step
-    measured fastest on the kernel path that runs (head_format), else bfloat16 where it has bf16
-    dot products (half the bytes of float32). Drafts need not match any other path, only be the same
+    """The native kernels when they run here, else torch. Weights in HEAD_FORMAT where the block
+    formats run, else bfloat16 where the CPU has bf16 dot products (half the bytes of float32). Drafts need not match any other path, only be the same
     for a session however it is batched."""
     import torch
 
@@ -153,7 +151,7 @@ def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
 
     if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
         dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32
-        quantize = head_format(native.isa()[0]) if native.lacks_vnni() is None else ""
+        quantize = HEAD_FORMAT if native.lacks_vnni() is None else ""
         try:
             return NativeHead(head, max_positions, dtype, quantize)
         except (RuntimeError, OSError):  # no compiler, a failed build: torch still drafts
