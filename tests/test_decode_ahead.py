@@ -136,9 +136,11 @@ async def test_the_verifier_drafts_from_the_context_itself_and_stays_exact(model
 
 
 @pytest.mark.e2e
-async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_changes_no_token(tmp_path):
+@pytest.mark.parametrize("width", [0, 3], ids=["chains", "trees"])
+async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_changes_no_token(tmp_path, width):
     """A verify service that runs the target's feature head (VerifySettings.self_head) drafts with it
-    in its decode-ahead where the prompt lookup has nothing: its steps and tokens are counted apart
+    in its decode-ahead where the prompt lookup has nothing (chains, or token trees: `width`), and
+    the tree verify commits one path of them: its steps and tokens are counted apart
     from the lookup's, and the text is the one-token-per-call text (greedy: drafts change no token).
     Through the gateway, a greedy self or hybrid request is drafted there (no draft session, no
     features crossing), n-gram gets the lookup alone, and a sampled self request the draft service."""
@@ -156,7 +158,8 @@ async def test_the_verifiers_own_head_drafts_where_lookup_finds_nothing_and_chan
     draft_kw = {"self_head": "default", "target_model": str(target)}
     # No store of earlier outputs: each request drafts from its own context (a store would copy the
     # first request's answer into the next ones whole, and the head would have nothing to draft).
-    async with running_stack(tmp_path, "unix", target, None, verify_kw={"self_head": "default", "store_tokens": 0},
+    async with running_stack(tmp_path, "unix", target, None, verify_kw={"self_head": "default", "store_tokens": 0,
+                                                                         "head_width": width},
                              draft_kw=draft_kw, default_drafter="hybrid") as stack:
         async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'verify.sock'}") as ch:
             v = vpb_grpc.VerifierStub(ch)

@@ -290,5 +290,54 @@ def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel
     assert verifier.price.w == 1 and verifier.price.ms == pytest.approx(drafted.ns / 1e6)  # priced at that time
     verifier.price = Price()
     verifier.price.add(2.7, 1)  # dearer than its gamma of 3 tokens earn at an even rate and 3 ms (2.625)
-    assert verifier.draft(state, 8, flat) == ([], 0)
+    assert verifier.draft(state, 8, flat) == ([], 0, None)
     assert verifier.price.w == 1  # no round ran
+
+
+def test_the_verifiers_head_grows_a_tree_and_verifies_the_part_that_pays(kernel_path):
+    """VerifierHead with a width: EAGLE-2's dynamic tree from the sequence in the kernels, best
+    first (parents before children), at most as deep as asked; at a flat forward cost every node
+    pays and the whole tree is kept, at a cost per row only its likeliest nodes are; a
+    session whose trees earn less than their scores promised has its scores scaled down."""
+    from specsplit.model.headserving import NativeHead
+    from specsplit.speculation import tokentree
+    from verify_service.headdraft import MIN_EXPAND, VerifierHead
+
+    head = random_head(6, head_dim=16)
+    runner = NativeHead(head, 64, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    feats, tokens = torch.randn(6, 32, generator=gen), torch.randint(0, 50, (7,), generator=gen).tolist()
+    whole = runner.sequence()
+    whole.begin(tokens, feats)
+    parents, made, scores = whole.draft_tree(3, 3, MIN_EXPAND)  # every node the kernels grow, uncut
+
+    def paths(ps, ts):
+        out = set()
+        for i in range(len(ts)):
+            path, j = [], i
+            while j >= 0:
+                path.append(ts[j])
+                j = ps[j]
+            out.add(tuple(reversed(path)))
+        return out
+
+    drafts = {}
+    for name, curve in (("flat", [3.0] * 8), ("steep", [3.0 + 1.0 * r for r in range(8)])):
+        verifier = VerifierHead(runner, "random", gamma=3, min_confidence=0.0, width=3)  # unpriced: drafts 3 deep
+        state = verifier.start(tokens[:6])
+        verifier.prefilled(state, tokens, feats)
+        drafts[name] = verifier.draft(state, 8, curve)
+        d = drafts[name]
+        tokentree.check(d.parents, len(d.tokens))
+        assert state.looked == max(tokentree.depths(d.parents), default=0) <= 3
+        assert paths(d.parents, d.tokens) <= paths(parents, made)  # nodes of the kernels' tree, paths kept
+    assert not tokentree.is_chain(drafts["flat"].parents)  # branched
+    assert len(drafts["flat"].tokens) == len(made)  # all of it: every node adds to the rate at no cost
+    assert len(drafts["steep"].tokens) < len(drafts["flat"].tokens)  # the likeliest first, then cut
+    assert drafts["steep"].tokens == drafts["flat"].tokens[:len(drafts["steep"].tokens)]
+    state = verifier.start(tokens[:6])
+    verifier.prefilled(state, tokens, feats)
+    assert state.scale == 1.0
+    verifier.draft(state, 8, [3.0] * 8)
+    verifier.follow(state, len(tokens), tokens + [5], torch.randn(1, 32), accepted=0)
+    assert state.scale < 1.0 and state.looked == 0

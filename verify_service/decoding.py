@@ -48,15 +48,16 @@ class Decoding:
         return len(self.results) + self.accepted
 
     def draft(self, request: pb.VerifyRequest, session: TargetSession, step_ms: list[float],
-              outputs: OutputIndex | None = None, head=None) -> list[int]:
-        """The next step's prompt-lookup draft: where the last two tokens occurred before, what
+              outputs: OutputIndex | None = None, head=None) -> tuple[list[int], list[int] | None]:
+        """The next step's draft and, for a token tree, its parents (None: a chain). A prompt-lookup draft: where the last two tokens occurred before, what
         followed them (in the session's own context, or in earlier outputs where a stored occurrence
         agrees with more of the context), as many tokens as pay at the rate the session's lookups
         have been accepted and the forward's cost by width (`step_ms`, from 1 row up), within
         lookup_gamma (twice that after a lookup accepted whole: a span being copied) and so that
         accepted + 1 fits the budget. (Under rejection sampling each token's q is 1 on it:
         Target.plan_verify's `copied`.) Where it finds nothing, the session's feature head drafts
-        up to head_gamma tokens if it has one here (`head`: verify_service.headdraft.VerifierHead)."""
+        up to head_gamma tokens deep if it has one here (`head`: verify_service.headdraft.VerifierHead;
+        a chain, or a tree)."""
         want = request.lookup_gamma * (2 if self.copying else 1)
         room = min(want, request.decode_ahead - self.committed)
         room = session.agreement.depth(room, step_ms) if room > 0 else 0
@@ -68,10 +69,11 @@ class Decoding:
         self.looked, self.head_looked = len(draft), 0
         if not draft and request.head_gamma and head is not None and session.head is not None:
             room = min(request.head_gamma, request.decode_ahead - self.committed)
-            draft, ns = head.draft(session.head, room, step_ms)
-            self.head_ns += ns
-            self.head_looked = len(draft)
-        return draft
+            drafted = head.draft(session.head, room, step_ms)
+            self.head_ns += drafted.ns
+            self.head_looked = len(drafted.tokens)
+            return drafted.tokens, drafted.parents
+        return draft, None
 
     def add(self, result, session: TargetSession) -> None:
         self.results.append(result)

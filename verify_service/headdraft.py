@@ -15,9 +15,13 @@ from typing import NamedTuple
 import torch
 
 from specsplit.model.headserving import NativeHead
+from specsplit.speculation import tokentree
+from specsplit.speculation.ewma import Ewma
 from specsplit.speculation.lookup import Agreement
 
 DECAY = 0.95  # per round, for the head's price
+MIN_EXPAND = 0.05  # a tree's node is expanded only if its path probability is at least this
+SCALE_LIMITS = (0.25, 4.0)  # how far a tree's scores are rescaled by how they have held up
 
 
 class Price:
@@ -58,22 +62,33 @@ class HeadState:
 
     sequence: object
     trust: Agreement = field(default_factory=Agreement)
-    looked: int = 0
+    looked: int = 0  # the depth of the draft in flight (0: none)
+    expected: float = 0.0  # the sum of its tree nodes' scaled-out scores: the tokens it should earn
+    accepted: Ewma = field(default_factory=lambda: Ewma(DECAY))  # by tree round, accepted tokens
+    promised: Ewma = field(default_factory=lambda: Ewma(DECAY))  # and the sum of the kept nodes' scores
+
+    @property
+    def scale(self) -> float:
+        """How far this session's tree scores have held up: accepted over expected (1 until seen)."""
+        got, promised = self.accepted.value, self.promised.value
+        return 1.0 if got is None or not promised else min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], got / promised))
 
 
 class HeadDraft(NamedTuple):
     tokens: list[int]
     ns: int  # what drafting them took (0: no round ran)
+    parents: list[int] | None = None  # a token tree's (-1: the last committed token); None: a chain
 
 
 class VerifierHead:
     """A feature head on the native kernels drafting for the verify service's own steps."""
 
-    def __init__(self, runner: NativeHead, model_id: str, gamma: int, min_confidence: float):
+    def __init__(self, runner: NativeHead, model_id: str, gamma: int, min_confidence: float, width: int = 0):
         self.runner = runner
         self.model_id = model_id
-        self.gamma = gamma  # at most this many tokens a draft
-        self.min_confidence = min_confidence  # the chain stops below this probability of being right
+        self.gamma = gamma  # at most this many tokens a draft (a tree: this deep)
+        self.min_confidence = min_confidence  # a chain stops below this probability of being right
+        self.width = width  # > 0: EAGLE-2 trees, this many nodes expanded a depth; 0: chains
         self.price = Price()  # every session's rounds: the head and the machine are the service's
 
     def start(self, prompt: list[int]) -> HeadState:
@@ -89,20 +104,40 @@ class VerifierHead:
         head draft if it verified one; features [n, hidden] of positions [length - 1, len(tokens) - 1)."""
         if state.looked:
             state.trust.add(state.looked, accepted)
-            state.looked = 0
+            if state.expected:
+                state.accepted.add(accepted)
+                state.promised.add(state.expected)
+            state.looked, state.expected = 0, 0.0
         state.sequence.follow(length, tokens[length:], features)
 
     def draft(self, state: HeadState, room: int, step_ms: list[float]) -> HeadDraft:
-        """As many head tokens as pay at the rate the target has followed this session's head drafts,
-        the forward's cost by width and the head's own price per token (Agreement.depth), at most
-        `room` and gamma: a chain, one native call, timed once (its price here, and what the
+        """As deep as pays at the rate the target has followed this session's head drafts, the
+        forward's cost by width and the head's own price a round and a depth (Agreement.depth), at
+        most `room` and gamma: a chain, or a tree cut to its nodes whose expected tokens (their
+        scores, scaled by how this session's have held up) pay for their rows at that cost
+        (tokentree.worth_verifying); one native call, timed once (its price here, and what the
         decode-ahead reports)."""
         depth = state.trust.depth(min(room, self.gamma), step_ms, *self.price.parts) if room > 0 else 0
         if not depth:
             return HeadDraft([], 0)
         started = time.perf_counter_ns()
-        drafted = state.sequence.draft(depth, self.min_confidence)
+        if not self.width:
+            drafted = state.sequence.draft(depth, self.min_confidence)
+            ns = time.perf_counter_ns() - started
+            self.price.add(ns / 1e6, len(drafted))
+            state.looked = len(drafted)
+            return HeadDraft(drafted, ns)
+        parents, tokens, scores = state.sequence.draft_tree(depth, self.width, MIN_EXPAND)
         ns = time.perf_counter_ns() - started
-        self.price.add(ns / 1e6, len(drafted))
-        state.looked = len(drafted)
-        return HeadDraft(drafted, ns)
+        made = max(tokentree.depths(parents), default=0)
+        self.price.add(ns / 1e6, made)  # a depth is one head step, however wide
+        tree, node = tokentree.Tree(), []
+        for parent, token, score in zip(parents, tokens, scores):
+            node.append(tree.add(node[parent] if parent >= 0 else -1, token, score))
+        tokens, parents, scores, _ = tree.select(len(tokens), depth)  # best first: every prefix a tree
+        keep, parents = tokentree.prune(parents, depth, tokentree.worth_verifying(
+            [x * state.scale for x in scores], step_ms, ns / 1e6))
+        tokens = [tokens[i] for i in keep]
+        state.looked = max(tokentree.depths(parents), default=0)
+        state.expected = sum(scores[i] for i in keep)
+        return HeadDraft(tokens, ns, parents)

@@ -70,7 +70,7 @@ def _head(settings: VerifySettings) -> VerifierHead | None:
                  head_dir.name)
         return None
     log.info("feature head %s drafts here (decode-ahead, where the lookup finds nothing)", head_dir.name)
-    return VerifierHead(runner, head_dir.name, settings.head_gamma, settings.self_min_confidence)
+    return VerifierHead(runner, head_dir.name, settings.head_gamma, settings.self_min_confidence, settings.head_width)
 
 
 async def run(settings: VerifySettings, stop_event: asyncio.Event | None = None, handle_signals: bool = True) -> None:

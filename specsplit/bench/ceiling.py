@@ -61,7 +61,7 @@ def decode(target, ids: list[int], n: int, mode: str, start: list[float], drafte
     started = time.perf_counter()
     while first.next_token not in eos and n > 1:
         curve = widths.curve(session.step_ms, start) if widths is not None else start
-        draft = decoding.draft(request, session, curve) if request.lookup_gamma else []
+        draft = decoding.draft(request, session, curve)[0] if request.lookup_gamma else []
         asked = neural and not draft
         if asked:
             room = min(gamma, request.decode_ahead - decoding.committed)

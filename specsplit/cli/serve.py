@@ -89,6 +89,9 @@ def _verify_flags(v: argparse.ArgumentParser) -> None:
                         "the sessions leave free")
     store_tokens_flag(v, VerifySettings.store_tokens, "earlier outputs the verifier's own copies (prompt lookup "
                       "as it decodes ahead) also draw on, across requests (0: none)")
+    v.add_argument("--head-width", type=int, default=int(ENV("SPECSPLIT_HEAD_WIDTH", str(s.head_width))),
+                   help="the head drafting here grows EAGLE-2 token trees, this many nodes expanded a depth and "
+                        "cut to what pays at the forward's cost by width (0: chains with the confidence stop)")
     v.add_argument("--self-head", default=ENV("SPECSPLIT_VERIFY_SELF_HEAD", "none"),
                    help="the target's feature head drafting in this service (greedy self and hybrid requests, "
                         "and where an AUTO request's decode-ahead finds no copy: no process crossing a head round); "
@@ -200,7 +203,8 @@ def _settings(a: argparse.Namespace):
                               kv_cache_mib=a.kv_cache_mib, batch_rows=a.batch_rows,
                               batch_wait_ms=a.batch_wait_ms, prefix_cache=a.prefix_cache,
                               store_tokens=a.store_tokens, self_head=head_setting(a.self_head, a.target_model),
-                              self_min_confidence=a.self_min_confidence, head_vocab=a.head_vocab)
+                              self_min_confidence=a.self_min_confidence, head_vocab=a.head_vocab,
+                              head_width=a.head_width)
     if a.role == "draft":
         model = ModelSettings(a.draft_model, a.draft_dtype, a.device, exact=False,
                               quantize=a.draft_quantize) if a.draft_model else None

@@ -137,11 +137,11 @@ def load_head(head_dir: Path, target_dir: Path, device: str = "cpu", vocab: int 
 # 0.25 on an EPYC, acceptance unchanged); on AVX-512 VNNI a drafted token cost 0.104-0.105 of a
 # target step against q8_0's 0.137-0.140 (forced self, `specsplit bench --drafters self,default`,
 # four runs alternating, EPYC Zen 5), acceptance length 1.49-1.59 against 1.47-1.56.
-HEAD_FORMAT = "q4_0"
+HEAD_WEIGHTS = "q4_0"
 
 
 def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
-    """The native kernels when they run here, else torch. Weights in HEAD_FORMAT where the block
+    """The native kernels when they run here, else torch. Weights in HEAD_WEIGHTS where the block
     formats run, else bfloat16 where the CPU has bf16 dot products (half the bytes of float32). Drafts need not match any other path, only be the same
     for a session however it is batched."""
     import torch
@@ -151,7 +151,7 @@ def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
 
     if native.unavailable(torch.float32, device) is None and head.cfg.head_dim % 16 == 0:
         dtype = torch.bfloat16 if native.unavailable(torch.bfloat16, device) is None else torch.float32
-        quantize = HEAD_FORMAT if native.lacks_vnni() is None else ""
+        quantize = HEAD_WEIGHTS if native.lacks_vnni() is None else ""
         try:
             return NativeHead(head, max_positions, dtype, quantize)
         except (RuntimeError, OSError):  # no compiler, a failed build: torch still drafts

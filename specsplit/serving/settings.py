@@ -79,7 +79,10 @@ class VerifySettings:
     # target's tokens, the same acceptance, and a drafted token 15 % cheaper (the default request
     # 1.50-1.55x against 1.41-1.47x spec-off, back to back).
     head_vocab: int = 4096
-    head_gamma: int = 8  # most tokens of one head draft
+    head_gamma: int = 8  # most tokens of one head draft (a tree: its depth)
+    # > 0: the head drafts EAGLE-2 trees here, this many nodes expanded a depth, cut to the nodes
+    # whose expected tokens pay for their rows; 0: chains with the confidence stop.
+    head_width: int = 0
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -481,5 +482,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("begin", &HeadSequence::begin, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("follow", &HeadSequence::follow, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("draft", &HeadSequence::draft, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("draft_tree", &HeadSequence::draft_tree, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("length", &HeadSequence::length);
 }

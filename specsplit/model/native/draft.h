@@ -288,6 +288,30 @@ class HeadSequence {
 
   // A greedy chain of at most gamma tokens after the committed ones (DraftHead::draft, width 0).
   std::vector<int64_t> draft(int64_t gamma, double min_confidence) {
+    auto res = round(gamma, min_confidence, 0, 0.0);
+    const auto* t = res[3].data_ptr<int64_t>();
+    return std::vector<int64_t>(t, t + res[3].numel());
+  }
+
+  // EAGLE-2's dynamic tree, `width` nodes expanded a depth (DraftHead::draft): its nodes in the
+  // order made, (parents (-1: the last committed token), tokens, path probabilities).
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<float>> draft_tree(int64_t gamma, int64_t width,
+                                                                                        double min_expand) {
+    TORCH_CHECK(width > 0, "a tree is at least 1 wide");
+    auto res = round(gamma, 0.0, width, min_expand);
+    const auto* p = res[3].data_ptr<int64_t>();
+    const auto* t = res[4].data_ptr<int64_t>();
+    const auto* sc = res[5].data_ptr<float>();
+    const int64_t n = res[4].numel();
+    return {std::vector<int64_t>(p, p + n), std::vector<int64_t>(t, t + n), std::vector<float>(sc, sc + n)};
+  }
+
+  int64_t length() const { return static_cast<int64_t>(tokens_.size()); }
+
+ private:
+  // The features not yet fed (and the tokens after them), the tokens assumed past them, then the
+  // draft; the head's cache afterwards holds every feature.
+  std::vector<torch::Tensor> round(int64_t gamma, double min_confidence, int64_t width, double min_expand) {
     const int64_t have = count_, n = have - cached_, length = tokens_.size();
     const int64_t assumed = std::max<int64_t>(0, length - (have + 1));
     auto feats = torch::from_blob(feats_.data() + cached_ * d_, {n, d_}, torch::kFloat32);
@@ -295,19 +319,15 @@ class HeadSequence {
     auto forced = torch::from_blob(tokens_.data() + have + 1, {assumed}, torch::kLong);
     const bool prev = n == 0;
     TORCH_CHECK(!prev || pred_.defined(), "draft: no features since the start");
-    reserve(cached_ + n + assumed + gamma);
+    reserve(cached_ + n + assumed + gamma * std::max<int64_t>(1, width));
     auto res = head_.draft(feats, next, {n}, {forced}, {kv_}, {cached_}, {prev ? pred_ : torch::Tensor()},
-                           {prev ? logits_ : torch::Tensor()}, gamma, min_confidence, 0, 0.0)[0];
+                           {prev ? logits_ : torch::Tensor()}, gamma, min_confidence, width, min_expand)[0];
     cached_ = count_;
     pred_ = res[0];
     logits_ = res[1];
-    const auto* t = res[3].data_ptr<int64_t>();
-    return std::vector<int64_t>(t, t + res[3].numel());
+    return res;
   }
 
-  int64_t length() const { return static_cast<int64_t>(tokens_.size()); }
-
- private:
   void put(int64_t start, const torch::Tensor& features) {
     TORCH_CHECK(features.dim() == 2 && features.size(1) == d_, "features must be [n, hidden]");
     TORCH_CHECK(start <= count_, "features start at position ", start, "; the head has ", count_);
