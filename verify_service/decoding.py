@@ -49,8 +49,9 @@ class Decoding:
 
     def draft(self, request: pb.VerifyRequest, session: TargetSession, step_ms: list[float],
               outputs: OutputIndex | None = None, head=None) -> tuple[list[int], list[int] | None]:
-        """The next step's draft and, for a token tree, its parents (None: a chain). A prompt-lookup draft: where the last two tokens occurred before, what
-        followed them (in the session's own context, or in earlier outputs where a stored occurrence
+        """The next step's draft and, for a token tree, its parents (None: a chain). A prompt-lookup
+        draft: where the last two tokens occurred before, what followed them (in the session's own
+        context, or in earlier outputs where a stored occurrence
         agrees with more of the context), as many tokens as pay at the rate the session's lookups
         have been accepted and the forward's cost by width (`step_ms`, from 1 row up), within
         lookup_gamma (twice that after a lookup accepted whole: a span being copied) and so that

@@ -63,7 +63,7 @@ class HeadState:
     sequence: object
     trust: Agreement = field(default_factory=Agreement)
     looked: int = 0  # the depth of the draft in flight (0: none)
-    expected: float = 0.0  # the sum of its tree nodes' scaled-out scores: the tokens it should earn
+    expected: float = 0.0  # a tree in flight: its kept nodes' scores summed, the tokens they promise
     accepted: Ewma = field(default_factory=lambda: Ewma(DECAY))  # by tree round, accepted tokens
     promised: Ewma = field(default_factory=lambda: Ewma(DECAY))  # and the sum of the kept nodes' scores
 
@@ -120,24 +120,27 @@ class VerifierHead:
         depth = state.trust.depth(min(room, self.gamma), step_ms, *self.price.parts) if room > 0 else 0
         if not depth:
             return HeadDraft([], 0)
+        return self._tree(state, depth, step_ms) if self.width else self._chain(state, depth)
+
+    def _chain(self, state: HeadState, depth: int) -> HeadDraft:
         started = time.perf_counter_ns()
-        if not self.width:
-            drafted = state.sequence.draft(depth, self.min_confidence)
-            ns = time.perf_counter_ns() - started
-            self.price.add(ns / 1e6, len(drafted))
-            state.looked = len(drafted)
-            return HeadDraft(drafted, ns)
+        drafted = state.sequence.draft(depth, self.min_confidence)
+        ns = time.perf_counter_ns() - started
+        self.price.add(ns / 1e6, len(drafted))
+        state.looked = len(drafted)
+        return HeadDraft(drafted, ns)
+
+    def _tree(self, state: HeadState, depth: int, step_ms: list[float]) -> HeadDraft:
+        started = time.perf_counter_ns()
         parents, tokens, scores = state.sequence.draft_tree(depth, self.width, MIN_EXPAND)
         ns = time.perf_counter_ns() - started
-        made = max(tokentree.depths(parents), default=0)
-        self.price.add(ns / 1e6, made)  # a depth is one head step, however wide
+        self.price.add(ns / 1e6, max(tokentree.depths(parents), default=0))  # a depth is one head step, however wide
         tree, node = tokentree.Tree(), []
         for parent, token, score in zip(parents, tokens, scores):
             node.append(tree.add(node[parent] if parent >= 0 else -1, token, score))
         tokens, parents, scores, _ = tree.select(len(tokens), depth)  # best first: every prefix a tree
         keep, parents = tokentree.prune(parents, depth, tokentree.worth_verifying(
             [x * state.scale for x in scores], step_ms, ns / 1e6))
-        tokens = [tokens[i] for i in keep]
         state.looked = max(tokentree.depths(parents), default=0)
         state.expected = sum(scores[i] for i in keep)
-        return HeadDraft(tokens, ns, parents)
+        return HeadDraft([tokens[i] for i in keep], ns, parents)

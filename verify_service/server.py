@@ -283,8 +283,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             room = max(0, request.decode_ahead - decoding.committed)
             curve = self._widths.curve(session.step_ms, self._curve(), session.sampling)
             draft, parents = decoding.draft(request, session, curve, self._outputs, self._head)
-            return self._target.plan_verify(session, length, draft, parents=parents, fill=min(request.forced_room, room),
-                                            copied=True)
+            return self._target.plan_verify(session, length, draft, parents=parents,
+                                            fill=min(request.forced_room, room), copied=True)
         except Exception as e:  # noqa: BLE001 -- mapped to its status
             raise failure(e) from None
 

@@ -142,8 +142,8 @@ HEAD_WEIGHTS = "q4_0"
 
 def head_runner(head: FeatureHead, device: torch.device, max_positions: int):
     """The native kernels when they run here, else torch. Weights in HEAD_WEIGHTS where the block
-    formats run, else bfloat16 where the CPU has bf16 dot products (half the bytes of float32). Drafts need not match any other path, only be the same
-    for a session however it is batched."""
+    formats run, else bfloat16 where the CPU has bf16 dot products (half the bytes of float32).
+    Drafts need not match any other path, only be the same for a session however it is batched."""
     import torch
 
     from specsplit.model import native
