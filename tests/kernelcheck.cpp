@@ -30,6 +30,7 @@ namespace {
 #include "common.h"
 #include "panels.h"
 #include "rows.h"
+#include "scratch.h"
 #include "isa_avx2.h"
 #include "attention_avx2.h"
 }  // namespace

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h, *.inc
-PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h", ".inc"})
+SOURCE = Path(__file__).with_name("decoder.cpp")  # includes its parts: *.h
+PARTS = sorted(p for p in SOURCE.parent.iterdir() if p.suffix in {".cpp", ".h"})
 # The instruction sets the kernels are built for, best first: compiler flags and the CPU flags each
 # needs. One library per set (decoder.cpp includes isa_<set>.h); "amx" is the avx512 library with
 # bf16 GEMMs and attention on AMX tiles; "neon" (aarch64: the "Features" line's asimd and fphp) is

@@ -182,3 +182,19 @@ void attend_rows_team(const AttendShape& a, const float* qkv, int64_t ld, const 
       }
   }
 }
+
+// The Decoder's attention in the AVX2 build: attend_rows_team over one call's rows.
+struct Attention {
+  AttendShape shape;
+
+  void plan_runs(Scratch&) const {}  // the AVX-512 build's key-block sharing; nothing to plan here
+
+  void attend_team(size_t li, const float* qkv, int64_t ld, const Scratch& s, float* out) const {
+    std::vector<AttendRow> rows(s.rows());  // each thread its own copy: n small structs
+    for (int64_t r = 0; r < s.rows(); ++r) {
+      const Segment& seg = s.segs[s.seg_of[r]];
+      rows[r] = AttendRow{seg.kv[li], seg.cap, seg.base, &s.path[r]};
+    }
+    attend_rows_team(shape, qkv, ld, rows.data(), s.rows(), out);
+  }
+};

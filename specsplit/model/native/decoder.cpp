@@ -67,8 +67,11 @@ namespace {
 #include "panels.h"
 #include "packing.h"
 #include "rows.h"
+#include "scratch.h"
 #if SPECSPLIT_AVX512
 #include "isa_avx512.h"
+#include "attention_avx512.h"
+#include "attention_amx.h"
 #else
 #include "isa_avx2.h"
 #include "attention_avx2.h"
@@ -186,33 +189,6 @@ class Decoder {
   Act act() const { return act_; }
 
  private:
-  // One sequence's part of a call: its cache and where its rows sit.
-  struct Segment {
-    std::vector<char*> kv;  // per layer: [2, capacity, kv_heads, head_dim]
-    int64_t cap = 0, start = 0, base = 0;
-  };
-
-  // Activations between the ops of a layer, shared by the team, and what each row is.
-  struct Scratch {
-    std::vector<float> a, qkv, att, y, gu, h;
-    Rows in, in_att, in_mlp;  // GEMM inputs of hidden, heads * head_dim and intermediate features
-    std::vector<Segment> segs;
-    std::vector<int64_t> seg_of;  // row -> its segment
-    // Per row: the cache slots at and after its segment's base it attends, in depth order
-    // (ancestors, then its own), so that it sits at position base + path.size() - 1.
-    std::vector<std::vector<int64_t>> path;
-    std::vector<int64_t> head_rows;  // the rows whose logits are returned, in order
-    // AMX attention: runs of consecutive rows of one segment, each the child of the one before (a
-    // chain, or a chain inside a tree): every row's key list is a prefix of the run's last row's.
-    std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
-    // AVX-512 attention: groups of consecutive rows of one segment (plan_runs).
-    std::vector<std::pair<int64_t, int64_t>> groups;  // (first row, rows)
-    std::vector<std::pair<int64_t, int64_t>> tasks;  // (run, the run after it or -1)
-
-    int64_t rows() const { return static_cast<int64_t>(seg_of.size()); }
-    int64_t keys(int64_t r) const { return segs[seg_of[r]].base + static_cast<int64_t>(path[r].size()); }
-  };
-
   std::vector<float> embed(const torch::Tensor& ids) const {
     TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids must be int64 [n]");
     const int64_t n = ids.size(0), width = hidden_;
@@ -306,7 +282,7 @@ class Decoder {
     const bool norm = norm_.numel() > 0;
     const float* norm_w = norm ? norm_.data_ptr<float>() : nullptr;
     std::vector<float> picked;
-    plan_runs(s);
+    attention().plan_runs(s);
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       for (size_t li = 0; li < layers_.size(); ++li) layer_team(layers_[li], li, x.data(), s);
@@ -356,10 +332,10 @@ class Decoder {
     }
 #if SPECSPLIT_AVX512
     if (attn_amx_)
-      attend_amx_team(li, s.qkv.data(), ld, s, s.att.data());
+      attention().attend_amx_team(li, s.qkv.data(), ld, s, s.att.data());
     else
 #endif
-      attend_team(li, s.qkv.data(), ld, s, s.att.data());
+      attention().attend_team(li, s.qkv.data(), ld, s, s.att.data());
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < n; ++r) row_to(s.att.data() + r * qw, r, qw, act_, s.in_att);
     gemm_team(l.o, s.in_att, n, s.y.data());
@@ -413,27 +389,7 @@ class Decoder {
     }
   }
 
-#if SPECSPLIT_AVX512
-#include "attention_avx512.inc"
-#include "attention_amx.inc"
-
-  // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
-  inline __m512 key(const void* base, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {
-    const int64_t off = (plane + j) * kw + g * d_ + i;
-    if (bf16_) return load_bf16x16(static_cast<const uint16_t*>(base) + off);
-    return _mm512_loadu_ps(static_cast<const float*>(base) + off);
-  }
-
-  // Every cache line of key (or value) j of KV head g: the keys of one head are strided in the
-  // cache, and the hardware prefetcher alone leaves attention waiting on them at long contexts.
-  inline void prefetch_key(const void* base, int64_t j, int64_t g, int64_t kw, int64_t plane) const {
-    const int64_t size = bf16_ ? 2 : 4;
-    const char* at = static_cast<const char*>(base) + ((plane + j) * kw + g * d_) * size;
-    for (int64_t b = 0; b < d_ * size; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
-  }
-#else
-#include "attention_avx2.inc"
-#endif
+  Attention attention() const { return Attention{{heads_, kv_heads_, d_, bf16_}}; }
 
   int64_t heads_, kv_heads_, d_, hidden_ = 0;
   float eps_;

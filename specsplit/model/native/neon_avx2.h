@@ -1,4 +1,4 @@
-// The AVX2 intrinsics isa_avx2.h and attention_avx2.inc use, on Arm NEON (aarch64), each with the
+// The AVX2 intrinsics isa_avx2.h and attention_avx2.h use, on Arm NEON (aarch64), each with the
 // x86 instruction's exact semantics: an aarch64 build runs the AVX2 path's code, so it gives the
 // AVX2 path's bits for every format (tests/test_kernelcheck.py runs both builds on the same packed
 // weights and compares). One source for the maths on both; a __m256 is two 128-bit registers.

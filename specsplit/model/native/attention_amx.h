@@ -1,51 +1,9 @@
-  // Part of the Decoder class in decoder.cpp (included inside its body, after attention_avx512.inc):
-  // the run planning both attention paths share, and attention on AMX tiles.
-  // Query vectors per AMX attention task: all the heads of a KV group for as many rows as fit 16.
-  int64_t group_heads() const { return std::min<int64_t>(heads_ / kv_heads_, kTileRows); }
+// Part of decoder.cpp (included once, inside its anonymous namespace) in the AVX-512 build: the
+// Decoder's attention on AMX tiles (attend_amx_team), beside AttentionAvx512's, whose shape, key
+// access and run planning it shares.
+#pragma once
 
-  // Rows r and r + 1 chain: same segment, and r + 1 is r's child (its key list is r's plus one).
-  static bool chained(const Scratch& s, int64_t r) {
-    const auto &a = s.path[r], &b = s.path[r + 1];
-    return s.seg_of[r] == s.seg_of[r + 1] && b.size() == a.size() + 1 && b[a.size() - 1] == a.back();
-  }
-
-  // AVX-512 attention's groups: consecutive rows of one segment, up to 16 query vectors each (a
-  // chain, or a tree's rows, which share the prefix's key blocks). AMX attention's runs: chained
-  // rows, up to 16 query vectors each, paired into tasks where the second run continues the first
-  // (so both read a prefix of the second's key list).
-  void plan_runs(Scratch& s) const {
-    const int64_t most = std::max<int64_t>(1, kTileRows / group_heads());
-    s.groups.clear();
-    for (int64_t r = 0; r < s.rows(); ++r) {
-      if (!s.groups.empty()) {
-        auto& [first, count] = s.groups.back();
-        if (count < most && s.seg_of[first] == s.seg_of[r]) {
-          ++count;
-          continue;
-        }
-      }
-      s.groups.emplace_back(r, 1);
-    }
-    s.runs.clear();
-    for (int64_t r = 0; r < s.rows(); ++r) {
-      if (!s.runs.empty()) {
-        auto& [first, count] = s.runs.back();
-        if (count < most && first + count == r && chained(s, r - 1)) {
-          ++count;
-          continue;
-        }
-      }
-      s.runs.emplace_back(r, 1);
-    }
-    s.tasks.clear();
-    for (size_t i = 0; i < s.runs.size(); ++i) {
-      const auto [first, count] = s.runs[i];
-      const bool pair = i + 1 < s.runs.size() && chained(s, first + count - 1);
-      s.tasks.emplace_back(static_cast<int64_t>(i), pair ? static_cast<int64_t>(i + 1) : -1);
-      if (pair) ++i;
-    }
-  }
-
+struct Attention : AttentionAvx512 {
   // Attention on AMX tiles (bf16 cache). A task: one KV head and one or two runs of rows, each run
   // up to 16 query vectors (row, head of the group) in the lanes of its own tiles; the second run
   // shares the first's key and value tiles (half the cache traffic). Scores S^T = K Q^T (keys
@@ -211,4 +169,4 @@
       }
     }
   }
-
+};

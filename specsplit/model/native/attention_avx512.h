@@ -1,5 +1,29 @@
-  // Part of the Decoder class in decoder.cpp (included inside its body): attention on AVX-512.
-  // (The run planning it shares with AMX attention: attention_amx.inc.)
+// Part of decoder.cpp (included once, inside its anonymous namespace) in the AVX-512 build: the
+// Decoder's attention over one call's rows (Scratch) on AVX-512 (attend_team), and the run planning
+// it shares with attention on AMX tiles (attention_amx.h). Free of the Decoder: it reads the shape
+// it is given and the rows' caches.
+#pragma once
+
+struct AttentionAvx512 {
+  int64_t heads_, kv_heads_, d_;
+  bool bf16_;  // the caches' dtype (else fp32)
+
+  // 16 elements of the key (plane 0) or value (plane offset cap) at position j, KV head g.
+  inline __m512 key(const void* base, int64_t j, int64_t g, int64_t i, int64_t kw, int64_t plane) const {
+    const int64_t off = (plane + j) * kw + g * d_ + i;
+    if (bf16_) return load_bf16x16(static_cast<const uint16_t*>(base) + off);
+    return _mm512_loadu_ps(static_cast<const float*>(base) + off);
+  }
+
+  // Every cache line of key (or value) j of KV head g: the keys of one head are strided in the
+  // cache, and the hardware prefetcher alone leaves attention waiting on them at long contexts.
+  inline void prefetch_key(const void* base, int64_t j, int64_t g, int64_t kw, int64_t plane) const {
+    const int64_t size = bf16_ ? 2 : 4;
+    const char* at = static_cast<const char*>(base) + ((plane + j) * kw + g * d_) * size;
+    for (int64_t b = 0; b < d_ * size; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+  }
+
+  // Attention on AVX-512.
   // One task per (row, head): the row attends keys [0, base) of its own sequence's cache and then
   // the slots of its path, exactly (a chain's row r: keys [0, start + r]). Called by every thread of
   // the team; barrier at the end.
@@ -337,3 +361,50 @@
     }
   }
 
+  // The run planning both attention paths share. Rows r and r + 1 chain: same segment, and r + 1 is r's child (its key list is r's plus one).
+  static bool chained(const Scratch& s, int64_t r) {
+    const auto &a = s.path[r], &b = s.path[r + 1];
+    return s.seg_of[r] == s.seg_of[r + 1] && b.size() == a.size() + 1 && b[a.size() - 1] == a.back();
+  }
+
+  // AVX-512 attention's groups: consecutive rows of one segment, up to 16 query vectors each (a
+  // chain, or a tree's rows, which share the prefix's key blocks). AMX attention's runs: chained
+  // rows, up to 16 query vectors each, paired into tasks where the second run continues the first
+  // (so both read a prefix of the second's key list).
+  void plan_runs(Scratch& s) const {
+    const int64_t most = std::max<int64_t>(1, kTileRows / group_heads());
+    s.groups.clear();
+    for (int64_t r = 0; r < s.rows(); ++r) {
+      if (!s.groups.empty()) {
+        auto& [first, count] = s.groups.back();
+        if (count < most && s.seg_of[first] == s.seg_of[r]) {
+          ++count;
+          continue;
+        }
+      }
+      s.groups.emplace_back(r, 1);
+    }
+    s.runs.clear();
+    for (int64_t r = 0; r < s.rows(); ++r) {
+      if (!s.runs.empty()) {
+        auto& [first, count] = s.runs.back();
+        if (count < most && first + count == r && chained(s, r - 1)) {
+          ++count;
+          continue;
+        }
+      }
+      s.runs.emplace_back(r, 1);
+    }
+    s.tasks.clear();
+    for (size_t i = 0; i < s.runs.size(); ++i) {
+      const auto [first, count] = s.runs[i];
+      const bool pair = i + 1 < s.runs.size() && chained(s, first + count - 1);
+      s.tasks.emplace_back(static_cast<int64_t>(i), pair ? static_cast<int64_t>(i + 1) : -1);
+      if (pair) ++i;
+    }
+  }
+
+  // Query vectors per attention task (AVX-512 and AMX): all the heads of a KV group for as many rows
+  // as fit 16.
+  int64_t group_heads() const { return std::min<int64_t>(heads_ / kv_heads_, kTileRows); }
+};
