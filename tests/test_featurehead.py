@@ -260,6 +260,10 @@ def test_a_sequence_held_in_the_kernels_drafts_what_the_python_track_drafts(kern
     assert drafted_any and sequence.length == len(tokens)
     with pytest.raises(RuntimeError, match="the last committed token has no feature"):
         sequence.follow(len(tokens), [7], torch.randn(2, 32))
+    # It keeps only the features its cache does not hold yet: a step never rolls back past what it
+    # committed, and one that would is refused, not drafted from features it dropped.
+    with pytest.raises(RuntimeError, match="which the head's cache holds"):
+        sequence.follow(3, [7], torch.randn(1, 32))
 
 
 def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel_path):

@@ -254,7 +254,8 @@ class DraftHead {
 };
 
 // One sequence's head state kept in the kernels (what headserving.HeadTrack and a KVBuffer hold in
-// Python): the committed tokens, the target's features of positions [0, count), the head's KV cache
+// Python): the committed tokens, the target's features of positions [first, count) (those before
+// are in the head's cache: a step never rolls back past what it committed), the head's KV cache
 // (its first `cached` positions from true features) and its last prediction. A round right after a
 // target forward is then two calls that take only their arguments, follow (the step's tokens and
 // features) and draft (the chain): Python run there runs on caches the forward flushed (measured on
@@ -270,7 +271,8 @@ class HeadSequence {
   // The prompt is in: tokens (it and the first generated token), features [prompt, hidden].
   void begin(const std::vector<int64_t>& tokens, const torch::Tensor& features) {
     tokens_ = tokens;
-    count_ = cached_ = 0;
+    count_ = cached_ = first_ = 0;
+    feats_.clear();
     put(0, features);
   }
 
@@ -314,7 +316,7 @@ class HeadSequence {
   std::vector<torch::Tensor> round(int64_t gamma, double min_confidence, int64_t width, double min_expand) {
     const int64_t have = count_, n = have - cached_, length = tokens_.size();
     const int64_t assumed = std::max<int64_t>(0, length - (have + 1));
-    auto feats = torch::from_blob(feats_.data() + cached_ * d_, {n, d_}, torch::kFloat32);
+    auto feats = torch::from_blob(feats_.data() + (cached_ - first_) * d_, {n, d_}, torch::kFloat32);
     auto next = torch::from_blob(tokens_.data() + cached_ + 1, {n}, torch::kLong);
     auto forced = torch::from_blob(tokens_.data() + have + 1, {assumed}, torch::kLong);
     const bool prev = n == 0;
@@ -322,7 +324,8 @@ class HeadSequence {
     reserve(cached_ + n + assumed + gamma * std::max<int64_t>(1, width));
     auto res = head_.draft(feats, next, {n}, {forced}, {kv_}, {cached_}, {prev ? pred_ : torch::Tensor()},
                            {prev ? logits_ : torch::Tensor()}, gamma, min_confidence, width, min_expand)[0];
-    cached_ = count_;
+    cached_ = first_ = count_;  // every feature is in the head's cache now
+    feats_.clear();
     pred_ = res[0];
     logits_ = res[1];
     return res;
@@ -331,12 +334,13 @@ class HeadSequence {
   void put(int64_t start, const torch::Tensor& features) {
     TORCH_CHECK(features.dim() == 2 && features.size(1) == d_, "features must be [n, hidden]");
     TORCH_CHECK(start <= count_, "features start at position ", start, "; the head has ", count_);
+    TORCH_CHECK(start >= first_, "features start at position ", start, ", before ", first_, ", which the head's cache holds");
     const int64_t end = start + features.size(0);
     TORCH_CHECK(end <= length() - 1, "features up to position ", end, " for ", length(),
                 " tokens: the last committed token has no feature yet");
-    feats_.resize(end * d_);
+    feats_.resize((end - first_) * d_);
     auto f = features.to(torch::kFloat32).contiguous();
-    std::memcpy(feats_.data() + start * d_, f.data_ptr<float>(), f.numel() * 4);
+    std::memcpy(feats_.data() + (start - first_) * d_, f.data_ptr<float>(), f.numel() * 4);
     count_ = end;
     cached_ = std::min(cached_, start);
   }
@@ -356,6 +360,6 @@ class HeadSequence {
   int64_t max_positions_, d_;
   torch::Tensor kv_, pred_, logits_;
   std::vector<int64_t> tokens_;
-  std::vector<float> feats_;  // [count, hidden]
-  int64_t count_ = 0, cached_ = 0;
+  std::vector<float> feats_;  // [count - first, hidden]
+  int64_t count_ = 0, cached_ = 0, first_ = 0;
 };
