@@ -50,17 +50,23 @@ struct AttentionAvx512 {
     }
   }
 
-  inline void qk(int64_t m, const float* const* q, const float* kt, __m512* acc) const {
+  // f(std::integral_constant<int, V>) for V = m (1..7), else 8: a query count as a template argument.
+  template <typename F>
+  static void by_queries(int64_t m, F&& f) {
     switch (m) {
-      case 1: qk_lanes<1>(q, kt, acc); break;
-      case 2: qk_lanes<2>(q, kt, acc); break;
-      case 3: qk_lanes<3>(q, kt, acc); break;
-      case 4: qk_lanes<4>(q, kt, acc); break;
-      case 5: qk_lanes<5>(q, kt, acc); break;
-      case 6: qk_lanes<6>(q, kt, acc); break;
-      case 7: qk_lanes<7>(q, kt, acc); break;
-      default: qk_lanes<8>(q, kt, acc); break;
+      case 1: f(std::integral_constant<int, 1>{}); break;
+      case 2: f(std::integral_constant<int, 2>{}); break;
+      case 3: f(std::integral_constant<int, 3>{}); break;
+      case 4: f(std::integral_constant<int, 4>{}); break;
+      case 5: f(std::integral_constant<int, 5>{}); break;
+      case 6: f(std::integral_constant<int, 6>{}); break;
+      case 7: f(std::integral_constant<int, 7>{}); break;
+      default: f(std::integral_constant<int, 8>{}); break;
     }
+  }
+
+  inline void qk(int64_t m, const float* const* q, const float* kt, __m512* acc) const {
+    by_queries(m, [&](auto v) { qk_lanes<decltype(v)::value>(q, kt, acc); });
   }
 
   // Keys j0..j0+15 of KV head g as fp32 [dim][key] (keys past len: zero).
@@ -111,16 +117,7 @@ struct AttentionAvx512 {
   }
 
   inline void qk_pairs(int64_t m, const uint32_t* const* q, const uint32_t* kt, __m512* acc) const {
-    switch (m) {
-      case 1: qk_pair_lanes<1>(q, kt, acc); break;
-      case 2: qk_pair_lanes<2>(q, kt, acc); break;
-      case 3: qk_pair_lanes<3>(q, kt, acc); break;
-      case 4: qk_pair_lanes<4>(q, kt, acc); break;
-      case 5: qk_pair_lanes<5>(q, kt, acc); break;
-      case 6: qk_pair_lanes<6>(q, kt, acc); break;
-      case 7: qk_pair_lanes<7>(q, kt, acc); break;
-      default: qk_pair_lanes<8>(q, kt, acc); break;
-    }
+    by_queries(m, [&](auto v) { qk_pair_lanes<decltype(v)::value>(q, kt, acc); });
   }
 
   // Values of keys j and j + 1 interleaved per dim: 16 dims from dim i (key j + 1 past end: zero).
