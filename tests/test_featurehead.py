@@ -339,6 +339,8 @@ def test_the_verifiers_head_grows_a_tree_and_verifies_the_part_that_pays(kernel_
     assert len(drafts["flat"].tokens) == len(made)  # all of it: every node adds to the rate at no cost
     assert len(drafts["steep"].tokens) < len(drafts["flat"].tokens)  # the likeliest first, then cut
     assert drafts["steep"].tokens == drafts["flat"].tokens[:len(drafts["steep"].tokens)]
+    with pytest.raises(ValueError, match="head width 17"):
+        VerifierHead(runner, "random", gamma=3, min_confidence=0.0, width=17)
     state = verifier.start(tokens[:6])
     verifier.prefilled(state, tokens, feats)
     assert state.scale == 1.0

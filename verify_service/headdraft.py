@@ -20,6 +20,7 @@ from specsplit.speculation.ewma import Ewma
 from specsplit.speculation.lookup import Agreement
 
 DECAY = 0.95  # per round, for the head's price
+MAX_WIDTH = 16  # the kernels' widest tree step (DraftHead::draft)
 MIN_EXPAND = 0.05  # a tree's node is expanded only if its path probability is at least this
 SCALE_LIMITS = (0.25, 4.0)  # how far a tree's scores are rescaled by how they have held up
 
@@ -88,6 +89,8 @@ class VerifierHead:
         self.model_id = model_id
         self.gamma = gamma  # at most this many tokens a draft (a tree: this deep)
         self.min_confidence = min_confidence  # a chain stops below this probability of being right
+        if not 0 <= width <= MAX_WIDTH:
+            raise ValueError(f"head width {width}: 0 (chains) to {MAX_WIDTH} nodes expanded a depth")
         self.width = width  # > 0: EAGLE-2 trees, this many nodes expanded a depth; 0: chains
         self.price = Price()  # every session's rounds: the head and the machine are the service's
 
