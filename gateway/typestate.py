@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from specsplit.serving.settings import ControllerSettings
 from specsplit.speculation.ewma import Ewma
-from specsplit.speculation.tokentree import verify_ms
+from specsplit.speculation.tokentree import score_scale, verify_ms
 
 log = logging.getLogger("specsplit")
 
@@ -146,12 +146,9 @@ class TypeState:
 
     @property
     def score_scale(self) -> float:
-        """How far a drafter's scores can be trusted: accepted over expected per scored round (1.0
-        until measured), which the gateway applies before it cuts a tree by expected gain."""
-        accepted, expected = self.tree_accepted.value, self.tree_expected.value
-        if accepted is None or not expected:
-            return 1.0
-        return min(4.0, max(0.25, accepted / expected))
+        """How far a drafter's scores can be trusted (speculation.tokentree.score_scale), which the gateway
+        applies before it cuts a tree by expected gain."""
+        return score_scale(self.tree_accepted.value, self.tree_expected.value)
 
     def predraft(self) -> bool:
         """Whether the next spec-on request pre-drafts (Arms: measured against not)."""

@@ -22,7 +22,6 @@ from specsplit.speculation.lookup import Agreement
 DECAY = 0.95  # per round, for the head's price
 MAX_WIDTH = 16  # the kernels' widest tree step (DraftHead::draft)
 MIN_EXPAND = 0.05  # a tree's node is expanded only if its path probability is at least this
-SCALE_LIMITS = (0.25, 4.0)  # how far a tree's scores are rescaled by how they have held up
 
 
 class Price:
@@ -70,9 +69,8 @@ class HeadState:
 
     @property
     def scale(self) -> float:
-        """How far this session's tree scores have held up: accepted over expected (1 until seen)."""
-        got, promised = self.accepted.value, self.promised.value
-        return 1.0 if got is None or not promised else min(SCALE_LIMITS[1], max(SCALE_LIMITS[0], got / promised))
+        """How far this session's tree scores have held up (tokentree.score_scale)."""
+        return tokentree.score_scale(self.accepted.value, self.promised.value)
 
 
 class HeadDraft(NamedTuple):

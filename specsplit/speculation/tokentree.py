@@ -151,6 +151,15 @@ class Tree:
         return tokens, parents, scores, sources
 
 
+def score_scale(accepted: float | None, expected: float | None) -> float:
+    """How far a drafter's tree scores have held up: the tokens its trees earned over the sum of
+    their kept nodes' scores (the tokens they promised), within [0.25, 4]; 1.0 until measured. Applied
+    to the scores before a tree is cut by worth_verifying."""
+    if accepted is None or not expected:
+        return 1.0
+    return min(4.0, max(0.25, accepted / expected))
+
+
 def worth_verifying(scores: list[float], forward_ms_by_rows: list[float], fixed_ms: float,
                     other_rows: int = 0, other_gain: float = 0.0) -> int:
     """How many leading nodes of a best-first tree to verify: the count m whose expected tokens per
