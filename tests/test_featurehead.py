@@ -1,5 +1,7 @@
 """The feature head: serving (incremental, with a cache) computes exactly what training unrolls."""
 
+import copy
+
 import pytest
 import torch
 from conftest import random_head
@@ -272,7 +274,7 @@ def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel
     price: free, it drafts its whole gamma where rows cost nothing; priced above what a round can
     earn, it drafts nothing and runs no round at all."""
     from specsplit.model.headserving import NativeHead
-    from verify_service.headdraft import Price, VerifierHead
+    from verify_service.headdraft import OUTLIER, Price, VerifierHead
 
     price = Price()
     assert price.parts == (0.0, 0.0)  # nothing measured: drafting is free
@@ -282,6 +284,10 @@ def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel
         price.add(ms, n)
     price.add(0.3, 1)
     assert price.parts == pytest.approx((0.2, 0.1))
+    preempted, slow = copy.deepcopy(price), copy.deepcopy(price)
+    preempted.add(50.0, 1)  # a round a neighbour held up for 50 ms counts as OUTLIER times its price
+    slow.add(OUTLIER * 0.3, 1)
+    assert preempted.parts == pytest.approx(slow.parts) and preempted.parts[0] + preempted.parts[1] < 1.0
 
     head = random_head(4, head_dim=16)
     verifier = VerifierHead(NativeHead(head, 64, torch.float32), "random", gamma=3, min_confidence=0.0)
@@ -296,6 +302,37 @@ def test_the_verifiers_head_drafts_only_tokens_worth_their_measured_price(kernel
     verifier.price.add(2.7, 1)  # dearer than its gamma of 3 tokens earn at an even rate and 3 ms (2.625)
     assert verifier.draft(state, 8, flat) == ([], 0, None)
     assert verifier.price.w == 1  # no round ran
+
+
+def test_the_verifiers_head_is_priced_at_start_from_warm_rounds_after_forwards(models):
+    """VerifierHead.measure: before any request, rounds of one and gamma tokens after 1-row forwards
+    of the target price the head (the cold first pass left out), and its session's cache is given
+    back; a request's first round then drafts at that price."""
+    from specsplit.model.featurehead import FeatureHead, HeadConfig
+    from specsplit.model.headserving import NativeHead
+    from verify_service.engine import Target
+    from verify_service.headdraft import DECAY, WARMUP_PASSES, VerifierHead
+    from conftest import native_model
+
+    lm = native_model(models, "float32")
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16, rope_theta=10000.0,
+                     eps=1e-5, draft_vocab=32)
+    head = FeatureHead(cfg)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    head.attach(torch.randn(lm.vocab_size, 64), torch.randn(lm.vocab_size, 64), torch.arange(32))
+    verifier = VerifierHead(NativeHead(head.eval(), 256, torch.float32), "random", gamma=4, min_confidence=0.0)
+    target = Target(lm)
+    used = lm.native.pool.used_bytes
+    verifier.measure(target, 1)
+    assert lm.native.pool.used_bytes == used  # the measuring session's cache is given back
+    rounds = 2 * (WARMUP_PASSES - 1)
+    assert verifier.price.w == pytest.approx(sum(DECAY ** i for i in range(rounds)))
+    # a round of 1 token, then of gamma (no confidence stop: every token drafted), the latest weighed most
+    assert verifier.price.n == pytest.approx(sum(DECAY ** (rounds - 1 - i) * (1, 4)[i % 2] for i in range(rounds)))
+    fixed, per = verifier.price.parts
+    assert fixed >= 0 and per >= 0 and fixed + per > 0
 
 
 def test_the_verifiers_head_grows_a_tree_and_verifies_the_part_that_pays(kernel_path):

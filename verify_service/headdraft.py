@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,9 +19,14 @@ from specsplit.speculation import tokentree
 from specsplit.speculation.ewma import Ewma
 from specsplit.speculation.lookup import Agreement
 
+if TYPE_CHECKING:
+    from verify_service.engine import Target
+
 DECAY = 0.95  # per round, for the head's price
 MAX_WIDTH = 16  # the kernels' widest tree step (DraftHead::draft)
 MIN_EXPAND = 0.05  # a tree's node is expanded only if its path probability is at least this
+OUTLIER = 4.0  # a round counts at most this many times what its size is priced at (a preempted one)
+WARMUP_PASSES = 4  # Price's first rounds at start, each after a 1-row forward (the first pass: cold, dropped)
 
 
 class Price:
@@ -32,12 +37,18 @@ class Price:
     with AVX-512, a 2.3 ms step: 0.29 ms for a 1-token round right after a forward, 0.41 for 3,
     0.61 for 5; 0.07 ms a step back to back); an average per token would charge it to every token,
     make short rounds look dear, and shorten them further. Until rounds of two sizes are seen, the
-    mean round is all fixed (so that a deeper one is tried)."""
+    mean round is all fixed (so that a deeper one is tried). A round counts at most OUTLIER times
+    its predicted price: one preempted by a neighbour (measured on a busy CI host: tens of ms) would
+    otherwise price the head above a step, and the head, silenced but for a probe every 16 steps,
+    would hardly ever be timed again to undo it."""
 
     def __init__(self):
         self.w = self.n = self.nn = self.ms = self.nms = 0.0  # decayed sums of 1, n, n², ms, n·ms
 
     def add(self, ms: float, tokens: int) -> None:
+        fixed, per = self.parts
+        if fixed + per > 0:
+            ms = min(ms, OUTLIER * (fixed + per * tokens))
         d = DECAY
         self.w, self.n, self.nn = self.w * d + 1, self.n * d + tokens, self.nn * d + tokens * tokens
         self.ms, self.nms = self.ms * d + ms, self.nms * d + tokens * ms
@@ -91,6 +102,26 @@ class VerifierHead:
             raise ValueError(f"head width {width}: 0 (chains) to {MAX_WIDTH} nodes expanded a depth")
         self.width = width  # > 0: EAGLE-2 trees, this many nodes expanded a depth; 0: chains
         self.price = Price()  # every session's rounds: the head and the machine are the service's
+
+    def measure(self, target: Target, token: int) -> None:
+        """The head's price before the first request (Price: a request's first round must not learn
+        it from a cold call, 1.6 ms against 0.4 warm, measured): rounds of one and gamma tokens,
+        each right after a 1-row forward of a 32-token session of `token`, as when serving."""
+        session, result = target.prefill([token] * 32, with_features=True)
+        sequence = self.runner.sequence()
+        sequence.begin(session.tokens, result.features)
+        try:
+            for n in range(WARMUP_PASSES):
+                for depth in (1, self.gamma):
+                    length = len(session.tokens)
+                    result = target.verify(session, length, [])
+                    sequence.follow(length, session.tokens[length:], result.features)
+                    started = time.perf_counter_ns()
+                    drafted = sequence.draft(depth, 0.0)
+                    if n:
+                        self.price.add((time.perf_counter_ns() - started) / 1e6, len(drafted))
+        finally:
+            session.kv.free()
 
     def start(self, prompt: list[int]) -> HeadState:
         return HeadState(self.runner.sequence())

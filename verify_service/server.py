@@ -353,9 +353,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def warmup(self) -> None:
         """A prefill and verifies of every width up to WARMUP_ROWS, so the first request does not pay
-        for lazy init, and Info can say what each width costs."""
+        for lazy init, and Info can say what each width costs; then the head's price (VerifierHead.measure)."""
         self._warming = asyncio.ensure_future(self._worker.run(measure_rows, self._target, first_id(self._lm)))
         self.forward_ms_by_rows = await self._warming
+        if self._head is not None:
+            await self._worker.run(self._head.measure, self._target, first_id(self._lm))
 
 def _features(result, start: int, session: TargetSession):
     """The features the caller asked for (a head drafting here reads them too, and sends none)."""
