@@ -15,7 +15,7 @@ def broken_rejection_accept(probs, draft, proposals, seed, start, parents=None):
 
     parents = list(range(-1, len(draft) - 1)) if parents is None else parents
     path, row = [], 0
-    while True:
+    for _ in range(len(draft) + 1):  # a node accepted each time but the last
         position = start + len(path)
         kids = [i for i, parent in enumerate(parents) if parent + 1 == row]
         for j, child in enumerate(kids):
@@ -28,6 +28,7 @@ def broken_rejection_accept(probs, draft, proposals, seed, start, parents=None):
                 break
         else:
             return path, sample(probs[row], seed, position, RESAMPLE), "recovered" if kids else "bonus"
+    raise AssertionError("a path longer than the draft")
 
 
 def broken_coupled_accept(probs, draft, seed, start, parents=None):
@@ -37,13 +38,14 @@ def broken_coupled_accept(probs, draft, seed, start, parents=None):
 
     parents = list(range(-1, len(draft) - 1)) if parents is None else parents
     path, row = [], 0
-    while True:
+    for _ in range(len(draft) + 1):
         nxt = next((i for i, parent in enumerate(parents) if parent + 1 == row and float(probs[row][draft[i]]) > 0),
                    None)
         if nxt is None:
             return path, coupled_choice(probs[row], seed, start + len(path))
         path.append(nxt)
         row = nxt + 1
+    raise AssertionError("a path longer than the draft")
 
 
 if __name__ == "__main__":

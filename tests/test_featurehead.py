@@ -355,11 +355,12 @@ def test_the_verifiers_head_grows_a_tree_and_verifies_the_part_that_pays(kernel_
     def paths(ps, ts):
         out = set()
         for i in range(len(ts)):
-            path, j = [], i
-            while j >= 0:
-                path.append(ts[j])
-                j = ps[j]
-            out.add(tuple(reversed(path)))
+            path = [i]
+            for _ in range(len(ts)):  # up to the root (parents come first: at most len(ts) steps)
+                if ps[path[-1]] < 0:
+                    break
+                path.append(ps[path[-1]])
+            out.add(tuple(ts[j] for j in reversed(path)))
         return out
 
     drafts = {}

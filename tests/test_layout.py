@@ -47,50 +47,20 @@ def graph(found: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in found.items():
         targets = set()
         for target in imported(path):
-            while target and target not in found:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                targets.add(target)
+            parts = target.split(".")
+            known = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in found), "")
+            if known and known != name:
+                targets.add(known)
         edges[name] = targets
     return edges
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan, iterative)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-    for root in edges:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(edges[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(edges[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+    """The strongly connected components of more than one module (networkx's)."""
+    import networkx
+
+    g = networkx.DiGraph([(a, b) for a, targets in edges.items() for b in targets])
+    return sorted(sorted(c) for c in networkx.strongly_connected_components(g) if len(c) > 1)
 
 
 def test_no_python_module_over_400_lines():

@@ -16,7 +16,7 @@ def echo():
     server = socket.create_server(("127.0.0.1", 0))
 
     def serve():
-        while True:
+        for _ in range(64):  # connections: no test opens more
             try:
                 conn, _ = server.accept()
             except OSError:
@@ -34,7 +34,9 @@ def _round_trip(sock: socket.socket, payload: bytes) -> tuple[float, bytes]:
     sock.sendall(payload)
     sock.settimeout(30)  # a lost byte fails here, named, instead of waiting on the per-test timeout
     got = b""
-    while len(got) < len(payload):
+    for _ in payload:  # each read brings at least a byte
+        if len(got) == len(payload):
+            break
         chunk = sock.recv(65536)
         assert chunk, f"the proxy closed the connection after {len(got)} of {len(payload)} bytes"
         got += chunk

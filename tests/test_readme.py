@@ -3,6 +3,7 @@ shell blocks (and in the docs' usage and deploy pages) is one the CLI accepts as
 flag; paths it names exist; its Python block compiles. Commands that need no network or second host
 also run (`models`)."""
 
+import itertools
 import re
 import shlex
 from pathlib import Path
@@ -30,8 +31,7 @@ def commands(page: str) -> list[list[str]]:
             except ValueError:  # a quoted string goes on to the next line
                 continue
             pending = ""
-            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
-                argv = argv[1:]
+            argv = list(itertools.dropwhile(lambda word: re.fullmatch(r"[A-Z_]+=\S*", word), argv))  # env settings
             if argv:
                 found.append(argv)
         assert not pending, f"{page}: an unclosed quotation in {pending!r}"

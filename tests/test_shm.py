@@ -251,8 +251,9 @@ def full_shm_dir(monkeypatch):
     try:
         fd = os.open(d / "ballast", os.O_WRONLY | os.O_CREAT)
         try:
-            while os.write(fd, b"\0" * 4096):
-                pass
+            for _ in range(257):  # 1 MiB in pages, and one more: it cannot all fit
+                os.write(fd, b"\0" * 4096)
+            raise AssertionError("1 MiB and a page written to a 1 MiB tmpfs")
         except OSError:  # ENOSPC: full
             pass
         finally:

@@ -1,3 +1,5 @@
+import itertools
+
 from gateway.textstream import TextAssembler
 from specsplit.api.gateway.v1 import gateway_pb2 as pb
 
@@ -62,11 +64,8 @@ def test_text_is_the_full_decode_however_tokens_are_grouped():
     for _ in range(30):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
         ids = [i for i in ids if i not in specials] or [70]
-        pieces, start = [], 0
-        while start < len(ids):
-            step = rng.randrange(1, 6)
-            pieces.append(ids[start:start + step])
-            start += step
+        cuts = list(itertools.accumulate(rng.randrange(1, 6) for _ in ids))  # pieces of 1-5 tokens
+        pieces = [p for p in (ids[a:b] for a, b in zip([0, *cuts], cuts)) if p]
         asm = TextAssembler(tok, frozenset())
         deltas = [asm.add(p, pb.FINISH_REASON_LENGTH if i == len(pieces) - 1 else 0) for i, p in enumerate(pieces)]
         assert "".join(d.text for d in deltas) == tok.decode(ids, skip_special_tokens=True)

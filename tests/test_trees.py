@@ -24,11 +24,12 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]
 
 
 def _path(row: int) -> list[int]:
-    path = []
-    while row >= 0:
-        path.append(row)
-        row = PARENTS[row]
-    return path[::-1]
+    path = [row]
+    for _ in PARENTS:  # up to the root: parents come first
+        if PARENTS[path[-1]] < 0:
+            return path[::-1]
+        path.append(PARENTS[path[-1]])
+    raise AssertionError("PARENTS has a cycle")
 
 
 @pytest.mark.parametrize("model", ["target", "wide"])  # wide: head_dim 32, bf16 pair dot products on bf16
