@@ -308,11 +308,12 @@ def test_the_verifiers_head_is_priced_at_start_from_warm_rounds_after_forwards(m
     """VerifierHead.measure: before any request, rounds of one and gamma tokens after 1-row forwards
     of the target price the head (the cold first pass left out), and its session's cache is given
     back; a request's first round then drafts at that price."""
+    from conftest import native_model
+
     from specsplit.model.featurehead import FeatureHead, HeadConfig
     from specsplit.model.headserving import NativeHead
     from verify_service.engine import Target
     from verify_service.headdraft import DECAY, WARMUP_PASSES, VerifierHead
-    from conftest import native_model
 
     lm = native_model(models, "float32")
     torch.manual_seed(0)
