@@ -422,6 +422,15 @@ def native_model(models, dtype: str = "bfloat16", model: str = "target"):
     return lm
 
 
+def root_paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from the root, itself last (parents come before their children, as
+    tokentree.check requires; built like tokentree.depths)."""
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        paths.append([*(paths[parent] if parent >= 0 else []), i])
+    return paths
+
+
 def random_head(seed: int = 0, head_dim: int = 8):
     """A tiny feature head with random weights (not the identity start: every path must matter),
     reading a 50-token embedding, drafting over 16 of its tokens. The native kernels need

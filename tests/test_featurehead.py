@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import random_head
+from conftest import random_head, root_paths
 
 from specsplit.model.featurehead import FeatureHead, HeadCache, HeadConfig, head_step, unrolled_forward
 
@@ -354,15 +354,7 @@ def test_the_verifiers_head_grows_a_tree_and_verifies_the_part_that_pays(kernel_
     parents, made, scores = whole.draft_tree(3, 3, MIN_EXPAND)  # every node the kernels grow, uncut
 
     def paths(ps, ts):
-        out = set()
-        for i in range(len(ts)):
-            path = [i]
-            for _ in range(len(ts)):  # up to the root (parents come first: at most len(ts) steps)
-                if ps[path[-1]] < 0:
-                    break
-                path.append(ps[path[-1]])
-            out.add(tuple(ts[j] for j in reversed(path)))
-        return out
+        return {tuple(ts[j] for j in path) for path in root_paths(ps)}
 
     drafts = {}
     for name, curve in (("flat", [3.0] * 8), ("steep", [3.0 + 1.0 * r for r in range(8)])):

@@ -47,8 +47,8 @@ def graph(found: dict[str, Path]) -> dict[str, set[str]]:
     for name, path in found.items():
         targets = set()
         for target in imported(path):
-            parts = target.split(".")
-            known = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in found), "")
+            prefixes = (target.rsplit(".", n)[0] for n in range(target.count(".") + 1))  # longest first
+            known = next((prefix for prefix in prefixes if prefix in found), "")
             if known and known != name:
                 targets.add(known)
         edges[name] = targets

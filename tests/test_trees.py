@@ -5,7 +5,7 @@ trees through the real services is token-identical to generation without specula
 import grpc
 import pytest
 import torch
-from conftest import native_model, running_stack
+from conftest import native_model, root_paths, running_stack
 
 from draft_service.drafters.base import DraftSession
 from draft_service.drafters.ngram import NgramDrafter, add_continuations
@@ -23,13 +23,7 @@ ROWS = [11, 40, 7, 99, 3, 250, 17, 8]
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]
 
 
-def _path(row: int) -> list[int]:
-    path = [row]
-    for _ in PARENTS:  # up to the root: parents come first
-        if PARENTS[path[-1]] < 0:
-            return path[::-1]
-        path.append(PARENTS[path[-1]])
-    raise AssertionError("PARENTS has a cycle")
+PATHS = root_paths(PARENTS)
 
 
 @pytest.mark.parametrize("model", ["target", "wide"])  # wide: head_dim 32, bf16 pair dot products on bf16
@@ -47,9 +41,9 @@ def test_each_tree_node_gets_the_logits_of_its_path_decoded_alone(models, dtype,
         alone = KVSequence(lm)
         alone.forward(prompt)
         last = None
-        for r in _path(row):
+        for r in PATHS[row]:
             last = alone.forward([ROWS[r]])[0]
-        assert torch.equal(logits[row], last), f"row {row} (path {_path(row)})"
+        assert torch.equal(logits[row], last), f"row {row} (path {PATHS[row]})"
 
 
 def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models, kernel_path):
@@ -57,10 +51,10 @@ def test_keeping_one_path_leaves_the_cache_of_that_path_alone(models, kernel_pat
     seq = KVSequence(lm)
     seq.forward(PROMPT)
     seq.forward(ROWS, parents=PARENTS)
-    seq.keep(len(PROMPT), _path(7))
-    assert seq.length == len(PROMPT) + len(_path(7))
+    seq.keep(len(PROMPT), PATHS[7])
+    assert seq.length == len(PROMPT) + len(PATHS[7])
     reference = KVSequence(lm)
-    reference.forward(PROMPT + [ROWS[r] for r in _path(7)])
+    reference.forward(PROMPT + [ROWS[r] for r in PATHS[7]])
     assert torch.equal(seq.forward([5, 6]), reference.forward([5, 6]))
     with pytest.raises(ValueError, match="ascending"):
         seq.keep(len(PROMPT), [2, 1])
