@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 import torch
@@ -274,7 +275,13 @@ def test_a_head_continues_from_an_exported_one(data, models, self_head, tmp_path
     # The exported head's own vocabulary (128), not the settings' (64), and its trained weights.
     assert torch.equal(runs["continued"]["head"].vocab_ids, shipped["vocab_ids"])
     assert runs["continued"]["losses"][0] < runs["fresh"]["losses"][0]
-    assert runs["continued"]["init_head"]["head"] == self_head.name and "init_head" not in runs["fresh"]
+    assert runs["continued"]["origin"]["head"] == self_head.name and runs["fresh"]["origin"] is None
+    # Resumed from its checkpoint with the same command, the run goes on where it stopped, in the
+    # exported head's shape (its vocabulary, not the settings'), and still says what it started from.
+    resumed = train(lm, embed, head, examples, tmp_path / "continued", replace(settings, max_steps=7),
+                    log=lambda *_: None, init=self_head)
+    assert len(resumed["losses"]) == 2 and resumed["metrics"]["steps"] == 7
+    assert resumed["origin"] == runs["continued"]["origin"]
 
 
 def test_continuous_batching_decodes_each_prompt_as_alone(models):

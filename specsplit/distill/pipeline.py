@@ -115,8 +115,8 @@ def _train_stage(s: DistillSettings, lm, embed, lm_head, examples: list[dict], d
         curve.append({"data_fraction": fraction, **result["metrics"]})
     if s.kind == "model":
         _note(work, "layers", result["layers"])
-    if s.init_head and "init_head" in result:
-        _note(work, "init_head", result["init_head"])
+    if s.kind == "self":  # what the run started from, as its checkpoint says (a resumed run too)
+        _note(work, "init_head", result["origin"])
     _note(work, "metrics", result["metrics"])
     _note(work, "train_settings", asdict(replace(settings, data_fraction=max(dirs))))
     if len(curve) > 1:  # about the data, not one head: kept beside the data
@@ -244,7 +244,7 @@ def _card(work: Path, lm, s: DistillSettings) -> dict:
                        "target_prompts": s.target_prompts, "weights": lm.native.kernel if lm.native else "transformers",
                        "train": notes.get("train_settings", {}), **({"target_layers": notes["layers"]}
                                                                         if "layers" in notes else {}),
-                       **({"init_head": notes["init_head"]} if "init_head" in notes else {}),
+                       **({"init_head": notes["init_head"]} if notes.get("init_head") else {}),
                        "generate_minutes": _notes(work.parent).get("generate_minutes")},
             "metrics": {**notes.get("metrics", {}), **({"data_curve": _notes(work.parent)["data_curve"]}
                                                         if "data_curve" in _notes(work.parent) else {})}}

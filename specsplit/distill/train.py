@@ -235,9 +235,11 @@ class HeadStudent:
         return loss, accs, int(mask.sum())
 
 
-def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, log=print) -> dict:
+def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, log=print,
+        origin: dict | None = None) -> dict:
     """The training loop shared by the students: AdamW, cosine schedule over the budget, a
-    checkpoint every settings.checkpoint_every_s, resume from out_dir/checkpoint.pt."""
+    checkpoint every settings.checkpoint_every_s, resume from out_dir/checkpoint.pt. origin: what a
+    fresh run started from (kept in the checkpoint, so a resumed run still says it; returned)."""
     torch.manual_seed(settings.seed)
     train_set, held = split(examples, settings)
     module = student.module
@@ -247,6 +249,7 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
     if state is not None:
         module.load_state_dict(state["weights"])
         elapsed, step, epoch = state["elapsed"], state["step"], state["epoch"]
+        origin = state.get("origin", origin)  # (a checkpoint from before origins were kept: as given)
         log(f"resuming at step {step}, {elapsed / 60:.1f} min trained")
     student.ready()
     params = [p for p in module.parameters() if p.requires_grad]
@@ -260,7 +263,7 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
 
     def save() -> None:
         save_whole({"weights": module.state_dict(), "optimizer": opt.state_dict(), "elapsed": elapsed,
-                    "step": step, "epoch": epoch}, ckpt_path)
+                    "step": step, "epoch": epoch, "origin": origin}, ckpt_path)
 
     def done() -> bool:
         return elapsed >= settings.budget_s or 0 < settings.max_steps <= step
@@ -294,7 +297,7 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
                "steps": step, "epochs": epoch, "train_minutes": round(elapsed / 60, 1),
                "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
     log(json.dumps(metrics))
-    return {"module": module, "metrics": metrics, "losses": losses}
+    return {"module": module, "metrics": metrics, "losses": losses, "origin": origin}
 
 
 def _step(student, opt, params: list, batch: list[dict], settings: TrainSettings, step: int,
@@ -358,15 +361,15 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dic
     if not examples:
         raise RuntimeError("no generated data: run the generate stage first")
     fresh = not (out_dir / "checkpoint.pt").exists()
-    if fresh and init is not None:
+    if init is not None:  # its shape (a resumed run's weights then come from the checkpoint)
         card = json.loads((Path(init) / "head.json").read_text())
         student = load_head(target, embed, lm_head, Path(init), settings)
-        log(f"starting from head {init} ({card.get('metrics', {}).get('steps', '?')} steps)")
-        result = fit(student, examples, out_dir, student.settings, log)
-        return {"head": result["module"], **result,
-                "init_head": {"head": Path(init).name, "held_out_caveat": INIT_CAVEAT,
-                              **{k: card.get("metrics", {}).get(k) for k in
-                                 ("steps", "train_sequences", "held_out_step_accuracy")}}}
+        if fresh:
+            log(f"starting from head {init} ({card.get('metrics', {}).get('steps', '?')} steps)")
+        origin = {"head": Path(init).name, "held_out_caveat": INIT_CAVEAT,
+                  **{k: card.get("metrics", {}).get(k) for k in ("steps", "train_sequences", "held_out_step_accuracy")}}
+        result = fit(student, examples, out_dir, student.settings, log, origin)
+        return {"head": result["module"], **result}
     seen = split(examples, settings)[0]  # the vocabulary comes from the training sequences only
     vocab = build_vocab(seen, settings.draft_vocab, target.eos_token_ids, target.vocab_size) if fresh else None
     result = fit(HeadStudent(target, embed, lm_head, vocab, settings), examples, out_dir, settings, log)
