@@ -291,13 +291,19 @@ def fit(student, examples: list[dict], out_dir: Path, settings: TrainSettings, l
             rng = random.Random(settings.seed + epoch)
     bar.close()
     save()
-    step_acc, by_type = evaluate(student, held, settings)
-    metrics = {"held_out_step_accuracy": [round(a, 4) for a in step_acc], "held_out_by_task_type": by_type,
-               "estimated_acceptance_length_gamma4": round(expected_acceptance(step_acc), 3),
-               "steps": step, "epochs": epoch, "train_minutes": round(elapsed / 60, 1),
-               "train_sequences": len(train_set), "continuation_tokens": tokens_per_epoch}
+    metrics = {**held_out_metrics(student, held, settings), "steps": step, "epochs": epoch,
+               "train_minutes": round(elapsed / 60, 1), "train_sequences": len(train_set),
+               "continuation_tokens": tokens_per_epoch}
     log(json.dumps(metrics))
     return {"module": module, "metrics": metrics, "losses": losses, "origin": origin}
+
+
+def held_out_metrics(student, held: list[dict], settings: TrainSettings) -> dict:
+    """The card's held-out figures: accuracy per drafting step, overall and per task type, and the
+    acceptance length they imply."""
+    step_acc, by_type = evaluate(student, held, settings)
+    return {"held_out_step_accuracy": [round(a, 4) for a in step_acc], "held_out_by_task_type": by_type,
+            "estimated_acceptance_length_gamma4": round(expected_acceptance(step_acc), 3)}
 
 
 def _step(student, opt, params: list, batch: list[dict], settings: TrainSettings, step: int,
