@@ -350,15 +350,15 @@ def test_the_eval_stage_compares_heads_per_task_type_on_the_held_out_split(self_
     held = split(load_examples(work / "data", lm, log=lambda *_: None), TrainSettings(budget_s=1))[1]
     for r in rows:
         assert r["sequences"] == len(held) > 0
-        assert sum(k["sequences"] for k in r["by_task_type"].values()) == len(held)
-        assert set(r["by_task_type"]) == {ex["task_type"] for ex in held}
+        assert sum(k["sequences"] for k in r["held_out_by_task_type"].values()) == len(held)
+        assert set(r["held_out_by_task_type"]) == {ex["task_type"] for ex in held}
     # Each row is its head's own accuracy on exactly those prompts (the zeroed copy is its own head).
     embed, lm_head = target_tensors(models["target"], tied=False)
     for r, head in zip(rows, (self_head, broken)):
         student = load_head(lm, embed, lm_head, head, TrainSettings(budget_s=1))
         student.ready()
         overall, by_type = evaluate(student, held, student.settings)
-        assert r["step_accuracy"] == [round(a, 4) for a in overall] and r["by_task_type"] == by_type
+        assert r["held_out_step_accuracy"] == [round(a, 4) for a in overall] and r["held_out_by_task_type"] == by_type
         # The overall figure is every position's, whichever type it belongs to.
         kinds = {ex["task_type"] for ex in held}
         alone = [evaluate(student, [ex for ex in held if ex["task_type"] == k], student.settings)[0] for k in kinds]

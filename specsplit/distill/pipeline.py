@@ -164,7 +164,7 @@ def prompt_list(data_dir: Path, given: list[dict], lm, s: DistillSettings, log=p
 
 def eval_table(rows: list[dict]) -> str:
     """Heads side by side: accuracy per drafting step on the held-out split, overall and per task type."""
-    kinds = sorted({k for r in rows for k in r["by_task_type"]})
+    kinds = sorted({k for r in rows for k in r["held_out_by_task_type"]})
     lines = [f"held-out accuracy per drafting step (1/2/3), {rows[0]['sequences'] if rows else 0} sequences:",
              f"{'head':<44}{'all':>17}" + "".join(f"{k:>17}" for k in kinds)]
 
@@ -172,11 +172,11 @@ def eval_table(rows: list[dict]) -> str:
         return "/".join(f"{a:.2f}" for a in acc[:3])
 
     for r in rows:
-        by = r["by_task_type"]
-        lines.append(f"{r['head'][-44:]:<44}{cell(r['step_accuracy']):>17}"
+        by = r["held_out_by_task_type"]
+        lines.append(f"{r['head'][-44:]:<44}{cell(r['held_out_step_accuracy']):>17}"
                      + "".join(f"{cell(by[k]['step_accuracy']) if k in by else '-':>17}" for k in kinds))
-    lines.append("sequences per type: " + ", ".join(f"{k} {rows[0]['by_task_type'][k]['sequences']}"
-                                                    for k in kinds if rows and k in rows[0]["by_task_type"]))
+    lines.append("sequences per type: " + ", ".join(f"{k} {rows[0]['held_out_by_task_type'][k]['sequences']}"
+                                                    for k in kinds if rows and k in rows[0]["held_out_by_task_type"]))
     return "\n".join(lines)
 
 

@@ -340,17 +340,14 @@ def load_head(target, embed: torch.Tensor, lm_head: torch.Tensor, head_dir: Path
 
 def compare(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dict], heads: list[Path],
             settings: TrainSettings) -> list[dict]:
-    """Each head's accuracy per drafting step on the held-out split of `examples`, overall and per task
-    type: heads trained on this data (or on less of it, with the same split) never saw these prompts."""
+    """Each head's held_out_metrics (the card's keys) on the held-out split of `examples`: heads trained
+    on this data (or on less of it, with the same split) never saw these prompts."""
     held = split(examples, settings)[1]
     rows = []
     for head in heads:
         student = load_head(target, embed, lm_head, head, settings)
         student.ready()
-        acc, by_type = evaluate(student, held, student.settings)
-        rows.append({"head": str(head), "sequences": len(held), "step_accuracy": [round(a, 4) for a in acc],
-                     "estimated_acceptance_length_gamma4": round(expected_acceptance(acc), 3),
-                     "by_task_type": by_type})
+        rows.append({"head": str(head), "sequences": len(held), **held_out_metrics(student, held, student.settings)})
     return rows
 
 
