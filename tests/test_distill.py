@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -261,27 +262,75 @@ def test_more_prompt_seeds_append_new_prompts_after_the_old_ones():
 
 
 def test_a_head_continues_from_an_exported_one(data, models, self_head, tmp_path):
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     lm, work = data
     embed, head = target_tensors(models["target"], tied=False)
     examples = load_examples(work / "data", lm, log=lambda *_: None)
     settings = TrainSettings(budget_s=600, max_steps=5, draft_vocab=64, batch_tokens=256, lr=3e-3)
+    # The exported head with its vocabulary ranked backwards, as if ranked on other (first, smaller) data.
+    stale = tmp_path / "stale"
+    shutil.copytree(self_head, stale)
+    weights = load_file(str(stale / "head.safetensors"))
+    save_file({**weights, "vocab_ids": weights["vocab_ids"].flip(0).contiguous()}, str(stale / "head.safetensors"))
     runs = {}
-    for name, init in (("continued", self_head), ("fresh", None)):
+    for name, init in (("continued", stale), ("fresh", None)):
         (tmp_path / name).mkdir()
         runs[name] = train(lm, embed, head, examples, tmp_path / name, settings, log=lambda *_: None, init=init)
-    shipped = load_file(str(self_head / "head.safetensors"))
-    # The exported head's own vocabulary (128), not the settings' (64), and its trained weights.
-    assert torch.equal(runs["continued"]["head"].vocab_ids, shipped["vocab_ids"])
+    # The exported head's vocabulary size (128), not the settings' (64), ranked on this run's training
+    # sequences (its output rows are the target's: nothing of the old ranking is worth keeping); its
+    # trained weights.
+    ranked = build_vocab(split(examples, settings)[0], 128, lm.eos_token_ids, lm.vocab_size)
+    assert torch.equal(runs["continued"]["head"].vocab_ids, ranked)
+    assert not torch.equal(ranked, weights["vocab_ids"].flip(0))
     assert runs["continued"]["losses"][0] < runs["fresh"]["losses"][0]
-    assert runs["continued"]["origin"]["head"] == self_head.name and runs["fresh"]["origin"] is None
+    assert runs["continued"]["origin"]["head"] == stale.name and runs["fresh"]["origin"] is None
     # Resumed from its checkpoint with the same command, the run goes on where it stopped, in the
-    # exported head's shape (its vocabulary, not the settings'), and still says what it started from.
+    # exported head's shape and the vocabulary it trained on, and still says what it started from.
     resumed = train(lm, embed, head, examples, tmp_path / "continued", replace(settings, max_steps=7),
-                    log=lambda *_: None, init=self_head)
+                    log=lambda *_: None, init=stale)
     assert len(resumed["losses"]) == 2 and resumed["metrics"]["steps"] == 7
     assert resumed["origin"] == runs["continued"]["origin"]
+    assert torch.equal(resumed["head"].vocab_ids, ranked)
+
+
+def test_held_out_accuracy_is_the_targets_pick_over_its_whole_vocabulary(data, models, self_head):
+    """A hit is the head's pick equal to the target's greedy token over all of its vocabulary (what the
+    verifier accepts): where the target picks a token outside the draft vocabulary, the head misses,
+    however it ranks the tokens it has."""
+    from specsplit.model.featurehead import unrolled_forward
+
+    lm, work = data
+    embed, lm_head = target_tensors(models["target"], tied=False)
+    held = split(load_examples(work / "data", lm, log=lambda *_: None), TrainSettings(budget_s=1))[1]
+    student = load_head(lm, embed, lm_head, self_head, TrainSettings(budget_s=1))
+
+    def by_hand() -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 1's picks and the target's, position by position, sequence by sequence."""
+        head, picks, truths = student.module, [], []
+        with torch.no_grad():
+            for ex in held:
+                f = ex["features"].float()
+                positions = torch.arange(max(ex["prompt_len"] - 2, 0), len(f) - 1)  # row i: f_{i+1}'s token
+                out = unrolled_forward(head, f[None], ex["ids"][1:len(f) + 1].long()[None], 1)[0][0]
+                picks.append(head.vocab_ids[head.logits(out[positions]).argmax(-1)])
+                truths.append((f[positions + 1] @ lm_head.float().T).argmax(-1))
+        return torch.cat(picks), torch.cat(truths)
+
+    student.ready()
+    pick, truth = by_hand()
+    assert evaluate(student, held, student.settings)[0][0] == pytest.approx(float((pick == truth).float().mean()),
+                                                                            abs=1.5 / len(truth))
+    # The target's most frequent pick taken out of the draft vocabulary: every position where the
+    # target picks it is a miss (the draft vocabulary's own best there is no hit).
+    common = int(truth.mode().values)
+    kept = [t for t in student.module.vocab_ids.tolist() if t != common]
+    student.vocab = torch.tensor(kept + [t for t in range(lm.vocab_size) if t not in kept and t != common][:1])
+    student.ready()
+    pick, truth = by_hand()
+    assert (truth == common).any() and not ((pick == truth) & (truth == common)).any()
+    assert evaluate(student, held, student.settings)[0][0] == pytest.approx(float((pick == truth).float().mean()),
+                                                                            abs=1.5 / len(truth))
 
 
 def test_continuous_batching_decodes_each_prompt_as_alone(models):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specsplit.distill.train import TrainSettings, build_vocab, fit, split
+from specsplit.distill.train import TrainSettings, build_vocab, fit, split, target_choice
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -50,7 +50,8 @@ class ModelStudent:
         self.keep = keep
         self.vocab = vocab
         self.settings = settings
-        self._rows = target.model.get_output_embeddings().weight.detach().float()[vocab]  # teacher rows
+        self._full = target.model.get_output_embeddings().weight.detach().float()  # the target's choice
+        self._rows = self._full[vocab]  # teacher rows
 
     def ready(self) -> None:
         self.module.train()
@@ -67,7 +68,9 @@ class ModelStudent:
             mask[row, max(ex["prompt_len"] - 1, 0):n] = True  # positions predicting continuation tokens
         return ids, feats, mask
 
-    def losses(self, batch: list[dict]):
+    def losses(self, batch: list[dict], exact: bool = False):
+        """(loss, [accuracy], positions scored); exact: accuracy against the target's pick over its
+        whole vocabulary, else over the draft vocabulary."""
         ids, feats, mask = self._collate(batch)
         base = getattr(self.module, self.module.base_model_prefix)
         hidden = base(input_ids=ids).last_hidden_state[mask]  # right padding: causal attention ignores it
@@ -75,8 +78,9 @@ class ModelStudent:
         logp = F.log_softmax((hidden @ rows.T).float(), dim=-1)
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             teacher_logp = F.log_softmax(feats[mask] @ self._rows.T, dim=-1)
+            top = target_choice(feats[mask], self._full) if exact else self.vocab[teacher_logp.argmax(-1)]
         kl = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1).mean()
-        acc = float((logp.argmax(-1) == teacher_logp.argmax(-1)).float().mean())
+        acc = float((self.vocab[logp.argmax(-1)] == top).float().mean())
         return kl, [acc], int(mask.sum())
 
 
