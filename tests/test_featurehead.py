@@ -113,6 +113,29 @@ def test_native_serving_computes_what_torch_serving_computes(dtype, tol, quantiz
     assert caches[0].length == caches[1].length == 9
 
 
+@pytest.mark.parametrize("quantize", ["q8_0", "q4_0"])
+def test_a_quantized_heads_best_logits_are_computed_from_its_float_rows(quantize, kernel_path):
+    """Served in blocks, a head's output rows round its logits and move its picks; each row's 8 best
+    logits are computed again from bfloat16 rows, so those are the float head's own, and the rest
+    stay what the blocks give."""
+    from specsplit.model.headserving import NativeHead
+
+    _skip_unless_runs(torch.float32, quantize)
+    head = random_head(0, head_dim=16)
+    runner = NativeHead(head, 64, torch.float32, quantize)
+    feats, tokens = torch.randn(6, 32), torch.randint(0, 50, (6,)).tolist()
+    hidden, refined = runner.step(runner.new_cache(), feats, tokens)
+    runner.decoder.set_exact_head(torch.empty(0))  # none: the blocks' logits as they are
+    _, blocks = runner.step(runner.new_cache(), feats, tokens)
+    exact = hidden[-1].float() @ head.vocab_weight.to(torch.bfloat16).float().T
+    best = blocks.topk(8).indices
+    rest = torch.ones(16, dtype=torch.bool)
+    rest[best] = False
+    assert torch.allclose(refined[best], exact[best], rtol=1e-5, atol=1e-5)
+    assert torch.equal(refined[rest], blocks[rest])
+    assert not torch.allclose(blocks[best], exact[best], rtol=1e-5, atol=1e-5)  # the blocks did round them
+
+
 @pytest.mark.parametrize("dtype,tol,quantize", QUANT_CASES)
 def test_a_tree_grown_over_several_head_steps_equals_feeding_each_path_alone(dtype, tol, quantize, kernel_path):
     """NativeHead.tree_step: rows whose parents are slots of earlier calls (a draft tree grown

@@ -50,6 +50,8 @@ class NativeHead:
                                dense(interleave(head.gate_proj.weight, head.up_proj.weight).to(dtype)),
                                dense(head.down_proj.weight.to(dtype)),
                                head.input_norm.weight.float(), head.post_norm.weight.float())
+        if quantize:  # the few best logits of each row again from bf16 rows: block rounding moves picks
+            self.decoder.set_exact_head(head.vocab_weight.to(torch.bfloat16))
         # fc in the kernels too: draft() runs a whole round (fc, the layer, the output rows and the
         # choices of every step) in one call
         self.drafting = native.module().DraftHead(self.decoder, dense(head.fc.weight.to(dtype)), head.embed,
