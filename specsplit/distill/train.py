@@ -64,7 +64,9 @@ def load_examples(data_dir: Path, target=None, log=print) -> list[dict]:
     for path in paths:
         shard = torch.load(path, weights_only=True)
         cached = features_path(path)
-        feats = torch.load(cached, weights_only=True) if cached.is_file() else None
+        # mapped: file-backed pages the kernel may drop and read again, not anonymous memory (two runs
+        # on the default target's 4.58M tokens, 11 GiB each, were killed for memory on a 24 GiB machine)
+        feats = torch.load(cached, weights_only=True, mmap=True) if cached.is_file() else None
         if feats is None or [len(f) for f in feats] != [len(ex["ids"]) - 1 for ex in shard]:
             if target is None:
                 raise ValueError(f"{path} has no features cached and no target was given to compute them")
@@ -378,9 +380,7 @@ def train(target, embed: torch.Tensor, lm_head: torch.Tensor, examples: list[dic
     and its metrics. init: a fresh run starts from this exported head (its weights and draft
     vocabulary size) instead of the target's last layer, to continue it on more data. A fresh run ranks
     its draft vocabulary on its own training sequences: a continued head's output rows are the target's,
-    so the ones its first, smaller data ranked carry nothing to keep (measured on the default target:
-    the 4,096 most frequent tokens of the first 223k tokens held the target's pick at 0.848 of held-out
-    positions, those of 4.4M at 0.910)."""
+    so the ones its first, smaller data ranked carry nothing to keep (docs/drafters.md, train)."""
     if not examples:
         raise RuntimeError("no generated data: run the generate stage first")
     fresh = not (out_dir / "checkpoint.pt").exists()

@@ -1,5 +1,5 @@
 // Part of decoder.cpp (included once, inside its anonymous namespace, after the instruction set's
-// part): a draft head's choices from its logits.
+// part): a draft head's choices from its logits, and its best logits made exact (refine_team).
 #pragma once
 
 // The k best of row[0, n) (k <= 16; the first of equals first), best first, with their softmax
@@ -57,5 +57,55 @@ void argmax_team(const float* y, int64_t rows, int64_t n, std::vector<float>& pa
       if (i >= 0 && (at < 0 || (!std::isnan(best) && (v > best || std::isnan(v))))) best = v, at = i;
     }
     out[r] = at;
+  }
+}
+
+// Each of `rows` logit rows y [rows, exact rows]: its kRefine largest entries recomputed from the
+// input rows x [rows, width] and `exact` ([n, width], bf16 or fp32: Decoder::set_exact_head), a row
+// on one thread in one order (the same answer however rows are batched or shared out).
+constexpr int kRefine = 8;
+void refine_team(const torch::Tensor& exact, const float* x, int64_t rows, int64_t width, float* y) {
+  const int64_t n = exact.size(0);
+  const bool bf16 = exact.scalar_type() == torch::kBFloat16;
+  const void* w = exact.data_ptr();
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * n;
+    int64_t idx[kRefine];
+    float val[kRefine];
+    int k = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += kLanes) {  // the kRefine largest, kept sorted (NaN never enters)
+      const int64_t c1 = std::min(n, c0 + kLanes);
+      const float floor = k < kRefine ? -INFINITY : val[k - 1];
+      int above = 0;  // any of the panel above the floor (an int OR: vectorized, unlike a float max)
+      for (int64_t c = c0; c < c1; ++c) above |= yr[c] > floor;
+      if (!above && k == kRefine) continue;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = yr[c];
+        if (!(k < kRefine || v > val[k - 1])) continue;
+        int j = k < kRefine ? k++ : kRefine - 1;
+        for (; j > 0 && val[j - 1] < v; --j) val[j] = val[j - 1], idx[j] = idx[j - 1];
+        val[j] = v, idx[j] = c;
+      }
+    }
+    const float* xr = x + r * width;
+    for (int j = 0; j < k; ++j) {
+      float lane[kLanes] = {};  // kLanes running sums (vectorized), then added in one fixed order
+      int64_t i = 0;
+      if (bf16) {
+        const uint16_t* wr = static_cast<const uint16_t*>(w) + idx[j] * width;
+        for (; i + kLanes <= width; i += kLanes)
+          for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * bf16_to_f32(wr[i + l]);
+        for (; i < width; ++i) lane[0] += xr[i] * bf16_to_f32(wr[i]);
+      } else {
+        const float* wr = static_cast<const float*>(w) + idx[j] * width;
+        for (; i + kLanes <= width; i += kLanes)
+          for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * wr[i + l];
+        for (; i < width; ++i) lane[0] += xr[i] * wr[i];
+      }
+      float dot = 0.0f;
+      for (int l = 0; l < kLanes; ++l) dot += lane[l];
+      yr[idx[j]] = dot;
+    }
   }
 }

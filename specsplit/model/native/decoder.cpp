@@ -318,61 +318,12 @@ class Decoder {
       }
       if (head) {
         gemm_team(head_, s.in, rows, out);
-        if (exact_.defined()) refine_team(picked.data(), rows, out);
+        if (exact_.defined()) refine_team(exact_, picked.data(), rows, width, out);
         argmax_team(out, rows, head_.n, part_v, part_i, choices.data_ptr<int64_t>());
       }
     }
     auto hidden = torch::from_blob(s.a.data(), {n, width}, torch::kFloat32).to(embed_.scalar_type(), false, true);
     return {logits, hidden, choices};
-  }
-
-  // Each head row's kRefine largest logits recomputed from exact_ (a row on one thread, in one
-  // order: the same answer however rows are batched or shared out).
-  static constexpr int kRefine = 8;
-  void refine_team(const float* x, int64_t rows, float* y) const {
-    const int64_t n = head_.n, width = hidden_;
-    const bool bf16 = exact_.scalar_type() == torch::kBFloat16;
-    const void* w = exact_.data_ptr();
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      float* yr = y + r * n;
-      int64_t idx[kRefine];
-      float val[kRefine];
-      int k = 0;
-      for (int64_t c0 = 0; c0 < n; c0 += kLanes) {  // the kRefine largest, kept sorted (NaN never enters)
-        const int64_t c1 = std::min(n, c0 + kLanes);
-        const float floor = k < kRefine ? -INFINITY : val[k - 1];
-        int above = 0;  // any of the panel above the floor (an int OR: vectorized, unlike a float max)
-        for (int64_t c = c0; c < c1; ++c) above |= yr[c] > floor;
-        if (!above && k == kRefine) continue;
-        for (int64_t c = c0; c < c1; ++c) {
-          const float v = yr[c];
-          if (!(k < kRefine || v > val[k - 1])) continue;
-          int j = k < kRefine ? k++ : kRefine - 1;
-          for (; j > 0 && val[j - 1] < v; --j) val[j] = val[j - 1], idx[j] = idx[j - 1];
-          val[j] = v, idx[j] = c;
-        }
-      }
-      const float* xr = x + r * width;
-      for (int j = 0; j < k; ++j) {
-        float lane[kLanes] = {};  // kLanes running sums (vectorized), then added in one fixed order
-        int64_t i = 0;
-        if (bf16) {
-          const uint16_t* wr = static_cast<const uint16_t*>(w) + idx[j] * width;
-          for (; i + kLanes <= width; i += kLanes)
-            for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * bf16_to_f32(wr[i + l]);
-          for (; i < width; ++i) lane[0] += xr[i] * bf16_to_f32(wr[i]);
-        } else {
-          const float* wr = static_cast<const float*>(w) + idx[j] * width;
-          for (; i + kLanes <= width; i += kLanes)
-            for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * wr[i + l];
-          for (; i < width; ++i) lane[0] += xr[i] * wr[i];
-        }
-        float dot = 0.0f;
-        for (int l = 0; l < kLanes; ++l) dot += lane[l];
-        yr[idx[j]] = dot;
-      }
-    }
   }
 
   // One layer, called by every thread of the team: GEMMs and attention shared out as they say,
