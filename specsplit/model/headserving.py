@@ -52,6 +52,7 @@ class NativeHead:
                                head.input_norm.weight.float(), head.post_norm.weight.float())
         if quantize:  # the few best logits of each row again from bf16 rows: block rounding moves picks
             self.decoder.set_exact_head(head.vocab_weight.to(torch.bfloat16))
+            self.packed_bytes += 2 * head.vocab_weight.numel()  # held, though a step reads 8 rows of them
         # fc in the kernels too: draft() runs a whole round (fc, the layer, the output rows and the
         # choices of every step) in one call
         self.drafting = native.module().DraftHead(self.decoder, dense(head.fc.weight.to(dtype)), head.embed,
