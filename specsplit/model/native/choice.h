@@ -61,13 +61,12 @@ void argmax_team(const float* y, int64_t rows, int64_t n, std::vector<float>& pa
 }
 
 // Each of `rows` logit rows y [rows, exact rows]: its kRefine largest entries recomputed from the
-// input rows x [rows, width] and `exact` ([n, width], bf16 or fp32: Decoder::set_exact_head), a row
+// input rows x [rows, width] and `exact` ([n, width] bf16: Decoder::set_exact_head), a row
 // on one thread in one order (the same answer however rows are batched or shared out).
 constexpr int kRefine = 8;
 void refine_team(const torch::Tensor& exact, const float* x, int64_t rows, int64_t width, float* y) {
   const int64_t n = exact.size(0);
-  const bool bf16 = exact.scalar_type() == torch::kBFloat16;
-  const void* w = exact.data_ptr();
+  const auto* w = static_cast<const uint16_t*>(exact.data_ptr());
 #pragma omp for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     float* yr = y + r * n;
@@ -92,17 +91,10 @@ void refine_team(const torch::Tensor& exact, const float* x, int64_t rows, int64
     for (int j = 0; j < k; ++j) {
       float lane[kLanes] = {};  // kLanes running sums (vectorized), then added in one fixed order
       int64_t i = 0;
-      if (bf16) {
-        const uint16_t* wr = static_cast<const uint16_t*>(w) + idx[j] * width;
-        for (; i + kLanes <= width; i += kLanes)
-          for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * bf16_to_f32(wr[i + l]);
-        for (; i < width; ++i) lane[0] += xr[i] * bf16_to_f32(wr[i]);
-      } else {
-        const float* wr = static_cast<const float*>(w) + idx[j] * width;
-        for (; i + kLanes <= width; i += kLanes)
-          for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * wr[i + l];
-        for (; i < width; ++i) lane[0] += xr[i] * wr[i];
-      }
+      const uint16_t* wr = w + idx[j] * width;
+      for (; i + kLanes <= width; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) lane[l] += xr[i + l] * bf16_to_f32(wr[i + l]);
+      for (; i < width; ++i) lane[0] += xr[i] * bf16_to_f32(wr[i]);
       float dot = 0.0f;
       for (int l = 0; l < kLanes; ++l) dot += lane[l];
       yr[idx[j]] = dot;

@@ -186,7 +186,7 @@ class Decoder {
   }
 
   // A quantized output head's few best logits a row computed again from these rows ([head rows,
-  // hidden], bfloat16 or float32; empty: none): a draft head's picks as a float head would make them for a few
+  // hidden], bfloat16; empty: none): a draft head's picks as a float head would make them for a few
   // dot products a row (on the default target's head, q4_0 rows moved the step-1 pick off the
   // target's token at 0.011 of held-out positions more than q8_0 rows did).
   void set_exact_head(torch::Tensor rows) {
@@ -196,8 +196,7 @@ class Decoder {
     }
     TORCH_CHECK(rows.dim() == 2 && rows.size(0) == head_.n && rows.size(1) == hidden_,
                 "exact head rows must be [head rows, hidden]");
-    TORCH_CHECK(rows.scalar_type() == torch::kBFloat16 || rows.scalar_type() == torch::kFloat32,
-                "exact head rows must be bfloat16 or float32");
+    TORCH_CHECK(rows.scalar_type() == torch::kBFloat16, "exact head rows must be bfloat16");
     exact_ = rows.contiguous();
   }
 
